@@ -1,0 +1,89 @@
+"""Command-line overrides checked before Hydra starts, so a mistake costs one clear line.
+
+Hydra's own errors are multi-line (and its type errors name internal nodes); here the same
+overrides are composed once with Hydra's compose API (the first value of each sweep) and
+validated, and any problem is printed as ``error: <what> <fix>`` with exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_PASSTHROUGH_FLAGS = {"-m", "--multirun"}
+
+
+def group_options(group: str) -> list[str]:
+    d = CONFIG_DIR / group
+    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def _first_of_sweeps(overrides: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.is_hydra_override():
+            continue
+        if o.is_sweep_override():
+            first = next(iter(o.sweep_string_iterator()))
+            out.append(f"{o.get_key_element()}={first}")
+        else:
+            out.append(o.input_line)
+    return out
+
+
+def explain(err: Exception, overrides: list[str]) -> str:
+    """One line for a Hydra/OmegaConf composition error."""
+    from hydra.errors import MissingConfigException
+
+    text = str(err)
+    if isinstance(err, MissingConfigException) or "Could not find" in text:
+        for ov in overrides:
+            key, _, val = ov.lstrip("+~").partition("=")
+            if "." not in key and (CONFIG_DIR / key).is_dir() and val not in group_options(key):
+                return f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(group_options(key))}"
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    msg = str(cause).strip().splitlines()
+    first = msg[0] if msg else type(cause).__name__
+    key = next((ln.split(":", 1)[1].strip() for ln in msg if ln.strip().startswith("full_key:")), None)
+    if "not in struct" in text or "is not in struct" in first or "Could not override" in text:
+        bad = next((ov.split("=")[0] for ov in overrides if ov.split("=")[0].lstrip("+~") in text), None)
+        top = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+        return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
+                f"`python train.py --cfg job` prints every key)")
+    return f"{key}: {first}" if key else first
+
+
+def check_overrides(argv: list[str]) -> None:
+    if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
+        return  # --help, --cfg, -cn ...: Hydra's own business
+    overrides = [a for a in argv if not a.startswith("-")]
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stabletrain.config import ConfigError, register, validate
+
+    register()
+    try:
+        ovs = _first_of_sweeps(overrides)
+    except Exception as e:
+        _fail(f"cannot parse the overrides: {str(e).splitlines()[0]}")
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=ovs)
+        validate(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+    except Exception as e:
+        _fail(explain(e, ovs))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,386 @@
+"""The typed schema of every config key (Hydra structured configs).
+
+``configs/train.yaml`` starts from ``train_schema`` (registered below), so every group's yaml
+merges onto a typed node: a misspelt key, a wrong type or a value outside an enum fails at
+composition. Range checks that a type cannot express (a negative lr, alpha outside [0, 0.5])
+live in :func:`validate`, which raises :class:`ConfigError` with one line naming the key and
+the fix. Option names follow SPEC.md; each decision there is a documented field here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message is one line naming the key and the fix."""
+
+
+# --- enums: allowed values of the choice-like keys -------------------------------------
+
+
+class Family(str, Enum):
+    vit = "vit"
+    swin = "swin"
+    gpt = "gpt"
+
+
+class NormName(str, Enum):
+    layernorm = "layernorm"
+    rmsnorm = "rmsnorm"
+    stablenorm = "stablenorm"
+    none = "none"
+
+
+class Placement(str, Enum):
+    pre = "pre"
+    post = "post"
+
+
+class EpsMode(str, Enum):
+    sqrt = "sqrt"  # x / sqrt(||x||^2 + eps), the StableNorm text (004 l.200)
+    add = "add"  # x / (||x|| + eps), the StableNorm demo (004 l.997-1005)
+
+
+class AttentionName(str, Enum):
+    softmax = "softmax"
+    qknorm = "qknorm"
+    stable = "stable"
+
+
+class ReparamName(str, Enum):
+    none = "none"
+    sigma = "sigma"  # every linear layer and the patch embedding
+    sigma_qk = "sigma_qk"  # query/key projections only
+
+
+class GammaInit(str, Enum):
+    one = "one"
+    svd = "svd"
+
+
+class QKVSplit(str, Enum):
+    joint = "joint"
+    qk_v = "qk_v"
+    q_k_v = "q_k_v"
+
+
+class InitName(str, Enum):
+    family = "family"
+    xavier = "xavier"
+    trunc_xavier = "trunc_xavier"
+    stable = "stable"
+
+
+class DeescName(str, Enum):
+    none = "none"
+    block = "block"
+    ffn = "ffn"
+
+
+class RegName(str, Enum):
+    none = "none"
+    locater = "locater"
+
+
+class OptimName(str, Enum):
+    adamw = "adamw"
+    adamw2 = "adamw2"
+    lars = "lars"
+    sgd = "sgd"
+
+
+class ScheduleName(str, Enum):
+    cosine = "cosine"
+    step = "step"
+    constant = "constant"
+
+
+class Unit(str, Enum):
+    steps = "steps"
+    epochs = "epochs"
+
+
+class DataName(str, Enum):
+    auto = "auto"  # digits for vision models, pytext for GPT
+    digits = "digits"
+    pytext = "pytext"
+    imagefolder = "imagefolder"
+    tokens = "tokens"
+
+
+class MonitorName(str, Enum):
+    standard = "standard"
+    full = "full"
+    off = "off"
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 on CPU
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class WandbMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+# --- groups ----------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: Family = MISSING
+    # vit / swin
+    img_size: int = 224
+    in_chans: int = 3
+    patch_size: int = 16
+    num_classes: int = 1000  # vision data sets override this with their class count
+    drop_path: float = 0.0
+    qkv_bias: bool = True
+    class_token: bool = True
+    act: str = "gelu"  # gelu | relu (the de-escalation CIFAR ViT uses ReLU, 002 l.50)
+    # vit / gpt
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    mlp_hidden: Optional[int] = None  # overrides mlp_ratio (e.g. the deep CIFAR ViT's 384)
+    # swin
+    depths: list[int] = field(default_factory=lambda: [2, 2, 6, 2])
+    stage_heads: list[int] = field(default_factory=lambda: [3, 6, 12, 24])
+    window_size: int = 7
+    # gpt
+    vocab_size: int = 50304
+    block_size: int = 1024
+    bias: bool = False  # nanoGPT: no biases in LayerNorm and Linear
+    dropout: float = 0.0
+
+
+@dataclass
+class NormConfig:
+    name: NormName = NormName.layernorm
+    placement: Placement = Placement.pre
+    alpha: float = 0.5  # StableNorm exponent in [0, 0.5]; 0.5 is RMSNorm (004 Eq. 2)
+    eps: float = 1e-5
+    eps_mode: EpsMode = EpsMode.sqrt
+
+
+@dataclass
+class AttentionConfig:
+    name: AttentionName = AttentionName.softmax
+    c: float = 1.618  # StableAtten tau = c * log2(N) (004 Eq. 3)
+    seq_len: Optional[int] = None  # N; None = the model's sequence length (tokens incl. cls)
+    alpha: Optional[float] = None  # StableAtten q/k norm exponent; None = norm.alpha
+    eps: float = 1e-5
+
+
+@dataclass
+class ReparamConfig:
+    name: ReparamName = ReparamName.none
+    gamma_init: GammaInit = GammaInit.one  # svd: the vision recipe; diverged outside vision (001 l.747)
+    power_iters: int = 1
+    qkv_split: QKVSplit = QKVSplit.joint
+    gamma_lr_mult: float = 1.0
+    attn_fp32: bool = False  # attention logits and softmax in fp32 (001 l.136)
+
+
+@dataclass
+class InitConfig:
+    name: InitName = InitName.family
+    gain: float = 1.0  # StableInit: E[sigma_max(W)] <= gain (004 Eq. 1)
+
+
+@dataclass
+class DeescConfig:
+    name: DeescName = DeescName.none
+    lambda_: float = 1.0  # 0 none, 1 complete (002 Eq. 21); 1.0 is our guess, see SPEC
+    learnable: bool = False
+    causal: Optional[bool] = None  # None = the model's own (prefix mean for GPT)
+
+
+@dataclass
+class RegularizerConfig:
+    name: RegName = RegName.none
+    scale_coef: float = 100.0  # kappa1: weight of tr(W_QK^T W_QK), the eigenspectrum scale
+    mean_coef: float = 1.0  # kappa2: weight of (tr(W_QK) - 1)^2, the eigenspectrum mean
+
+
+@dataclass
+class OptimConfig:
+    name: OptimName = OptimName.adamw2
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    # adamw2 (SPEC section 1)
+    tau: float = 0.004
+    eps_inside_sqrt: bool = False
+    power_iters: int = 3
+    warm_start: bool = True
+    bound_norm_gains: bool = True  # trainer grouping: bound matrices and norm gains
+    # sgd / lars
+    momentum: float = 0.9
+    nesterov: bool = False
+    trust_coef: float = 0.001
+    lr_scale_by_batch: bool = False  # lr * batch_size / 256
+    fused: Optional[bool] = None  # torch AdamW fused kernel; None = on CUDA
+
+
+@dataclass
+class ScheduleConfig:
+    name: ScheduleName = ScheduleName.cosine
+    unit: Unit = Unit.steps  # unit of warmup, milestones and epochs-based horizons
+    min_lr: float = 0.0
+    milestones: list[float] = field(default_factory=list)
+    gamma: float = 0.1
+    horizon: Optional[float] = None  # cosine length (in unit) if it differs from the run's
+
+
+@dataclass
+class DataConfig:
+    name: DataName = DataName.auto
+    root: Optional[str] = None  # imagefolder: a folder with train/ and val/ class folders
+    path: Optional[str] = None  # tokens: train .bin (uint16); val from val.bin beside it
+    img_size: Optional[int] = None  # None = the model's
+    num_workers: int = 0
+    val_fraction: float = 0.2
+    tokenizer: str = "byte"  # byte | gpt2 (tiktoken, needs cached files offline)
+    # vision augmentation (timm)
+    randaug: Optional[str] = None  # e.g. rand-m9-mstd0.5-inc1
+    mixup: float = 0.0
+    cutmix: float = 0.0
+    label_smoothing: float = 0.0
+    erasing: float = 0.0
+    repeated_aug: int = 1
+
+
+@dataclass
+class MonitorConfig:
+    name: MonitorName = MonitorName.standard
+    weight_every: int = 50  # weight-side quantities cadence (steps)
+    probe_every: int = 200  # activation-side quantities on the probe batch (steps)
+    probe_batch_size: int = 8
+    per_head: bool = False  # log every head, not only max/mean
+    alerts: bool = True
+    stop_on_alert: bool = False  # sweeps: end an entropy-collapsed run as diverged
+    entropy_floor: float = 0.1  # nats; entropy below this with growing sigma1(QK) alerts
+    qk_growth: float = 10.0  # sigma1(W_q^T W_k) growth factor over its first value that alerts
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbMode = WandbMode.offline
+    project: str = "stabletrain"
+    entity: Optional[str] = None
+    log_every: int = 10
+    progress: bool = True
+
+
+@dataclass
+class DivergenceConfig:
+    enabled: bool = True
+    spike_factor: float = 4.0  # loss above spike_factor x its running mean ...
+    window: int = 20  # ... for this many consecutive steps ends the run as diverged
+    warmup_steps: int = 20  # running mean needs this many steps before spikes count
+    ema: float = 0.98
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    norm: NormConfig = field(default_factory=NormConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    reparam: ReparamConfig = field(default_factory=ReparamConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    deescalate: DeescConfig = field(default_factory=DeescConfig)
+    regularizer: RegularizerConfig = field(default_factory=RegularizerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+
+    steps: Optional[int] = None  # optimizer steps; overrides epochs when set
+    epochs: Optional[float] = None
+    warmup: float = 0.0  # in schedule.unit
+    seed: int = 0
+    resume: Optional[str] = None  # auto | a checkpoint path
+    batch_size: int = 64  # global, per optimizer step
+    micro_batch_size: Optional[int] = None  # per device; None = batch_size / world size
+    grad_clip: Optional[float] = None
+    eval_every: int = 100
+    eval_batches: int = 20
+    ckpt_every: int = 500
+    precision: Precision = Precision.auto
+    compile: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    name: str = "run"
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+# --- validation ------------------------------------------------------------------------
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Any) -> None:
+    """Range checks on a composed config; raises ConfigError with one line."""
+    o, m = cfg.optim, cfg.model
+    _need(o.lr > 0, f"optim.lr={o.lr} must be > 0 (e.g. optim.lr=1e-3)")
+    _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+          f"optim.betas={list(o.betas)} must be two values in [0, 1)")
+    _need(o.eps > 0, f"optim.eps={o.eps} must be > 0")
+    _need(o.tau > 0, f"optim.tau={o.tau} must be > 0 (the AdamW² papers use 0.004 for ViT, 0.01 for GPT)")
+    _need(o.power_iters >= 1, f"optim.power_iters={o.power_iters} must be >= 1")
+    _need(0 <= cfg.norm.alpha <= 0.5, f"norm.alpha={cfg.norm.alpha} must be in [0, 0.5] (0.5 is RMSNorm)")
+    a = cfg.attention.alpha
+    _need(a is None or 0 <= a <= 0.5, f"attention.alpha={a} must be in [0, 0.5] or null")
+    _need(cfg.norm.eps > 0, f"norm.eps={cfg.norm.eps} must be > 0")
+    _need(cfg.attention.c > 0, f"attention.c={cfg.attention.c} must be > 0")
+    _need(0 <= cfg.deescalate.lambda_ <= 1, f"deescalate.lambda_={cfg.deescalate.lambda_} must be in [0, 1]")
+    _need(cfg.reparam.power_iters >= 1, f"reparam.power_iters={cfg.reparam.power_iters} must be >= 1")
+    _need(cfg.regularizer.scale_coef >= 0 and cfg.regularizer.mean_coef >= 0,
+          "regularizer.scale_coef and regularizer.mean_coef must be >= 0")
+    _need(cfg.steps is None or cfg.steps > 0, f"steps={cfg.steps} must be > 0")
+    _need(cfg.epochs is None or cfg.epochs > 0, f"epochs={cfg.epochs} must be > 0")
+    _need(cfg.steps is not None or cfg.epochs is not None, "set steps=N or epochs=E")
+    _need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be >= 0 (0 disables it)")
+    _need(cfg.batch_size > 0, f"batch_size={cfg.batch_size} must be > 0")
+    mb = cfg.micro_batch_size
+    _need(mb is None or (mb > 0 and cfg.batch_size % mb == 0),
+          f"micro_batch_size={mb} must divide batch_size={cfg.batch_size}")
+    _need(cfg.grad_clip is None or cfg.grad_clip > 0, f"grad_clip={cfg.grad_clip} must be > 0 or null")
+    _need(m.embed_dim % m.num_heads == 0 or m.family == Family.swin,
+          f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
+    _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
+          f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
+    d = cfg.data
+    if d.name == DataName.imagefolder:
+        _need(d.root is not None and _exists(d.root),
+              f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
+    if d.name == DataName.tokens:
+        _need(d.path is not None and _exists(d.path),
+              f"data.path={d.path} does not exist: point data=tokens at a uint16 token .bin file")
+
+
+def _exists(p: str) -> bool:
+    import os
+
+    return os.path.exists(p)

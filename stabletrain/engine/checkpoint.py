@@ -1,0 +1,43 @@
+"""Atomic checkpoints: write a temp file beside the target, fsync, then rename over it."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+
+
+def save_checkpoint(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def load_checkpoint(path: Path, map_location="cpu") -> dict:
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    p = Path(run_dir) / "checkpoints" / "last.pt"
+    return p if p.is_file() else None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    py = random.getstate()
+    random.setstate((py[0], tuple(state["python"]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,350 @@
+"""The training loop: one process on CPU or one GPU, or one rank of a DDP job.
+
+The hot path per optimizer step is: the step's micro-batches (no host sync), forward and
+backward under autocast, optional clipping, the optimizer, sigmaReparam's power iteration.
+Losses stay on the device and are read back every ``logger.log_every`` steps, where
+divergence is checked step by step, so a healthy run does not sync every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from stabletrain.config import ConfigError
+from stabletrain.data import Data, Shard, build_data
+from stabletrain.engine import distributed as D
+from stabletrain.engine.checkpoint import last_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from stabletrain.engine.divergence import DivergenceWatch
+from stabletrain.layers.norm import _enum
+from stabletrain.metrics import Metrics
+from stabletrain.models.registry import build_model
+
+
+def pick_device(name: str, info: D.DistInfo) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{info.local_rank}"
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+        torch.cuda.set_device(dev)
+    return dev
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: Path, info: D.DistInfo | None = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.info = info or D.DistInfo()
+        self.device = pick_device(cfg.device, self.info)
+        D.init(self.info, self.device)
+        prec = _enum(cfg.precision)
+        self.bf16 = prec == "bf16" or (prec == "auto" and self.device.type == "cuda")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        torch.manual_seed(cfg.seed)
+        self.data: Data = build_data(cfg)
+        self._fit_model_to_data()
+        self.model: nn.Module = build_model(cfg).to(self.device)
+        self.family = _enum(cfg.model.family)
+
+        from stabletrain.optim import build_optimizer, lr_at
+
+        self.optimizer, self.group_summary = build_optimizer(self.model, cfg.optim, self.family, cfg.reparam,
+                                                             batch_size=cfg.batch_size)
+        spe = self.data.steps_per_epoch(cfg.batch_size)
+        self.steps_per_epoch = spe
+        self.total_steps = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
+        self.lr_at = lr_at(cfg.schedule, cfg.warmup, self.total_steps, spe)
+
+        world = self.info.world
+        micro = cfg.micro_batch_size or cfg.batch_size // world
+        if cfg.batch_size % (micro * world):
+            raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={micro} "
+                              f"x world size {world}")
+        self.shard = Shard(cfg.batch_size, self.info.rank, world, cfg.batch_size // (micro * world))
+
+        self.reparam_step = None
+        if _enum(cfg.reparam.name) != "none":
+            from stabletrain.layers.reparam import reparam_step
+
+            self.reparam_step = reparam_step
+        self.penalty = None
+        if _enum(cfg.regularizer.name) == "locater":
+            from stabletrain.layers.locater import locater_penalty
+
+            self.penalty = lambda m: locater_penalty(m, cfg.regularizer)
+
+        self.train_model: nn.Module = self.model
+        if cfg.compile:
+            self.train_model = torch.compile(self.model)
+        if self.info.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.train_model = DDP(self.train_model, device_ids=ids)
+        self.mixup, self.criterion = None, None
+        if self.data.kind == "vision":
+            from stabletrain.data.vision import vision_loss
+
+            self.mixup, self.criterion = vision_loss(cfg, self.data.num_classes)
+        self.divergence = DivergenceWatch(cfg.divergence)
+        self.monitor = None
+        if _enum(cfg.monitor.name) != "off":
+            try:
+                from stabletrain.monitor.runner import MonitorRunner
+            except ImportError:
+                MonitorRunner = None
+            if MonitorRunner is not None:
+                self.monitor = MonitorRunner(self)
+        self.stop_signal: int | None = None
+        self.step = 0
+
+    def _fit_model_to_data(self) -> None:
+        """Class count, channels and vocabulary come from the data."""
+        m, d = self.cfg.model, self.data
+        with _writable(self.cfg):
+            if d.kind == "vision":
+                m.num_classes, m.in_chans = d.num_classes, d.in_chans
+            elif m.vocab_size < d.vocab_size:
+                raise ConfigError(f"model.vocab_size={m.vocab_size} < the data's vocabulary {d.vocab_size}")
+
+    # --- the step -------------------------------------------------------------------
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def loss_on(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            out = model(x)
+        if self.data.kind == "text":
+            return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+        return self.criterion(out.float(), y)
+
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor):
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self, micro_batches, lr: float, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from stabletrain.optim import set_lr
+
+        set_lr(self.optimizer, lr)
+        self.train_model.train()
+        total = torch.zeros((), device=self.device)
+        n = len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = self._to_device(x, y)
+            if self.mixup is not None:
+                x, y = self.mixup(x, y)
+            sync = i == n - 1 or not self.info.enabled
+            ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
+            with ctx:
+                loss = self.loss_on(self.train_model, x, y)
+                if self.penalty is not None:
+                    loss = loss + self.penalty(self.model)
+                (loss / n).backward()
+            total += loss.detach() / n
+        grad_norm = None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+        elif want_grad_norm:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.reparam_step is not None:
+            self.reparam_step(self.model)
+        return total, grad_norm
+
+    # --- evaluation -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        self.model.eval()
+        bs = max(1, self.shard.micro)
+        loss_sum, correct, count = 0.0, 0, 0
+        for x, y in self.data.val_batches(bs, self.cfg.eval_batches):
+            x, y = self._to_device(x, y)
+            with self.autocast():
+                out = self.model(x)
+            if self.data.kind == "text":
+                loss_sum += F.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+                count += y.numel()
+            else:
+                loss_sum += F.cross_entropy(out.float(), y, reduction="sum").item()
+                correct += (out.argmax(-1) == y).sum().item()
+                count += y.numel()
+        stats = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device)
+        if self.info.enabled:
+            torch.distributed.all_reduce(stats)
+        loss_sum, correct, count = stats.tolist()
+        out = {"val/loss": loss_sum / max(count, 1)}
+        if self.data.kind == "text":
+            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
+        else:
+            out["val/acc"] = correct / max(count, 1)
+        return out
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def checkpoint_payload(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": rng_state(),
+            "divergence": self.divergence.state_dict(),
+            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+            "monitor": self.monitor.state_dict() if self.monitor is not None else {},
+        }
+
+    def save(self) -> None:
+        if self.info.is_main:
+            save_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.checkpoint_payload())
+        D.barrier(self.info)
+
+    def maybe_resume(self) -> int | None:
+        r = self.cfg.resume
+        if r is None:
+            return None
+        path = last_checkpoint(self.run_dir) if r == "auto" else Path(r)
+        if path is None:
+            return None
+        ck = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.divergence.load_state_dict(ck["divergence"])
+        set_rng_state(ck["rng"])
+        if self.monitor is not None and ck.get("monitor"):
+            self.monitor.load_state_dict(ck["monitor"])
+        self.step = ck["step"]
+        return self.step
+
+    # --- the run --------------------------------------------------------------------
+
+    def _install_signals(self):
+        def handler(signum, _frame):
+            self.stop_signal = signum
+
+        old = {}
+        for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+            if s is not None:
+                try:
+                    old[s] = signal.signal(s, handler)
+                except ValueError:  # not the main thread
+                    pass
+        return old
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        resumed = self.maybe_resume()
+        main = self.info.is_main
+        self.metrics = Metrics(self.run_dir, cfg, enabled=main, resume_step=resumed,
+                               config_dict=OmegaConf.to_container(cfg, resolve=True))
+        m = self.metrics
+        nparams = sum(p.numel() for p in self.model.parameters())
+        m.message(f"{cfg.model.name}: {nparams / 1e6:.2f}M params on {self.device}"
+                  f"{' (bf16)' if self.bf16 else ''}, {self.total_steps} steps of {cfg.batch_size} "
+                  f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
+                  f"run dir {self.run_dir}")
+        m.message(self.group_summary)
+        if resumed is not None:
+            m.message(f"resumed from step {resumed}")
+        old_handlers = self._install_signals()
+        status, reason = "completed", None
+        stream = self.data.train_iter(self.step, self.shard)
+        log_every = max(1, cfg.logger.log_every)
+        pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
+        t_last, samples = time.perf_counter(), 0
+        last_vals: dict = {}
+        train_loss = float("nan")
+        try:
+            while self.step < self.total_steps:
+                step = self.step
+                lr = self.lr_at(step)
+                log_now = (step + 1) % log_every == 0 or step + 1 == self.total_steps
+                loss, gnorm = self.train_step(next(stream), lr, want_grad_norm=log_now)
+                pending.append((step, loss, gnorm, lr))
+                samples += self.cfg.batch_size
+                self.step = step + 1
+                if self.monitor is not None:
+                    self.monitor.after_step(step)
+                if log_now:
+                    losses = torch.stack([p[1] for p in pending]).tolist()
+                    for (s, _, _, _), value in zip(pending, losses):
+                        reason = self.divergence.update(s, value)
+                        if reason:
+                            break
+                    dt = time.perf_counter() - t_last
+                    train_loss = sum(losses) / len(losses)
+                    rec = {"loss": train_loss, "lr": lr, "time/step_s": dt / len(pending)}
+                    unit = self.data.seq_len or 1
+                    rec["throughput/" + ("tokens_per_s" if self.data.kind == "text" else "samples_per_s")] = samples * unit / dt
+                    if gnorm is not None:
+                        rec["grad_norm"] = float(gnorm)
+                    if self.device.type == "cuda":
+                        rec["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+                    if hasattr(self.optimizer, "telemetry"):
+                        rec.update(self.optimizer.telemetry())
+                    m.log(self.step, rec)
+                    m.progress(self.step, self.total_steps, {"loss": train_loss, "lr": lr,
+                                                              **{k: v for k, v in last_vals.items() if k.startswith("val/")}})
+                    pending, samples, t_last = [], 0, time.perf_counter()
+                    if reason:
+                        status = "diverged"
+                        break
+                if self.monitor is not None and self.monitor.stop_reason:
+                    status, reason = "diverged", self.monitor.stop_reason
+                    break
+                if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
+                    last_vals = self.evaluate()
+                    m.log(self.step, last_vals)
+                if self.stop_signal is not None:
+                    status = "interrupted"
+                    reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
+                    self.save()
+                    break
+                if self.step % cfg.ckpt_every == 0 or self.step == self.total_steps:
+                    self.save()
+        finally:
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+        summary = {
+            "status": status,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "reason": reason,
+            "final": {"loss": train_loss, **last_vals},
+            "params": nparams,
+        }
+        if self.monitor is not None:
+            summary.update(self.monitor.summary(status))
+        if main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            m.message(f"{status} at step {self.step}" + (f": {reason}" if reason else "")
+                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
+        m.close()
+        return summary
+
+
+@contextlib.contextmanager
+def _writable(cfg):
+    from omegaconf import open_dict
+
+    if OmegaConf.is_config(cfg):
+        with open_dict(cfg):
+            yield
+    else:
+        yield

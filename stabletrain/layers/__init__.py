@@ -1,0 +1,1 @@
+"""Components shared by the model families; each chosen by name from config."""

@@ -1,0 +1,137 @@
+"""Attention variants chosen by name (``attention`` config group), all through SDPA.
+
+Every variant is "a transform of q and k plus a softmax scale" (SPEC section 5), so all of
+them run through ``F.scaled_dot_product_attention`` and its fused kernels:
+
+- ``softmax``: identity, scale ``1/sqrt(d_h)``.
+- ``qknorm``: RMSNorm with learned gains on per-head q and k, scale ``1/sqrt(d_h)`` (our added
+  baseline, timm's ``qk_norm``).
+- ``stable``: StableAtten (004 Eq. 3): StableNorm over ``d_h`` on q and k, scale
+  ``tau * d_h^(-2 alpha)`` with ``tau = c * log2(N)``. The norms' ``d_h^alpha`` cancel the
+  ``d_h^(2 alpha)``, so logits are ``tau * gamma_q gamma_k cos(q, k)``: bounded by
+  ``tau * max|gamma_q * gamma_k|`` for any input scale. ``N`` is fixed at construction.
+
+A monitor can set ``module.probe = {}`` on any attention here; the next forward then also
+stores the explicit attention probabilities (``probs``, B x H x T x T) and the attention
+input (``x``) in it. The returned output always comes from SDPA, so probing changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from timm.models.swin_transformer import WindowAttention
+
+from stabletrain.config import ConfigError
+from stabletrain.layers.norm import StableNorm, _enum
+
+
+def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:
+    """``(q_norm, k_norm, scale)`` for the attention variant ``attn_cfg.name``."""
+    name = _enum(attn_cfg.name)
+    if name == "softmax":
+        return nn.Identity(), nn.Identity(), head_dim**-0.5
+    if name == "qknorm":
+        return nn.RMSNorm(head_dim, eps=attn_cfg.eps), nn.RMSNorm(head_dim, eps=attn_cfg.eps), head_dim**-0.5
+    if name == "stable":
+        alpha = attn_cfg.alpha if attn_cfg.alpha is not None else norm_cfg.alpha
+        n = attn_cfg.seq_len or seq_len
+        if n < 2:
+            raise ConfigError(f"attention=stable needs a sequence length N >= 2, got {n}")
+        tau = attn_cfg.c * math.log2(n)
+        mode = _enum(norm_cfg.eps_mode)
+        qn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
+        kn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
+        return qn, kn, tau * head_dim ** (-2 * alpha)
+    raise ConfigError(f"attention={name!r} is unknown; choose softmax, qknorm or stable")
+
+
+def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
+    """softmax(scale q k^T + mask) in fp32, what SDPA computes internally (for monitors)."""
+    logits = scale * (q.float() @ k.float().transpose(-2, -1))
+    if attn_mask is not None:
+        logits = logits + attn_mask.float()
+    if causal:
+        t, s = logits.shape[-2:]
+        keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits.softmax(-1)
+
+
+def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
+           attn_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    """Shared core: q/k transform, optional fp32 attention, SDPA, optional probe capture."""
+    q, k = mod.q_norm(q), mod.k_norm(k)
+    drop = mod.attn_drop.p if mod.training else 0.0
+    if mod.probe is not None:
+        mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, causal).detach()
+        mod.probe["x"] = x.detach()
+    if mod.attn_fp32:
+        with torch.autocast(q.device.type, enabled=False):
+            m = attn_mask.float() if attn_mask is not None else None
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m,
+                                                 dropout_p=drop, is_causal=causal, scale=mod.scale)
+        return out.to(v.dtype)
+    if attn_mask is not None:
+        attn_mask = attn_mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop,
+                                          is_causal=causal, scale=mod.scale)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with timm's parameter names (qkv, q_norm, k_norm, proj)."""
+
+    def __init__(self, dim: int, num_heads: int, *, attn_cfg, norm_cfg, seq_len: int,
+                 qkv_bias: bool = True, proj_bias: bool = True, causal: bool = False,
+                 attn_fp32: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ConfigError(f"width {dim} is not divisible by {num_heads} heads")
+        self.num_heads, self.head_dim, self.causal, self.attn_fp32 = num_heads, dim // num_heads, causal, attn_fp32
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.q_norm, self.k_norm, self.scale = qk_transform(attn_cfg, norm_cfg, self.head_dim, seq_len)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.probe: Optional[dict] = None
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, **_) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        o = attend(self, x, q, k, v, attn_mask, self.causal)
+        return self.proj_drop(self.proj(o.transpose(1, 2).reshape(b, t, c)))
+
+
+class SwinAttention(WindowAttention):
+    """timm's window attention (relative position bias, shift mask) with our q/k variants."""
+
+    causal = False
+
+    @classmethod
+    def from_timm(cls, old: WindowAttention, *, attn_cfg, norm_cfg, attn_fp32: bool) -> "SwinAttention":
+        new = cls(old.dim, old.num_heads, window_size=old.window_size, qkv_bias=old.qkv.bias is not None,
+                  attn_drop=old.attn_drop.p, proj_drop=old.proj_drop.p)
+        new.load_state_dict(old.state_dict())
+        head_dim = old.qkv.out_features // (3 * old.num_heads)
+        new.q_norm, new.k_norm, new.scale = qk_transform(attn_cfg, norm_cfg, head_dim, new.window_area)
+        new.attn_fp32, new.probe = attn_fp32, None
+        return new.to(old.qkv.weight.device)
+
+    @property
+    def head_dim(self) -> int:
+        return self.qkv.out_features // (3 * self.num_heads)
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self._get_rel_pos_bias()
+        if mask is not None:
+            nw = mask.shape[0]
+            mask = mask.view(1, nw, 1, n, n).expand(b // nw, -1, self.num_heads, -1, -1)
+            bias = bias + mask.reshape(-1, self.num_heads, n, n)
+        o = attend(self, x, q, k, v, bias, False)
+        return self.proj_drop(self.proj(o.transpose(1, 2).reshape(b, n, -1)))

@@ -1,0 +1,69 @@
+"""Norm layers chosen by name (``norm`` config group): layernorm, rmsnorm, stablenorm, none."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from stabletrain.config import ConfigError
+
+
+class StableNorm(nn.Module):
+    """``gamma * d^alpha * x / sqrt(||x||^2 + eps)`` over the last dim (004 Eq. 2).
+
+    ``alpha`` in [0, 0.5]: the output norm is ``d^alpha`` (times gamma); 0.5 is RMSNorm up to
+    where eps enters. ``eps_mode='sqrt'`` follows the text (eps inside the root, 004 l.200);
+    ``'add'`` is the demo's ``||x|| + eps`` (004 l.997-1005).
+    """
+
+    def __init__(self, dim: int, alpha: float = 0.5, eps: float = 1e-5, eps_mode: str = "sqrt",
+                 bias: bool = False):
+        super().__init__()
+        if not 0.0 <= alpha <= 0.5:
+            raise ConfigError(f"StableNorm alpha={alpha} must be in [0, 0.5] (0.5 is RMSNorm)")
+        if eps_mode not in ("sqrt", "add"):
+            raise ConfigError(f"StableNorm eps_mode={eps_mode!r} must be 'sqrt' or 'add'")
+        self.dim, self.alpha, self.eps, self.eps_mode = dim, alpha, eps, eps_mode
+        self.scale = dim**alpha
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        sq = xf.pow(2).sum(-1, keepdim=True)
+        if self.eps_mode == "sqrt":
+            y = xf * torch.rsqrt(sq + self.eps)
+        else:
+            y = xf / (sq.sqrt() + self.eps)
+        y = (y * self.scale).to(x.dtype) * self.weight
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, alpha={self.alpha}, eps={self.eps}, eps_mode={self.eps_mode}"
+
+
+def _enum(v) -> str:
+    return str(getattr(v, "value", v))
+
+
+def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5) -> nn.Module:
+    """The norm ``cfg.name`` of width ``dim``.
+
+    ``ln_eps`` is the model family's LayerNorm eps (timm ViT 1e-6, Swin and nanoGPT 1e-5), kept
+    so the default models stay identical to their reference; ``cfg.eps`` applies to rmsnorm and
+    stablenorm. ``bias=False`` drops the additive term (nanoGPT's LayerNorm).
+    """
+    name = _enum(cfg.name)
+    if name == "layernorm":
+        return nn.LayerNorm(dim, eps=ln_eps, bias=bias)
+    if name == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.eps)
+    if name == "stablenorm":
+        return StableNorm(dim, alpha=cfg.alpha, eps=cfg.eps, eps_mode=_enum(cfg.eps_mode))
+    if name == "none":
+        return nn.Identity()
+    raise ConfigError(f"norm={name!r} is unknown; choose layernorm, rmsnorm, stablenorm or none")
+
+

@@ -1,0 +1,99 @@
+"""One metrics sink: console progress, ``metrics.jsonl`` in the run directory, and wandb.
+
+wandb runs offline unless ``logger.wandb=online``, so a run never needs an account; if
+wandb cannot start, the run goes on with the JSONL log and says so once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from stabletrain.layers.norm import _enum
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/inf
+    return v
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, cfg, *, enabled: bool = True, resume_step: int | None = None,
+                 config_dict: dict | None = None):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.wandb = None
+        self.tty = sys.stderr.isatty()
+        self.last_print = 0.0
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self.file = open(self.path, "a", buffering=1)
+        mode = _enum(cfg.logger.wandb)
+        if mode != "disabled":
+            self._start_wandb(Path(run_dir), cfg, mode, config_dict)
+
+    def _truncate_after(self, step: int) -> None:
+        """A resumed run redoes the steps after its checkpoint: drop their old records."""
+        keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+    def _start_wandb(self, run_dir: Path, cfg, mode: str, config_dict: dict | None) -> None:
+        try:
+            import wandb
+
+            id_file = run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self.wandb = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=mode,
+                                    dir=str(run_dir), id=run_id, resume="allow", name=cfg.name,
+                                    config=config_dict, settings=wandb.Settings(silent=True))
+        except Exception as e:  # a tracking hiccup must not cost the run
+            print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)
+            self.wandb = None
+
+    def log(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        rec = {"step": step, **{k: _clean(v) for k, v in values.items()}}
+        self.file.write(json.dumps(rec) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def progress(self, step: int, total: int, values: dict) -> None:
+        """One status line: overwritten in place on a terminal, appended in logs."""
+        if not self.enabled:
+            return
+        parts = [f"step {step}/{total}"] + [f"{k} {_fmt(v)}" for k, v in values.items()]
+        line = " | ".join(parts)
+        if self.tty:
+            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        self.last_print = time.time()
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            if self.tty:
+                print(file=sys.stderr)
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            print(file=sys.stderr)
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

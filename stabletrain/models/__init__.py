@@ -1,0 +1,1 @@
+"""Model families: ViT and Swin on timm, GPT in nanoGPT style."""

@@ -1,0 +1,64 @@
+"""A nanoGPT-style GPT written with the shared Block (causal attention through SDPA).
+
+GPT-2 conventions (SPEC section 6): learned position embeddings, tied input/output
+embeddings, GELU MLP x4, ``bias=False`` removes LayerNorm and Linear biases, init
+N(0, 0.02) with the residual projections (attn.proj, mlp.fc2) scaled by 1/sqrt(2 n_layer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from stabletrain.layers.block import Block
+from stabletrain.layers.norm import _enum, make_norm
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        m = cfg.model
+        self.block_size = m.block_size
+        self.wte = nn.Embedding(m.vocab_size, m.embed_dim)
+        self.wpe = nn.Embedding(m.block_size, m.embed_dim)
+        self.drop = nn.Dropout(m.dropout)
+        self.blocks = nn.ModuleList(
+            Block(m.embed_dim, m.num_heads, m.mlp_ratio, components=cfg, seq_len=m.block_size, causal=True,
+                  qkv_bias=m.bias, proj_bias=m.bias, mlp_hidden=m.mlp_hidden, norm_bias=m.bias,
+                  act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
+                  proj_drop=m.dropout, attn_drop=m.dropout, ln_eps=1e-5)
+            for _ in range(m.depth)
+        )
+        post = _enum(cfg.norm.placement) == "post"
+        self.norm = nn.Identity() if post else make_norm(cfg.norm, m.embed_dim, bias=m.bias, ln_eps=1e-5)
+        self.lm_head = nn.Linear(m.embed_dim, m.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init)
+        resid_std = 0.02 / math.sqrt(2 * m.depth)
+        for blk in self.blocks:
+            nn.init.normal_(blk.attn.proj.weight, std=resid_std)
+            nn.init.normal_(blk.mlp.fc2.weight, std=resid_std)
+
+    @staticmethod
+    def _init(mod: nn.Module) -> None:
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(mod.weight, std=0.02)
+            if getattr(mod, "bias", None) is not None:
+                nn.init.zeros_(mod.bias)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens exceeds block_size={self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.norm(x))
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,32 @@
+"""ViT: timm's VisionTransformer with our Block and norm factory as its extension points."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from stabletrain.layers.block import Block
+from stabletrain.layers.norm import _enum, make_norm
+
+LN_EPS = 1e-6  # timm ViT's LayerNorm eps
+
+
+def build_vit(cfg) -> VisionTransformer:
+    m = cfg.model
+    tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)
+    post = _enum(cfg.norm.placement) == "post"
+    norm_layer = partial(make_norm, cfg.norm, ln_eps=LN_EPS)
+    block_fn = partial(Block, components=cfg, seq_len=tokens, causal=False, ln_eps=LN_EPS,
+                       mlp_hidden=m.mlp_hidden)
+    model = VisionTransformer(
+        img_size=m.img_size, patch_size=m.patch_size, in_chans=m.in_chans, num_classes=m.num_classes,
+        embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
+        qkv_bias=m.qkv_bias, class_token=m.class_token, global_pool="token" if m.class_token else "avg",
+        drop_path_rate=m.drop_path, norm_layer=norm_layer, block_fn=block_fn,
+        act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
+    )
+    if post:  # a post-LN stack already ends in a norm
+        model.norm = nn.Identity()
+    return model
