@@ -28,6 +28,7 @@ class Metrics:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
         self.tty = sys.stderr.isatty()
+        self.show_progress = bool(cfg.logger.progress)
         self.last_print = 0.0
         if not enabled:
             return
@@ -67,7 +68,7 @@ class Metrics:
 
     def progress(self, step: int, total: int, values: dict) -> None:
         """One status line: overwritten in place on a terminal, appended in logs."""
-        if not self.enabled:
+        if not self.enabled or not self.show_progress:
             return
         parts = [f"step {step}/{total}"] + [f"{k} {_fmt(v)}" for k, v in values.items()]
         line = " | ".join(parts)

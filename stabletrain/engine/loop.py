@@ -47,6 +47,8 @@ class Trainer:
     def __init__(self, cfg, run_dir: Path, info: D.DistInfo | None = None):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.info = info or D.DistInfo()
+        if self.info.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = pick_device(cfg.device, self.info)
         D.init(self.info, self.device)
         prec = _enum(cfg.precision)
@@ -61,14 +63,15 @@ class Trainer:
         self.model: nn.Module = build_model(cfg).to(self.device)
         self.family = _enum(cfg.model.family)
 
-        from stabletrain.optim import build_optimizer, lr_at
+        from stabletrain.optim import build_optimizer, make_schedule, scaled_lr
 
         self.optimizer, self.group_summary = build_optimizer(self.model, cfg.optim, self.family, cfg.reparam,
                                                              batch_size=cfg.batch_size)
         spe = self.data.steps_per_epoch(cfg.batch_size)
         self.steps_per_epoch = spe
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
-        self.lr_at = lr_at(cfg.schedule, cfg.warmup, self.total_steps, spe)
+        self.lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), self.total_steps,
+                                   warmup=cfg.warmup, steps_per_epoch=spe)
 
         world = self.info.world
         micro = cfg.micro_batch_size or cfg.batch_size // world

@@ -1,9 +1,22 @@
-"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21; SPEC section 3).
+"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21, l.157-160; SPEC section 3).
 
-``P X`` is the mean over tokens. Non-causal models use the full mean, as the paper does;
-causal models use the prefix mean over tokens ``<= t`` (our deviation) so no position sees
-the future. With ``lambda = 1`` the first causal token becomes exactly 0; the following
-norm's eps keeps it finite.
+``P X`` is the mean over tokens. ``lambda`` in [0, 1]: 0 does nothing, 1 centres the token
+columns (complete de-escalation). Because ``P`` is a projection, one de-escalation takes the
+token similarity ``s = ||PX||^2 / ||X||^2`` to ``(1-lambda)^2 s / (1 - (2 lambda - lambda^2) s)``.
+
+Decisions (SPEC section 3):
+
+- ``lambda_`` default 1.0 (our guess: the paper's value was lost; 1.0 is the only value its
+  text singles out). ``learnable: true`` makes it a parameter (the paper says it can be,
+  reports no such run); it is not clamped to [0, 1].
+- Placement (``deescalate.name``): ``block`` at the end of each block, after the second
+  norm of a post-norm block (ViT/CIFAR, l.166); ``ffn`` on the residual stream entering the
+  FFN, after the attention sub-layer (and its norm, post-norm), so the de-escalated ``X``
+  feeds both the FFN and its residual path (Transformer-XL, l.176). ViT's class token is
+  part of the mean; Swin averages over all tokens of the feature map.
+- Causal models use the prefix mean over tokens ``<= t`` (our deviation, so no position
+  sees the future); non-causal ones the full mean, as the paper. With ``lambda = 1`` the
+  first causal token becomes exactly 0; every norm maps 0 to 0 with finite gradients.
 """
 
 from __future__ import annotations
@@ -14,7 +27,20 @@ from torch import Tensor, nn
 from stabletrain.layers.norm import _enum
 
 
+def token_similarity(x: Tensor) -> Tensor:
+    """``||P X||_F^2 / ||X||_F^2`` per sequence (full token mean), ``x`` of shape (B, tokens..., d).
+
+    002 Def. 1.1: 1 exactly when all tokens are equal; 0 for a zero sequence (guarded).
+    """
+    xf = x.float().flatten(1, -2)
+    mean = xf.mean(1, keepdim=True)
+    num = mean.pow(2).sum((1, 2)) * xf.shape[1]
+    return num / xf.pow(2).sum((1, 2)).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 class Deescalate(nn.Module):
+    """``x - lambda * mean_tokens(x)``; the prefix mean if ``causal`` (x of shape B, T, d)."""
+
     def __init__(self, lambda_: float = 1.0, learnable: bool = False, causal: bool = False):
         super().__init__()
         self.causal = causal
@@ -28,6 +54,8 @@ class Deescalate(nn.Module):
         """Mean over the token dims (all but batch and width), prefix mean if causal."""
         xf = x.float()
         if self.causal:
+            if x.dim() != 3:
+                raise ValueError(f"causal de-escalation needs (batch, tokens, width), got {tuple(x.shape)}")
             count = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float32)
             return xf.cumsum(1) / count.view(-1, *([1] * (x.dim() - 2)))
         return xf.mean(dim=tuple(range(1, x.dim() - 1)), keepdim=True)
@@ -40,7 +68,8 @@ class Deescalate(nn.Module):
 
 
 def make_deescalate(cfg, model_causal: bool) -> tuple[str, nn.Module | None]:
-    """``(placement, module)``: placement ``block`` (end of block) or ``ffn`` (FFN input)."""
+    """``(placement, module)`` for ``cfg`` (``deescalate`` group): placement ``none``, ``block``
+    (end of block) or ``ffn`` (FFN input). ``cfg.causal`` null follows the model."""
     name = _enum(cfg.name)
     if name == "none":
         return "none", None

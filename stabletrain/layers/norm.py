@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
@@ -14,8 +12,14 @@ class StableNorm(nn.Module):
     """``gamma * d^alpha * x / sqrt(||x||^2 + eps)`` over the last dim (004 Eq. 2).
 
     ``alpha`` in [0, 0.5]: the output norm is ``d^alpha`` (times gamma); 0.5 is RMSNorm up to
-    where eps enters. ``eps_mode='sqrt'`` follows the text (eps inside the root, 004 l.200);
-    ``'add'`` is the demo's ``||x|| + eps`` (004 l.997-1005).
+    where eps enters (here ``eps`` sits beside ``||x||^2``, RMSNorm's beside ``mean(x^2)``, so
+    StableNorm(alpha=0.5, eps) equals RMSNorm(eps / d)). ``alpha`` outside [0, 0.5] raises
+    :class:`ConfigError`.
+
+    ``eps_mode`` (SPEC section 5 decision): ``'sqrt'`` (default) follows the text, eps inside
+    the root (004 l.200); ``'add'`` is the demo's ``||x|| + eps`` (004 l.997-1005). A zero
+    input (the first causal token after complete de-escalation, SPEC section 3) maps to 0
+    with a finite gradient in both modes. Computed in fp32 under autocast.
     """
 
     def __init__(self, dim: int, alpha: float = 0.5, eps: float = 1e-5, eps_mode: str = "sqrt",
@@ -36,7 +40,8 @@ class StableNorm(nn.Module):
         if self.eps_mode == "sqrt":
             y = xf * torch.rsqrt(sq + self.eps)
         else:
-            y = xf / (sq.sqrt() + self.eps)
+            # vector_norm's backward is 0 at x = 0 where sqrt(sum x^2) would give NaN
+            y = xf / (torch.linalg.vector_norm(xf, dim=-1, keepdim=True) + self.eps)
         y = (y * self.scale).to(x.dtype) * self.weight
         return y + self.bias if self.bias is not None else y
 
@@ -45,11 +50,16 @@ class StableNorm(nn.Module):
 
 
 def _enum(v) -> str:
+    """The string value of a config enum (or of a plain string)."""
     return str(getattr(v, "value", v))
 
 
-def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5) -> nn.Module:
-    """The norm ``cfg.name`` of width ``dim``.
+def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5, **_factory_kwargs) -> nn.Module:
+    """The norm ``cfg.name`` of width ``dim`` (``norm`` config group, SPEC section 5).
+
+    ``layernorm`` (torch), ``rmsnorm`` (torch ``nn.RMSNorm``, eps ``cfg.eps``), ``stablenorm``
+    (:class:`StableNorm`, ``cfg.alpha``, ``cfg.eps``, ``cfg.eps_mode``) or ``none`` (identity;
+    only sensible with ``reparam=sigma``, which allows removing LN, 001 l.395).
 
     ``ln_eps`` is the model family's LayerNorm eps (timm ViT 1e-6, Swin and nanoGPT 1e-5), kept
     so the default models stay identical to their reference; ``cfg.eps`` applies to rmsnorm and

@@ -9,11 +9,10 @@ computes exactly timm's.
 
 from __future__ import annotations
 
-from functools import partial
-
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import Tensor, nn
 
+from stabletrain.config import ConfigError
 from stabletrain.layers.attention import SwinAttention
 from stabletrain.layers.deescalate import make_deescalate
 from stabletrain.layers.norm import _enum, make_norm
@@ -22,8 +21,9 @@ from stabletrain.layers.norm import _enum, make_norm
 class SwinBlock(SwinTransformerBlock):
     """timm's Swin block with a post-norm option and de-escalation; tokens are (B, H, W, C)."""
 
-    post = False
-    deesc_at, deesc = "none", None
+    # ``post``, ``deesc_at`` and ``deesc`` are set per instance by :func:`build_swin`. A
+    # class-level ``deesc = None`` would shadow the registered submodule (nn.Module looks
+    # submodules up only when normal attribute lookup fails).
 
     def forward(self, x: Tensor) -> Tensor:
         b, h, w, c = x.shape
@@ -44,15 +44,38 @@ class SwinBlock(SwinTransformerBlock):
         return x
 
 
+def _drop_norms(model: nn.Module) -> None:
+    """``norm=none``: replace every LayerNorm by the identity after construction.
+
+    timm's block reads ``norm1.weight`` to place its shift mask while it is built, so the
+    model is built with LayerNorms first; they all come from ``norm_layer`` and draw no random
+    numbers, so dropping them leaves every other tensor as built.
+    """
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.LayerNorm):
+                setattr(parent, name, nn.Identity())
+
+
 def build_swin(cfg) -> SwinTransformer:
     m = cfg.model
+    if m.act != "gelu":
+        raise ConfigError(f"model.act={m.act}: timm's Swin has a GELU MLP only")
+    no_norm = _enum(cfg.norm.name) == "none"
+
+    def norm_layer(dim: int, **_factory_kwargs) -> nn.Module:
+        if no_norm:
+            return nn.LayerNorm(dim, eps=1e-5)
+        return make_norm(cfg.norm, dim, ln_eps=1e-5)
+
     model = SwinTransformer(
         img_size=m.img_size, patch_size=m.patch_size, in_chans=m.in_chans, num_classes=m.num_classes,
         embed_dim=m.embed_dim, depths=tuple(m.depths), num_heads=tuple(m.stage_heads),
         window_size=m.window_size, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
-        drop_path_rate=m.drop_path, norm_layer=partial(make_norm, cfg.norm, ln_eps=1e-5),
-        act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
+        drop_path_rate=m.drop_path, norm_layer=norm_layer,
     )
+    if no_norm:
+        _drop_norms(model)
     post = _enum(cfg.norm.placement) == "post"
     for blk in (b for b in model.modules() if isinstance(b, SwinTransformerBlock)):
         blk.attn = SwinAttention.from_timm(blk.attn, attn_cfg=cfg.attention, norm_cfg=cfg.norm,

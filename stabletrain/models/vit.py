@@ -17,7 +17,10 @@ def build_vit(cfg) -> VisionTransformer:
     m = cfg.model
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)
     post = _enum(cfg.norm.placement) == "post"
-    norm_layer = partial(make_norm, cfg.norm, ln_eps=LN_EPS)
+
+    def norm_layer(dim: int, **_factory_kwargs) -> nn.Module:  # timm unbinds partials' positional args
+        return make_norm(cfg.norm, dim, ln_eps=LN_EPS)
+
     block_fn = partial(Block, components=cfg, seq_len=tokens, causal=False, ln_eps=LN_EPS,
                        mlp_hidden=m.mlp_hidden)
     model = VisionTransformer(

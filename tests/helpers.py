@@ -1,0 +1,47 @@
+"""Shared test helpers: compose a config the way train.py does, run a short training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from stabletrain.config import register
+
+ROOT = Path(__file__).resolve().parent.parent
+QUIET = ["logger=none", "monitor=off", "logger.progress=false"]
+
+
+def make_cfg(*overrides: str):
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def train(run_dir: Path, *overrides: str, quiet: bool = True) -> dict:
+    """Train in-process; returns the summary."""
+    from stabletrain.run import run
+
+    cfg = make_cfg(*((QUIET if quiet else []) + list(overrides)))
+    return run(cfg, run_dir)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    e = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=e,
+                          capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,126 @@
+"""The loop: determinism, resume, divergence, interruption, run-directory contents."""
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.helpers import losses, train
+
+FAST = ["model=vit_test", "batch_size=16", "eval_every=1000", "logger.log_every=1"]
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
+
+
+def test_run_directory_contents(tmp_path):
+    s = train(tmp_path, *FAST, "steps=4", "eval_every=2")
+    assert s["status"] == "completed" and s["step"] == 4
+    for f in ("metrics.jsonl", "summary.json", "config.yaml", "checkpoints/last.pt"):
+        assert (tmp_path / f).is_file(), f
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "lr"} <= set(recs[0]) and any("val/acc" in r for r in recs)
+    ck = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)
+    assert ck["step"] == 4 and {"model", "optimizer", "rng", "config"} <= set(ck)
+
+
+@pytest.mark.parametrize("family", [FAST, GPT])
+def test_same_seed_same_curve(tmp_path, family):
+    train(tmp_path / "a", *family, "steps=5")
+    train(tmp_path / "b", *family, "steps=5")
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+@pytest.mark.parametrize("extra", [
+    ["optim=adamw2"], ["optim=adamw", "model.drop_path=0.1"], ["optim=sgd", "grad_clip=1.0"],
+])
+def test_resume_continues_identically(tmp_path, extra):
+    args = FAST + extra
+    train(tmp_path / "full", *args, "steps=8")
+    # Stop after 4 of 8 steps (same schedule horizon), then resume and finish.
+    from tests.helpers import make_cfg, QUIET
+    from stabletrain.engine.loop import Trainer
+
+    cfg = make_cfg(*QUIET, *args, "steps=8", "ckpt_every=4")
+    t = Trainer(cfg, tmp_path / "half")
+    _run_until(t, 4)
+    s = train(tmp_path / "half", *args, "steps=8", "resume=auto")
+    assert s["status"] == "completed"
+    full, half = losses(tmp_path / "full"), losses(tmp_path / "half")
+    assert sorted(half) == sorted(full)
+    for k in full:
+        assert half[k] == pytest.approx(full[k], rel=1e-6, abs=1e-7), k
+
+
+def _run_until(trainer, n):
+    """Run a trainer and stop it after ``n`` steps as an interruption would."""
+    orig = trainer.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if trainer.step + 1 == n:
+            trainer.stop_signal = signal.SIGTERM
+        return out
+
+    trainer.train_step = step
+    s = trainer.fit()
+    assert s["status"] == "interrupted" and s["step"] == n
+    return s
+
+
+def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
+    from tests.helpers import make_cfg, QUIET
+    from stabletrain.engine.loop import Trainer
+
+    cfg = make_cfg(*QUIET, *GPT, "steps=1000")
+    t = Trainer(cfg, tmp_path)
+    orig = t.train_step
+    calls = []
+
+    def step(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return orig(*a, **k)
+
+    t.train_step = step
+    s = t.fit()
+    assert s["status"] == "interrupted" and "SIGTERM" in s["reason"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"] == s["step"]
+
+
+def test_huge_lr_diverges_cleanly(tmp_path):
+    s = train(tmp_path, *GPT, "steps=60", "optim=sgd", "optim.lr=1e4", "optim.momentum=0.0")
+    assert s["status"] == "diverged"
+    assert s["reason"] and ("non-finite" in s["reason"] or "above" in s["reason"])
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
+    assert s["step"] < 60
+
+
+def test_divergence_watch_spike_window():
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0)))
+    for s in range(10):
+        assert w.update(s, 1.0) is None
+    assert w.update(10, 5.0) is None and w.update(11, 5.0) is None
+    assert w.update(12, 1.0) is None  # recovered: the window restarts
+    assert w.update(13, 5.0) is None and w.update(14, 5.0) is None
+    assert "stayed above" in w.update(15, 5.0)
+    assert "non-finite" in w.update(16, math.nan)
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path):
+    train(tmp_path / "a", *GPT, "steps=3", "optim=sgd")
+    train(tmp_path / "b", *GPT, "steps=3", "optim=sgd", "micro_batch_size=2")
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5)
+
+

@@ -1,0 +1,62 @@
+"""Default models are the references: timm's own ViT/Swin, GPT-2's parameter count."""
+
+import pytest
+import timm
+import torch
+
+from stabletrain.models.registry import build_model, transformer_blocks
+from tests.helpers import make_cfg
+
+
+@pytest.mark.parametrize("ours,timm_name,kw", [
+    ("vit_b", "vit_base_patch16_224", {}),
+    ("vit_test", "vit_tiny_patch16_224", dict(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)),
+    ("swin_t", "swin_tiny_patch4_window7_224", {}),
+])
+def test_default_vision_models_are_timms(ours, timm_name, kw):
+    cfg = make_cfg(f"model={ours}", "model.drop_path=0.0")
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    ref = timm.create_model(timm_name, pretrained=False, num_classes=1000, **kw).eval()
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert [type(m).__name__ for m in model.modules()].count("Mlp") == [type(m).__name__ for m in ref.modules()].count("Mlp")
+    ref.load_state_dict(model.state_dict())
+    size = cfg.model.img_size
+    x = torch.randn(2, 3, size, size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_s_has_gpt2_parameter_count():
+    cfg = make_cfg("model=gpt2_s")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    n = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
+    # GPT-2 124M: 12 x (12 d^2) + (50304 + 1024) d + norms; nanoGPT's bias=False variant
+    d = 768
+    expected = 12 * (12 * d * d + 2 * d) + (50304 + 1024) * d + d
+    assert n == expected
+    assert 123e6 < n < 125e6
+
+
+def test_gpt_is_causal():
+    cfg = make_cfg("model=gpt_test")
+    model = build_model(cfg).eval()
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 7) % 256
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("name,count", [("vit_test", 2), ("swin_test", 2), ("gpt_test", 2), ("vit_b", 12)])
+def test_transformer_blocks_found(name, count):
+    cfg = make_cfg(f"model={name}")
+    with torch.device("meta"):
+        model = build_model(cfg)
+    blocks = transformer_blocks(model)
+    assert len(blocks) == count
+    for _, b in blocks:
+        assert hasattr(b.attn, "qkv") and hasattr(b.mlp, "fc1")
