@@ -16,9 +16,18 @@ from stabletrain.layers.norm import _enum
 
 
 def _clean(v):
+    """JSON has no NaN/inf: write them as strings ("nan", "inf"), recursively."""
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no NaN/inf
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
     return v
+
+
+def write_json(path: Path, obj) -> None:
+    Path(path).write_text(json.dumps(_clean(obj), indent=2, default=str))
 
 
 class Metrics:

@@ -1,12 +1,25 @@
-"""Process topology from the launcher's environment (torchrun, or srun under SLURM)."""
+"""Process topology from the launcher's environment, and the few collectives the loop needs.
+
+One process per device. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK and the rendezvous address;
+srun (one task per GPU, also how submitit starts multi-task jobs) sets SLURM_PROCID,
+SLURM_STEP_NUM_TASKS and SLURM_LOCALID, and the rendezvous address is derived here from the
+step's node list. Everything else in a DDP run needs no communication beyond DDP's gradient
+all-reduce: see docs/distributed.md for which numbers are identical on every rank and why.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+DEFAULT_PORT = 29500
+_cpu_group = None  # a gloo group for host-side flags when the main backend is NCCL
 
 
 @dataclass
@@ -25,38 +38,108 @@ class DistInfo:
 
 
 def detect() -> DistInfo:
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; srun sets SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID."""
+    """This process's place in the job, from torchrun's or srun's environment."""
     env = os.environ
-    if "WORLD_SIZE" in env:
+    if "WORLD_SIZE" in env:  # torchrun, including one torchrun per node started by srun
         return DistInfo(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env and "MASTER_ADDR" in env:
-        return DistInfo(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)))
+    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also sees
+    # SLURM_NTASKS and SLURM_PROCID=0 but is one process, so it must not count as rank 0 of N.
+    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
+    if tasks > 1 and "SLURM_PROCID" in env:
+        return DistInfo(int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", 0)))
     return DistInfo()
 
 
+def under_slurm() -> bool:
+    return "SLURM_JOB_ID" in os.environ
+
+
+def under_submitit() -> bool:
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
+def first_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``scontrol show hostnames`` when there is one, else
+    the simple forms ``node07``, ``gpu[03-06,9]`` and ``a1,b2`` are read here."""
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}; set MASTER_ADDR")
+    prefix, ranges = m.groups()
+    return prefix if ranges is None else prefix + re.split(r"[-,]", ranges)[0]
+
+
+def slurm_rendezvous(env=os.environ) -> dict[str, str]:
+    """MASTER_ADDR/MASTER_PORT for a job started by srun, unless the user set them.
+
+    The port is derived from the job id so that two jobs sharing a node do not collide;
+    every task of one job computes the same value.
+    """
+    out = {}
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise RuntimeError("srun started several tasks but SLURM_JOB_NODELIST is unset; set MASTER_ADDR")
+        out["MASTER_ADDR"] = first_host(nodes)
+    if "MASTER_PORT" not in env:
+        job = re.sub(r"\D", "", env.get("SLURM_JOB_ID", ""))
+        out["MASTER_PORT"] = str(20000 + int(job) % 20000 if job else DEFAULT_PORT)
+    return out
+
+
 def init(info: DistInfo, device: torch.device) -> None:
+    """Join the process group: NCCL on GPUs, gloo on CPU."""
+    global _cpu_group
     if not info.enabled or dist.is_initialized():
         return
-    os.environ.setdefault("RANK", str(info.rank))
-    os.environ.setdefault("WORLD_SIZE", str(info.world))
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "WORLD_SIZE" not in os.environ:  # srun: torch's env:// rendezvous reads these
+        os.environ.update(slurm_rendezvous())
+        os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world), LOCAL_RANK=str(info.local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world, **kwargs)
+    _cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
 
 def broadcast_object(obj, info: DistInfo):
+    """Rank 0's ``obj`` on every rank (picklable objects, sent once)."""
     if not info.enabled:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_cpu_group)
     return box[0]
+
+
+def agree_on_signal(signum: int | None, info: DistInfo) -> int | None:
+    """The stop signal any rank has caught, on every rank, so all stop after the same step.
+
+    A signal can reach the ranks at different moments (or only some of them); stopping on
+    local knowledge would leave the others waiting in the next step's all-reduce. This is a
+    host-side all-reduce of one integer on a gloo group: it never waits for the GPU.
+    """
+    if not info.enabled:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_cpu_group)
+    return int(flag.item()) or None
 
 
 def barrier(info: DistInfo) -> None:
     if info.enabled:
-        dist.barrier()
+        dist.barrier(group=_cpu_group)
 
 
 def shutdown(info: DistInfo) -> None:
+    global _cpu_group
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+    _cpu_group = None

@@ -9,7 +9,6 @@ divergence is checked step by step, so a healthy run does not sync every step.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import time
@@ -23,10 +22,16 @@ from torch import nn
 from stabletrain.config import ConfigError
 from stabletrain.data import Data, Shard, build_data
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import last_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from stabletrain.engine.checkpoint import (
+    last_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.layers.norm import _enum
-from stabletrain.metrics import Metrics
+from stabletrain.metrics import Metrics, write_json
 from stabletrain.models.registry import build_model
 
 
@@ -219,13 +224,26 @@ class Trainer:
         D.barrier(self.info)
 
     def maybe_resume(self) -> int | None:
+        """Load ``resume`` (auto: the run dir's last.pt) on every rank; returns its step.
+
+        Under SLURM or submitit a run resumes by itself when its run dir holds a checkpoint
+        of the same config: that is how a requeued job continues (docs/distributed.md).
+        """
         r = self.cfg.resume
-        if r is None:
+        requeued = r is None and (D.under_slurm() or D.under_submitit())
+        if r is None and not requeued:
             return None
-        path = last_checkpoint(self.run_dir) if r == "auto" else Path(r)
+        path = last_checkpoint(self.run_dir) if r in (None, "auto") else Path(r)
+        path = D.broadcast_object(path, self.info)  # rank 0's view of the shared filesystem decides
         if path is None:
             return None
         ck = load_checkpoint(path, map_location=self.device)
+        if requeued:
+            saved, mine = (OmegaConf.to_container(OmegaConf.create(y))
+                           for y in (ck["config"], OmegaConf.to_yaml(self.cfg, resolve=True)))
+            if {**saved, "resume": None} != {**mine, "resume": None}:
+                raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
+                                  f"continue it anyway, or give this run its own hydra.run.dir")
         self.model.load_state_dict(ck["model"])
         self.optimizer.load_state_dict(ck["optimizer"])
         self.divergence.load_state_dict(ck["divergence"])
@@ -241,8 +259,10 @@ class Trainer:
         def handler(signum, _frame):
             self.stop_signal = signum
 
+        # SIGUSR1 is the usual preemption warning of a plain sbatch script (--signal=USR1@90),
+        # SIGUSR2 submitit's; SIGTERM comes from torchrun, SLURM's kill and scancel.
         old = {}
-        for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", None)):
+        for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGUSR1", None), getattr(signal, "SIGUSR2", None)):
             if s is not None:
                 try:
                     old[s] = signal.signal(s, handler)
@@ -265,6 +285,8 @@ class Trainer:
         m.message(self.group_summary)
         if resumed is not None:
             m.message(f"resumed from step {resumed}")
+        if self.monitor is not None and resumed is None:
+            self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
         old_handlers = self._install_signals()
         status, reason = "completed", None
         stream = self.data.train_iter(self.step, self.shard)
@@ -314,6 +336,7 @@ class Trainer:
                 if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
                     last_vals = self.evaluate()
                     m.log(self.step, last_vals)
+                self.stop_signal = D.agree_on_signal(self.stop_signal, self.info)
                 if self.stop_signal is not None:
                     status = "interrupted"
                     reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
@@ -335,7 +358,7 @@ class Trainer:
         if self.monitor is not None:
             summary.update(self.monitor.summary(status))
         if main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            write_json(self.run_dir / "summary.json", summary)
             m.message(f"{status} at step {self.step}" + (f": {reason}" if reason else "")
                       + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         m.close()

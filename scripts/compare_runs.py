@@ -1,0 +1,32 @@
+"""Overlay the health curves of several runs, labelled by directory name.
+
+    python scripts/compare_runs.py outputs/run_a outputs/run_b ... [--out DIR]
+
+Panels: training loss, validation metric, learning rate, max over blocks of
+sigma1(W_q^T W_k), min over blocks of the attention entropy; a diverged run's step is marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stabletrain.monitor.plots import compare_runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
+    ap.add_argument("--out", default="compare_plots", help="output folder (default ./compare_plots)")
+    args = ap.parse_args(argv)
+    paths = compare_runs(args.run_dirs, args.out)
+    for p in paths:
+        print(p)
+    return 0 if paths else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

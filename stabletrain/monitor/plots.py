@@ -1,0 +1,562 @@
+"""The papers' training-dynamics figures from a run directory (``metrics.jsonl`` + ``summary.json``).
+
+Used by ``scripts/plot_dynamics.py`` (one run) and ``scripts/compare_runs.py`` (several).
+``metrics.jsonl`` holds one JSON object per line with ``step`` and any subset of the metric
+names of :mod:`stabletrain.monitor.names`; metrics come at different cadences, so every
+metric is its own ``(steps, values)`` series. A figure whose metrics are absent is skipped
+with a printed note. Figures:
+
+- ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
+- ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
+- ``entropy.png``: attention entropy per layer (001 Fig. 2/3) and the Theorem 3.1 bound;
+- ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
+- ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
+- ``token_similarity.png``: token similarity against depth and step (002);
+- ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import matplotlib.ticker
+import numpy as np
+from matplotlib.lines import Line2D
+
+from stabletrain.monitor import names as N
+
+Series = tuple[np.ndarray, np.ndarray]  # steps, values (sorted by step)
+
+_STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3,
+          "legend.fontsize": 7, "figure.dpi": 110}
+
+
+def _styled(fn):
+    """Draw under this module's style without changing the importer's matplotlib defaults."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with plt.rc_context(_STYLE):
+            return fn(*args, **kwargs)
+    return wrapper
+
+# quantities spanning decades (a crash multiplies them by 10-100, 000 l.97) get a log axis
+_LOG_QUANTITIES = {N.WQ_T_WK_FULL, N.WO_WV_FULL, N.W2_W1, N.ACT_X, N.ACT_GRAD_X}
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    metrics: dict[str, Series]
+    summary: dict | None
+
+    def has(self, name: str) -> bool:
+        return name in self.metrics
+
+    def get(self, name: str) -> Series | None:
+        return self.metrics.get(name)
+
+    @property
+    def diverged_step(self) -> int | None:
+        s = self.summary or {}
+        return s.get("step") if s.get("status") == "diverged" else None
+
+
+def read_metrics(path: Path) -> dict[str, Series]:
+    """``metrics.jsonl`` as one series per metric; unreadable lines (a crash mid-write) and
+    non-numeric values are skipped, NaN/Inf kept (plots mask them)."""
+    raw: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    with open(path) as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("step"), (int, float)):
+                continue
+            step = obj["step"]
+            for key, value in obj.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    raw[key].append((step, float(value)))
+    out = {}
+    for key, pts in raw.items():
+        arr = np.array(sorted(pts, key=lambda p: p[0]), dtype=float)
+        out[key] = (arr[:, 0], arr[:, 1])
+    return out
+
+
+def load_run(run_dir: str | Path) -> Run:
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.exists():
+        raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a run directory?")
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return Run(run_dir.resolve().name, run_dir, read_metrics(metrics_path), summary)
+
+
+def select_blocks(all_blocks: list[str], spec: str | None) -> list[str]:
+    """``--blocks``: comma-separated depth positions (``0,2,4``; negative counts from the end)
+    or block names. Default: every block up to 8, else 7 spread from first to last, as
+    000 Fig. 1 shows blocks {0, 2, 4, 6, 8, 10, 11} of 12."""
+    if not all_blocks:
+        return []
+    if spec:
+        chosen = []
+        for tok in (t.strip() for t in spec.split(",") if t.strip()):
+            if re.fullmatch(r"-?\d+", tok) and -len(all_blocks) <= int(tok) < len(all_blocks):
+                chosen.append(all_blocks[int(tok)])
+            elif tok in all_blocks:
+                chosen.append(tok)
+            else:
+                print(f"note: block {tok!r} not in this run (blocks: {', '.join(all_blocks)})")
+        return list(dict.fromkeys(chosen))
+    if len(all_blocks) <= 8:
+        return list(all_blocks)
+    idx = np.unique(np.round(np.linspace(0, len(all_blocks) - 1, 7)).astype(int))
+    return [all_blocks[i] for i in idx]
+
+
+# --- drawing helpers -------------------------------------------------------------------
+
+
+def _finite(series: Series) -> Series:
+    x, y = series
+    ok = np.isfinite(y)
+    return x[ok], y[ok]
+
+
+def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
+    """Plot the finite (and, on a log axis, positive) points; False when nothing is left."""
+    if series is None:
+        return False
+    x, y = _finite(series)
+    if logy:
+        keep = y > 0
+        x, y = x[keep], y[keep]
+    if len(x) == 0:
+        return False
+    style = {"marker": "." if len(x) < 30 else None, "ms": 3, "lw": 1.2}
+    ax.plot(x, y, **{**style, **kw})
+    if logy:
+        ax.set_yscale("log")
+        # plain-text labels: mathtext tick labels are slow to lay out; minor ticks are
+        # labelled only when the axis spans less than a decade, so that it still has numbers
+        ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False,
+                                                                    minor_thresholds=(1, 0.4)))
+    return True
+
+
+def _mark_divergence(ax, run: Run) -> None:
+    step = run.diverged_step
+    if step is not None:
+        ax.axvline(step, color="red", ls=":", lw=1)
+
+
+def _depth_colors(n: int):
+    cmap = plt.get_cmap("viridis")
+    return [cmap(i / max(n - 1, 1)) for i in range(n)]
+
+
+def _depth_legend_or_bar(fig, ax, blocks: list[str]) -> None:
+    """A legend for a few layers, a depth colour bar for many."""
+    if len(blocks) <= 8:
+        ax.legend(loc="best")
+        return
+    handles, labels = ax.get_legend_handles_labels()
+    extra = [(h, lab) for h, lab in zip(handles, labels) if lab not in blocks]
+    if extra:  # reference lines keep their legend
+        ax.legend(*zip(*extra), loc="best")
+    sm = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(0, len(blocks) - 1))
+    cb = fig.colorbar(sm, ax=ax, pad=0.01)
+    cb.set_label(f"depth ({blocks[0]} .. {blocks[-1]})")
+
+
+def _title(run: Run, what: str) -> str:
+    status = ""
+    if run.summary:
+        status = f" [{run.summary.get('status', '?')}"
+        if run.diverged_step is not None:
+            status += f" at step {run.diverged_step}"
+        status += "]"
+    return f"{run.name}{status}: {what}"
+
+
+def _save(fig, out_dir: Path, name: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / name
+    fig.savefig(path)  # every figure calls tight_layout; a "tight" bbox would draw it twice
+    plt.close(fig)
+    return path
+
+
+def _skip(what: str, why: str) -> None:
+    print(f"note: skipping {what}: {why}")
+
+
+def _blocks_with(run: Run, group: str, quantity: str | None) -> list[str]:
+    return [b for b in N.blocks_in(run.metrics) if run.has(N.metric(group, b, quantity))]
+
+
+def _few_steps(steps: np.ndarray, k: int = 5) -> list[float]:
+    """Up to ``k`` steps spread over the run, the last included."""
+    steps = np.unique(steps)
+    if len(steps) <= k:
+        return list(steps)
+    return list(steps[np.unique(np.round(np.linspace(0, len(steps) - 1, k)).astype(int))])
+
+
+def _value_at(series: Series, step: float) -> float:
+    x, y = series
+    hit = np.nonzero(x == step)[0]
+    return float(y[hit[-1]]) if len(hit) else math.nan
+
+
+# --- figures of one run ----------------------------------------------------------------
+
+
+@_styled
+def plot_training(run: Run, out_dir: Path) -> Path | None:
+    panels = [(N.LOSS, "training loss", True), (N.VAL_LOSS, "validation loss", True),
+              (N.VAL_ACC, "validation accuracy", False), (N.LR, "scheduled learning rate", False),
+              (N.GRAD_NORM, "gradient norm (before clipping)", True),
+              (N.FRAC_BOUNDED, "AdamW²: fraction of tensors at the bound", False)]
+    panels = [p for p in panels if run.has(p[0])]
+    if not panels:
+        _skip("training.png", "no loss/lr/grad_norm/val metrics")
+        return None
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, (name, title, logy) in zip(axes.flat, panels):
+        _line(ax, run.get(name), logy=logy)
+        _mark_divergence(ax, run)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(name)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(_title(run, "training curves"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "training.png")
+
+
+@_styled
+def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
+    """000 Fig. 1: one panel per Eq. 1 quantity of ``block`` (absent ones say so), plus the loss."""
+    present = [q for q in N.FIFTEEN if run.has(N.metric(q.group, block, q.quantity))]
+    if not present:
+        _skip(f"dynamics of {block}", "none of the 15 quantities logged")
+        return None
+    fig, axes = plt.subplots(4, 4, figsize=(15, 11))
+    for ax, q in zip(axes.flat, N.FIFTEEN):
+        logy = q.quantity in _LOG_QUANTITIES
+        ok = _line(ax, run.get(N.metric(q.group, block, q.quantity)), logy=logy, label="full width")
+        # beside the paper's full-width product, the largest single head (SPEC section 7)
+        per_head = {N.WQ_T_WK_FULL: N.WQ_T_WK_MAX, N.WO_WV_FULL: N.WO_WV_MAX}.get(q.quantity)
+        if per_head and _line(ax, run.get(N.metric(q.group, block, per_head)), logy=logy,
+                              ls="--", label="max over heads"):
+            ax.legend(loc="best")
+            ok = True
+        if not ok:
+            ax.text(0.5, 0.5, "not logged\n(e.g. no norm bias)", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+        _mark_divergence(ax, run)
+        ax.set_title(q.label)
+        ax.set_xlabel("step")
+    ax = axes.flat[15]
+    _line(ax, run.get(N.LOSS), logy=True, color="black")
+    _mark_divergence(ax, run)
+    ax.set_title("training loss (context)")
+    ax.set_xlabel("step")
+    n = len({q.quantity for q in present})
+    fig.suptitle(_title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged)"), fontsize=12)
+    fig.tight_layout()
+    return _save(fig, out_dir, f"dynamics_{block}.png")
+
+
+@_styled
+def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
+    """001 Fig. 2/3: attention entropy per layer; Theorem 3.1's bound beside the minimum."""
+    layers = _blocks_with(run, N.ENTROPY, N.ENT_MEAN) or _blocks_with(run, N.ENTROPY, N.ENT_MIN)
+    if not layers:
+        _skip("entropy.png", "no entropy/<block>/mean or min metrics")
+        return None
+    bound_blocks = [b for b in blocks if run.has(N.metric(N.ENTROPY, b, N.ENT_BOUND_MIN))]
+    ncols = 3 if bound_blocks else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.0), squeeze=False)
+    axes = axes[0]
+    colors = _depth_colors(len(layers))
+    for ax, quantity, title in ((axes[0], N.ENT_MEAN, "mean over heads"),
+                                (axes[1], N.ENT_MIN, "min over heads")):
+        for b, c in zip(layers, colors):
+            _line(ax, run.get(N.metric(N.ENTROPY, b, quantity)), color=c, label=b)
+        ref = run.get(N.metric(N.ENTROPY, layers[0], N.ENT_LOG_T))
+        if ref is not None:
+            ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1,
+                       label="uniform attention (log T)")
+        _mark_divergence(ax, run)
+        ax.set_title(f"attention entropy, {title}")
+        ax.set_xlabel("step")
+        ax.set_ylabel("entropy (nats)")
+        _depth_legend_or_bar(fig, ax, layers)
+    if bound_blocks:
+        ax = axes[2]
+        handles = []
+        for b, c in zip(bound_blocks, _depth_colors(len(bound_blocks))):
+            _line(ax, run.get(N.metric(N.ENTROPY, b, N.ENT_MIN)), color=c)
+            _line(ax, run.get(N.metric(N.ENTROPY, b, N.ENT_BOUND_MIN)), color=c, ls=":")
+            handles.append(Line2D([], [], color=c, label=b))
+        handles += [Line2D([], [], color="gray", label="measured (min over heads)"),
+                    Line2D([], [], color="gray", ls=":", label="bound (min over heads)")]
+        _mark_divergence(ax, run)
+        ax.set_title("min entropy vs Theorem 3.1 lower bound")
+        ax.set_xlabel("step")
+        ax.set_ylabel("entropy (nats)")
+        ax.legend(handles=handles, loc="best")
+    fig.suptitle(_title(run, "attention entropy"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "entropy.png")
+
+
+def _sec_curve(run: Run, block: str) -> dict[int, Series]:
+    out = {}
+    for name, series in run.metrics.items():
+        p = N.parse(name)
+        if p and p.group == N.SEC and p.block == block and p.quantity and p.quantity[1:].isdigit():
+            out[int(p.quantity[1:])] = series
+    return dict(sorted(out.items()))
+
+
+@_styled
+def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
+    """000 Fig. 4: ``SEC(d_h, s)`` against ``s`` at a few steps, per selected block."""
+    curves = {b: c for b in blocks if (c := _sec_curve(run, b))}
+    if not curves:
+        _skip("sec.png", "no sec/<block>/s<k> metrics for the selected blocks")
+        return None
+    n = len(curves)
+    cols = min(4, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 3.2 * rows), squeeze=False)
+    cmap = plt.get_cmap("plasma")
+    for ax, (block, curve) in zip(axes.flat, curves.items()):
+        sizes = list(curve)
+        d_h = sizes[-1]
+        steps = _few_steps(np.concatenate([s[0] for s in curve.values()]))
+        for i, step in enumerate(steps):
+            ys = [_value_at(curve[s], step) for s in sizes]
+            ax.plot(sizes, ys, marker="o", ms=3, color=cmap(0.85 * i / max(len(steps) - 1, 1)),
+                    label=f"step {int(step)}")
+        ax.axhline(0.99, color="red", ls=":", lw=1, label="99% (crash signature)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([str(s) for s in sizes])
+        ax.set_ylim(0, 1.03)
+        ax.set_xlabel("s (top singular directions)")
+        ax.set_ylabel(f"SEC({d_h}, s)")
+        ax.set_title(f"{block}: max over heads")
+        ax.legend(loc="lower right")
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    fig.suptitle(_title(run, r"spectral energy concentration of $W_q^{h\top} W_k^h$"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "sec.png")
+
+
+def _split_param(param: str) -> tuple[str, str]:
+    """``blocks.3.attn.qkv.weight`` -> (``blocks.3``, ``attn.qkv.weight``); at the last
+    ``.<int>.`` so that ``layers.1.blocks.0.mlp.fc1.weight`` splits after ``blocks.0``."""
+    m = re.match(r"^(.*\.\d+)\.(.+)$", param)
+    return (m.group(1), m.group(2)) if m else ("", param)
+
+
+@_styled
+def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
+    """000 App. M: AdamW²'s actual learning rate per bounded tensor, one panel per kind of
+    tensor with a line per block, the scheduled rate dashed."""
+    prefix = N.adamw2_lr_eff("")
+    params = [k[len(prefix):] for k in run.metrics if k.startswith(prefix)]
+    if not params:
+        _skip("adamw2_lr.png", "no adamw2/lr_eff/<param> metrics (not an AdamW² run?)")
+        return None
+    kinds: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for p in N.natural_sorted(params):
+        block, kind = _split_param(p)
+        kinds[kind].append((block, p))
+    # the most populated kinds first (per-block matrices), singletons (embeddings) last
+    order = sorted(kinds, key=lambda k: (-len(kinds[k]), k))[:12]
+    cols = min(4, len(order))
+    rows = math.ceil(len(order) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.1 * rows), squeeze=False)
+    for ax, kind in zip(axes.flat, order):
+        entries = kinds[kind]
+        colors = _depth_colors(len(entries))
+        for (block, p), c in zip(entries, colors):
+            _line(ax, run.get(N.adamw2_lr_eff(p)), logy=True, color=c, label=block or p)
+        _line(ax, run.get(N.LR), logy=True, color="black", ls="--", lw=1, label="scheduled lr")
+        _mark_divergence(ax, run)
+        ax.set_title(kind)
+        ax.set_xlabel("step")
+        ax.set_ylabel("actual lr")
+        if len(entries) <= 6:
+            ax.legend(loc="best")
+        else:
+            ax.text(0.02, 0.02, f"{len(entries)} blocks, dark = shallow, yellow = deep",
+                    transform=ax.transAxes, fontsize=7, color="dimgray")
+    for ax in list(axes.flat)[len(order):]:
+        ax.set_visible(False)
+    fig.suptitle(_title(run, "AdamW² actual learning rate per tensor"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "adamw2_lr.png")
+
+
+@_styled
+def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
+    """002: token similarity ``||PX||^2/||X||^2`` against depth at a few steps and against step."""
+    layers = _blocks_with(run, N.TOKEN_SIM, None)
+    if not layers:
+        _skip("token_similarity.png", "no token_sim/<block> metrics")
+        return None
+    series = [run.get(N.metric(N.TOKEN_SIM, b)) for b in layers]
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = _few_steps(np.concatenate([s[0] for s in series]))
+    cmap = plt.get_cmap("plasma")
+    for i, step in enumerate(steps):
+        a0.plot(range(len(layers)), [_value_at(s, step) for s in series], marker="o", ms=3,
+                color=cmap(0.85 * i / max(len(steps) - 1, 1)), label=f"step {int(step)}")
+    a0.set_xticks(range(len(layers)))
+    a0.set_xticklabels(layers, rotation=60, ha="right", fontsize=7)
+    a0.set_xlabel("block (depth)")
+    a0.set_ylabel("token similarity")
+    a0.set_ylim(-0.02, 1.02)
+    a0.set_title("similarity vs depth")
+    a0.legend(loc="best")
+    for b, s, c in zip(layers, series, _depth_colors(len(layers))):
+        _line(a1, s, color=c, label=b)
+    _mark_divergence(a1, run)
+    a1.set_ylim(-0.02, 1.02)
+    a1.set_xlabel("step")
+    a1.set_ylabel("token similarity")
+    a1.set_title("similarity per block over training")
+    _depth_legend_or_bar(fig, a1, layers)
+    fig.suptitle(_title(run, r"token similarity $\|PX\|_F^2 / \|X\|_F^2$ (1 = all tokens equal)"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "token_similarity.png")
+
+
+@_styled
+def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
+    """003 Fig. 6: the QK eigenspectrum mean ``tr(W_QK)``, scales and variance per layer."""
+    layers = _blocks_with(run, N.QK_SPECTRUM, N.EIG_MEAN_TRACE)
+    if not layers:
+        _skip("qk_spectrum.png", "no qk_spectrum/<block>/eig_* metrics")
+        return None
+    panels = [(N.EIG_MEAN_TRACE, r"mean: tr($W_{QK}$)", False),
+              (N.EIG_SCALE_TR2, r"scale: tr($W_{QK}^2$) (003 Fig. 6)", False),
+              (N.EIG_SCALE_FRO2, r"scale: tr($W_{QK}^\top W_{QK}$) (LocAteR term)", True),
+              (N.EIG_VAR_D2, r"$d\,$tr($W_{QK}^2$) $-$ tr($W_{QK})^2$", False)]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.9))
+    colors = _depth_colors(len(layers))
+    for ax, (q, title, logy) in zip(axes, panels):
+        for b, c in zip(layers, colors):
+            _line(ax, run.get(N.metric(N.QK_SPECTRUM, b, q)), logy=logy, color=c, label=b)
+        _mark_divergence(ax, run)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(q)
+    _depth_legend_or_bar(fig, axes[-1], layers)
+    fig.suptitle(_title(run, r"QK eigenspectrum, $W_{QK} = W_q^{h\top} W_k^h$ summed over heads"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "qk_spectrum.png")
+
+
+def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
+                  out_dir: str | Path | None = None) -> list[Path]:
+    """Every figure of one run into ``RUN_DIR/plots`` (or ``out_dir``); returns the PNGs written."""
+    run = load_run(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "plots"
+    chosen = select_blocks(N.blocks_in(run.metrics), blocks)
+    written = [plot_training(run, out)]
+    for b in chosen:
+        written.append(plot_block_dynamics(run, b, out))
+    written += [plot_entropy(run, chosen, out), plot_sec(run, chosen, out), plot_adamw2_lr(run, out),
+                plot_token_similarity(run, out), plot_qk_spectrum(run, out)]
+    return [p for p in written if p is not None]
+
+
+# --- several runs ----------------------------------------------------------------------
+
+
+def over_blocks(run: Run, group: str, quantity: str, reduce=np.max) -> Series | None:
+    """Per step, ``reduce`` over the blocks that logged ``group/<block>/quantity`` then."""
+    by_step: dict[float, list[float]] = defaultdict(list)
+    for b in _blocks_with(run, group, quantity):
+        for x, y in zip(*_finite(run.get(N.metric(group, b, quantity)))):
+            by_step[x].append(y)
+    if not by_step:
+        return None
+    steps = np.array(sorted(by_step))
+    return steps, np.array([reduce(by_step[s]) for s in steps])
+
+
+@_styled
+def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
+    """Overlay loss, validation metric, lr, max-over-blocks sigma1(W_q^T W_k) and min-over-
+    blocks entropy of several runs, labelled by directory name, in ``out_dir/compare.png``."""
+    runs = [load_run(d) for d in run_dirs]
+    qk_q = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
+            else N.WQ_T_WK_MAX)
+    val = N.VAL_ACC if any(r.has(N.VAL_ACC) for r in runs) else N.VAL_LOSS
+    panels = [
+        ("training loss", True, lambda r: r.get(N.LOSS)),
+        (f"validation {val.split('/')[1]}", val == N.VAL_LOSS, lambda r: r.get(val)),
+        ("learning rate", False, lambda r: r.get(N.LR)),
+        ((r"max over blocks of $\sigma_1(W_q^\top W_k)$" if qk_q == N.WQ_T_WK_FULL
+          else r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"), True,
+         lambda r: over_blocks(r, N.SIGMA1, qk_q, np.max)),
+        ("min over blocks and heads of attention entropy (nats)", False,
+         lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min)),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colors = plt.get_cmap("tab10").colors
+    drawn = 0
+    for ax, (title, logy, get) in zip(axes.flat, panels):
+        any_line = False
+        for i, run in enumerate(runs):
+            c = colors[i % len(colors)]
+            label = run.name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
+            if _line(ax, get(run), logy=logy, color=c, label=label):
+                any_line = True
+            if run.diverged_step is not None:
+                ax.axvline(run.diverged_step, color=c, ls=":", lw=1)
+        if any_line:
+            drawn += 1
+            ax.legend(loc="best")
+        else:
+            ax.text(0.5, 0.5, "not logged by any run", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes.flat[5].set_visible(False)
+    if drawn == 0:
+        plt.close(fig)
+        _skip("compare.png", "none of the runs logged loss, lr, val, sigma1 or entropy")
+        return []
+    fig.suptitle(f"{len(runs)} runs: " + ", ".join(r.name for r in runs))
+    fig.tight_layout()
+    return [_save(fig, Path(out_dir), "compare.png")]

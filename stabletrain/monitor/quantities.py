@@ -1,0 +1,402 @@
+"""Monitor maths: tensors in, metric values out, no model or hook in sight (SPEC section 7).
+
+Every ``*_stats``/``*_metrics`` function returns a dict keyed by ``group/quantity`` (or just
+``group`` for single-valued groups such as ``token_sim``); :func:`names.for_block` prefixes
+the block, so ``"sigma1/wq_t_wk_max"`` becomes ``"sigma1/blocks.3/wq_t_wk_max"``.
+
+Weight convention: ``y = x W^T``. The fused qkv weight's rows are ``W_q, W_k, W_v`` (each
+``H d_h x d``); ``W_o`` (the output projection) is ``d x H d_h``. Per-head slices are
+``W_q^h = W_q[h d_h:(h+1) d_h]`` and ``W_o^h = W_o[:, h d_h:(h+1) d_h]``.
+
+How each sigma1 is obtained (all through :mod:`stabletrain.spectral`):
+
+- single matrices (``W_q`` ... ``W_2``): batched power iteration, optionally warm-started
+  across calls, as the brief asks for cheap per-step telemetry;
+- per-head products ``W_q^h^T W_k^h`` and ``W_o^h W_v^h``: exact, from the ``d_h x d_h``
+  matrix after thin QR (:func:`spectral.product_singular_values`); the whole per-head
+  spectrum also gives the SEC curve;
+- full-width products ``W_q^T W_k``, ``W_o W_v``, ``W_2 W_1`` (``d x d``, rank up to ``d``):
+  **Decision:** the ``d x d`` product is formed with one matmul; up to ``exact_max_dim``
+  (256) its exact largest singular value is taken, beyond that batched power iteration on
+  the formed product (``iters`` steps, warm start when a ``warm`` dict is passed). Thin QR
+  does not help here (the factors are ``d x d``), and a ``d x d`` SVD at ViT/GPT widths
+  (768-1408) costs far more than the power iteration. Power iteration approaches sigma1
+  from below; warm starts make it tighten over successive monitor calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from stabletrain import spectral
+from stabletrain.monitor import names as N
+
+EXACT_MAX_DIM = 256
+POWER_ITERS = 20
+
+Warm = dict  # metric key -> (u, v) power-iteration vectors, updated in place
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def split_heads(w: Tensor, num_heads: int) -> Tensor:
+    """Rows of a ``(H d_h) x d`` projection as ``(H, d_h, d)``: ``W_q^h`` for every head."""
+    rows, d = w.shape
+    if rows % num_heads:
+        raise ValueError(f"{rows} rows do not split into {num_heads} heads")
+    return w.reshape(num_heads, rows // num_heads, d)
+
+
+def split_out_heads(wo: Tensor, num_heads: int) -> Tensor:
+    """``(W_o^h)^T`` for every head as ``(H, d_h, d)``, from ``W_o`` of shape ``d x (H d_h)``."""
+    return split_heads(wo.transpose(0, 1), num_heads)
+
+
+def _floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """One device sync for a dict of scalar tensors."""
+    keys = list(values)
+    tensors = [v for v in values.values() if isinstance(v, Tensor)]
+    if not tensors:
+        return {k: float(v) for k, v in values.items()}
+    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=tensors[0].device).reshape(())
+                        for v in values.values()]).tolist()
+    return dict(zip(keys, flat))
+
+
+def _sigma1_formed(products: Mapping[str, Tensor], exact_max_dim: int, iters: int,
+                   warm: Warm | None) -> dict[str, Tensor]:
+    """sigma1 of explicitly formed matrices: exact when small, batched power iteration else."""
+    out: dict[str, Tensor] = {}
+    big = {}
+    for key, m in products.items():
+        if max(m.shape) <= exact_max_dim:
+            out[key] = torch.linalg.matrix_norm(m.double(), ord=2)
+        else:
+            big[key] = m
+    if big:
+        keys = list(big)
+        vecs = [warm.get(k) if warm is not None else None for k in keys]
+        sig, new = spectral.batched_sigma1([big[k] for k in keys], vecs, iters=iters)
+        for k, s, v in zip(keys, sig, new):
+            out[k] = s
+            if warm is not None:
+                warm[k] = v
+    return out
+
+
+# --- weight-side quantities ------------------------------------------------------------
+
+
+def weight_sigma1(mats: Mapping[str, Tensor], iters: int = POWER_ITERS,
+                  warm: Warm | None = None) -> dict[str, float]:
+    """sigma1 of single weights by batched power iteration, ``{"sigma1/<name>": value}``.
+
+    ``mats`` maps a quantity name (``wq``, ``w1``, ...) to a parameter, viewed through
+    :func:`spectral.as_matrix`. ``warm``, if given, maps the result keys to ``(u, v)`` from
+    the previous call and is updated in place.
+    """
+    keys = [f"{N.SIGMA1}/{k}" for k in mats]
+    vecs = [warm.get(k) if warm is not None else None for k in keys]
+    sig, new = spectral.batched_sigma1([spectral.as_matrix(m.detach()) for m in mats.values()],
+                                       vecs, iters=iters)
+    if warm is not None:
+        warm.update({k: v for k, v in zip(keys, new) if v is not None})
+    return _floats(dict(zip(keys, sig)))
+
+
+def sec_curve(svals: Tensor) -> dict[str, Tensor]:
+    """``SEC(d_h, s)`` for ``s = 1, 2, 4, ..., d_h``, max over heads (000 Eq. 4; SPEC section 7).
+
+    ``svals`` is ``(H, d_h)`` in descending order, the nonzero spectrum of ``W_q^h^T W_k^h``.
+    A head whose product is zero has no energy to concentrate and counts as SEC 0.
+    """
+    energy = svals.double().pow(2)
+    cum = energy.cumsum(-1) / energy.sum(-1, keepdim=True).clamp_min(1e-300)
+    d_h = svals.shape[-1]
+    return {f"{N.SEC}/{N.sec_name(s)}": cum[:, s - 1].max() for s in N.sec_sizes(d_h)}
+
+
+def qk_spectrum_stats(wq: Tensor, wk: Tensor, num_heads: int) -> dict[str, float]:
+    """LocAteR's QK eigenspectrum statistics, per head, summed over heads (SPEC section 4).
+
+    With ``W_QK = W_q^h^T W_k^h`` (``d x d``, never formed; ``d`` = model width):
+    ``eig_mean_trace = tr(W_QK) = <W_q^h, W_k^h>``,
+    ``eig_scale_fro2 = tr(W_QK^T W_QK) = tr((W_q^h W_q^h^T)(W_k^h W_k^h^T))`` (the loss term),
+    ``eig_scale_tr2 = tr(W_QK^2) = tr((W_k^h W_q^h^T)^2)`` (what 003 Fig. 6 plots),
+    ``eig_var_d2 = d tr(W_QK^2) - tr(W_QK)^2`` (003 Eq. 8). Computed in float64.
+    """
+    a = split_heads(wq.detach().double(), num_heads)
+    b = split_heads(wk.detach().double(), num_heads)
+    d = wq.shape[1]
+    trace = (a * b).sum((-2, -1))
+    fro2 = ((a @ a.transpose(-2, -1)) * (b @ b.transpose(-2, -1))).sum((-2, -1))
+    m = b @ a.transpose(-2, -1)
+    tr2 = (m * m.transpose(-2, -1)).sum((-2, -1))
+    var = d * tr2 - trace.pow(2)
+    return _floats({
+        f"{N.QK_SPECTRUM}/{N.EIG_MEAN_TRACE}": trace.sum(),
+        f"{N.QK_SPECTRUM}/{N.EIG_SCALE_FRO2}": fro2.sum(),
+        f"{N.QK_SPECTRUM}/{N.EIG_SCALE_TR2}": tr2.sum(),
+        f"{N.QK_SPECTRUM}/{N.EIG_VAR_D2}": var.sum(),
+    })
+
+
+def qk_ov_stats(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, num_heads: int,
+                per_head: bool = False, exact_max_dim: int = EXACT_MAX_DIM,
+                iters: int = POWER_ITERS, warm: Warm | None = None) -> dict[str, float]:
+    """The attention products of one block (SPEC section 7 decisions).
+
+    Returns ``sigma1/wq_t_wk_{max,mean,full}``, ``sigma1/wo_wv_{max,mean,full}`` (max and
+    mean over heads of the per-head product; ``full`` is the full-width product, the sum
+    over heads, the paper's single-head magnitude), ``sigma1/wq_t_wk_head{h}`` and
+    ``sigma1/wo_wv_head{h}`` when ``per_head``, the SEC curve ``sec/s{s}`` and the QK
+    eigenspectrum statistics ``qk_spectrum/eig_*``.
+    """
+    wq, wk, wv, wo = (w.detach() for w in (wq, wk, wv, wo))
+    qk = spectral.product_singular_values(split_heads(wq, num_heads), split_heads(wk, num_heads))
+    ov = spectral.product_singular_values(split_out_heads(wo, num_heads), split_heads(wv, num_heads))
+    qk1, ov1 = qk[:, 0], ov[:, 0]
+    out: dict[str, Tensor] = {
+        f"{N.SIGMA1}/{N.WQ_T_WK_MAX}": qk1.max(),
+        f"{N.SIGMA1}/{N.WQ_T_WK_MEAN}": qk1.mean(),
+        f"{N.SIGMA1}/{N.WO_WV_MAX}": ov1.max(),
+        f"{N.SIGMA1}/{N.WO_WV_MEAN}": ov1.mean(),
+    }
+    if per_head:
+        for h in range(num_heads):
+            out[f"{N.SIGMA1}/{N.head(N.WQ_T_WK + '_head', h)}"] = qk1[h]
+            out[f"{N.SIGMA1}/{N.head(N.WO_WV + '_head', h)}"] = ov1[h]
+    full = _sigma1_formed({
+        f"{N.SIGMA1}/{N.WQ_T_WK_FULL}": wq.float().T @ wk.float(),
+        f"{N.SIGMA1}/{N.WO_WV_FULL}": wo.float() @ wv.float(),
+    }, exact_max_dim, iters, warm)
+    out.update(full)
+    out.update(sec_curve(qk))
+    res = _floats(out)
+    res.update(qk_spectrum_stats(wq, wk, num_heads))
+    return res
+
+
+def mlp_stats(w1: Tensor, w2: Tensor, exact_max_dim: int = EXACT_MAX_DIM,
+              iters: int = POWER_ITERS, warm: Warm | None = None) -> dict[str, float]:
+    """``sigma1/w1``, ``sigma1/w2`` (power iteration) and ``sigma1/w2_w1`` of the ``d x d`` product."""
+    out = weight_sigma1({N.W1: w1, N.W2: w2}, iters=iters, warm=warm)
+    prod = _sigma1_formed({f"{N.SIGMA1}/{N.W2_W1}": w2.detach().float() @ w1.detach().float()},
+                          exact_max_dim, iters, warm)
+    out.update(_floats(prod))
+    return out
+
+
+def norm_stats(gamma: Tensor | None, beta: Tensor | None, which: str = "norm1") -> dict[str, float]:
+    """L2 norms of a norm layer's gain and bias, ``norm/<which>_gamma``, ``norm/<which>_beta``.
+
+    A missing tensor (RMSNorm, nanoGPT's bias-free LayerNorm, no-norm models) gives no entry,
+    which is how the 15 quantities become 13 (SPEC section 7).
+    """
+    out = {}
+    if gamma is not None:
+        out[f"{N.NORM}/{which}_gamma"] = gamma.detach().float().norm()
+    if beta is not None:
+        out[f"{N.NORM}/{which}_beta"] = beta.detach().float().norm()
+    return _floats(out)
+
+
+# --- activation-side quantities (probe batch) ------------------------------------------
+
+
+def _key_mask(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> Tensor | None:
+    """Boolean ``True = key allowed``, broadcastable to ``(B, H, T, S)``; None = all allowed."""
+    t, s = shape[-2], shape[-1]
+    keep = None
+    if causal:
+        # same alignment as the attention layers: query i sees keys j <= i + (S - T)
+        keep = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+    if mask is not None:
+        m = mask.to(device=device, dtype=torch.bool)
+        keep = m if keep is None else keep & m
+    return keep
+
+
+def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+    """Mean attention entropy per head, ``(H,)`` float64, natural log (001 l.73; SPEC section 7).
+
+    ``probs`` is ``(B, H, T, S)``; ``mask`` (bool, ``True`` = key allowed) broadcasts to it.
+    Masked entries contribute 0; rows with no allowed key are left out of the mean, which
+    runs over queries and examples.
+    """
+    p = probs.detach().double()
+    keep = _key_mask(p.shape, mask, causal, p.device)
+    ent_terms = -torch.special.xlogy(p, p)
+    if keep is not None:
+        ent_terms = ent_terms.masked_fill(~keep, 0.0)
+        valid = keep.any(-1).expand(p.shape[:-1]).double()
+    else:
+        valid = torch.ones(p.shape[:-1], dtype=torch.float64, device=p.device)
+    row_ent = ent_terms.sum(-1) * valid
+    return row_ent.sum((0, 2)) / valid.sum((0, 2)).clamp_min(1.0)
+
+
+def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causal: bool = False,
+                      device=None) -> float:
+    """Entropy of uniform attention over the allowed keys, mean over rows: ``log T`` when
+    unmasked, ``mean_i log(i + 1)`` for causal rows (0-indexed)."""
+    shape = torch.Size(probs_shape)
+    keep = _key_mask(shape, mask, causal, device)
+    if keep is None:
+        return math.log(shape[-1])
+    n = keep.expand(shape).sum(-1).double()
+    valid = n > 0
+    return float(torch.log(n[valid]).mean()) if bool(valid.any()) else 0.0
+
+
+def attention_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False,
+                      per_head: bool = True) -> dict[str, float]:
+    """``entropy/min``, ``entropy/mean`` (over heads), ``entropy/log_T`` (the uniform reference)
+    and ``entropy/head{h}`` when ``per_head``; see :func:`head_entropy`."""
+    ent = head_entropy(probs, mask, causal)
+    out: dict[str, Tensor | float] = {
+        f"{N.ENTROPY}/{N.ENT_MIN}": ent.min(),
+        f"{N.ENTROPY}/{N.ENT_MEAN}": ent.mean(),
+    }
+    if per_head:
+        out.update({f"{N.ENTROPY}/{N.head('head', h)}": e for h, e in enumerate(ent)})
+    res = _floats(out)
+    res[f"{N.ENTROPY}/{N.ENT_LOG_T}"] = reference_entropy(probs.shape, mask, causal, probs.device)
+    return res
+
+
+def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
+    """001 Theorem 3.1's entropy lower bound for logit scale ``s`` and ``n_keys`` keys, float64.
+
+    ``beta = exp(-s sqrt(T/(T-1)))``, bound ``log(1 + (T-1) beta) + s sqrt(T(T-1)) beta /
+    (1 + (T-1) beta)``. A row with a single key has entropy exactly 0, which is its bound.
+    """
+    s, t = torch.broadcast_tensors(s.double(), n_keys.double())
+    many = t >= 2
+    tt = torch.where(many, t, torch.full_like(t, 2.0))
+    beta = torch.exp(-s * torch.sqrt(tt / (tt - 1)))
+    z = 1 + (tt - 1) * beta
+    bound = torch.log(z) + s * torch.sqrt(tt * (tt - 1)) * beta / z
+    return torch.where(many, bound, torch.zeros_like(bound))
+
+
+def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False) -> Tensor:
+    """Theorem 3.1 (001 l.77-85) beside the measured entropy, per head ``(H,)`` float64.
+
+    SPEC section 7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
+    folded in; q/k biases, position biases and q/k norms are outside the theorem),
+    ``sigma_x = ||X||_2^2`` of the attention input ``X`` (``T x d``, after the pre-norm),
+    per sequence, ``s = sigma sigma_x``. Non-causal rows use ``T`` keys. Causal row ``i``
+    (1-indexed) uses ``T = i``; **Decision:** it keeps the whole sequence's ``sigma_x``
+    (``||X_{1:i}||_2 <= ||X||_2`` and the bound falls with ``s``, so it stays a valid bound)
+    and the first row, whose entropy is exactly 0, counts with bound 0, so that the mean
+    over rows is over the same rows as the measured entropy. Mean over the batch.
+
+    ``wq_h, wk_h``: ``(H, d_h, d)`` stacked head slices (or one ``(d_h, d)`` head); ``x``:
+    ``(B, T, d)`` or ``(T, d)``. Exact spectra throughout: an underestimate of either norm
+    would overstate a lower bound.
+    """
+    if wq_h.dim() == 2:
+        wq_h, wk_h = wq_h[None], wk_h[None]
+    if x.dim() == 2:
+        x = x[None]
+    d_h = wq_h.shape[-2]
+    sigma = spectral.product_singular_values(wq_h.detach(), wk_h.detach())[:, 0].double()
+    sigma = sigma / math.sqrt(d_h)
+    xd = x.detach().double()
+    # ||X||_2^2 = ||X X^T||_2 (the theorem's sigma_x): the top eigenvalue of the smaller Gram
+    gram = xd @ xd.transpose(1, 2) if xd.shape[1] <= xd.shape[2] else xd.transpose(1, 2) @ xd
+    sigma_x = torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0.0)  # (B,)
+    s = sigma.to(sigma_x.device)[None, :, None] * sigma_x[:, None, None]  # (B, H, 1)
+    t = x.shape[1]
+    if causal:
+        n_keys = torch.arange(1, t + 1, dtype=torch.float64, device=s.device)
+    else:
+        n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
+    return theorem31_bound(s, n_keys).mean(-1).mean(0)
+
+
+def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
+    """``entropy/bound_min`` (min over heads: a lower bound of ``entropy/min``) and, when
+    ``per_head``, ``entropy/bound_head{h}``."""
+    out: dict[str, Tensor] = {f"{N.ENTROPY}/{N.ENT_BOUND_MIN}": bound.min()}
+    if per_head:
+        out.update({f"{N.ENTROPY}/{N.head('bound_head', h)}": b for h, b in enumerate(bound)})
+    return _floats(out)
+
+
+def token_similarity(x: Tensor) -> float:
+    """``sim(X) = ||P X||_F^2 / ||X||_F^2``, ``P`` the mean over tokens (002 Def. 1.1; SPEC 3).
+
+    ``x`` is ``(B, T, d)`` or ``(T, d)``; mean over sequences. ``||P X||_F^2 = T ||mean||^2``.
+    **Decision:** a sequence with ``||X|| = 0`` has all rows equal and counts as 1.
+    """
+    x = x.detach().double()
+    if x.dim() == 2:
+        x = x[None]
+    t = x.shape[1]
+    num = t * x.mean(1).pow(2).sum(-1)
+    den = x.pow(2).sum((1, 2))
+    sim = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(den))
+    return float(sim.mean())
+
+
+def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, float]:
+    """``norm/x`` and ``norm/grad_x``: Frobenius norm per sample (tokens x width), mean over
+    the batch (SPEC section 7). ``x`` and ``grad`` are ``(B, ...)``."""
+    out = {f"{N.NORM}/{N.ACT_X}": x.detach().float().flatten(1).norm(dim=1).mean()}
+    if grad is not None:
+        out[f"{N.NORM}/{N.ACT_GRAD_X}"] = grad.detach().float().flatten(1).norm(dim=1).mean()
+    return _floats(out)
+
+
+# --- one block at a time ---------------------------------------------------------------
+
+
+def block_weight_metrics(block: str, *, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor,
+                         w1: Tensor, w2: Tensor, num_heads: int,
+                         norm1: tuple[Tensor | None, Tensor | None] = (None, None),
+                         norm2: tuple[Tensor | None, Tensor | None] = (None, None),
+                         per_head: bool = False, iters: int = POWER_ITERS,
+                         exact_max_dim: int = EXACT_MAX_DIM,
+                         warm: Warm | None = None) -> dict[str, float]:
+    """Every weight-side metric of one block under its full name (``sigma1/<block>/...``,
+    ``sec/<block>/...``, ``qk_spectrum/<block>/...``, ``norm/<block>/norm{1,2}_*``).
+
+    ``warm`` holds this block's power-iteration vectors between calls (one dict per block).
+    """
+    rel = weight_sigma1({N.WQ: wq, N.WK: wk, N.WV: wv, N.WO: wo}, iters=iters, warm=warm)
+    rel.update(qk_ov_stats(wq, wk, wv, wo, num_heads, per_head, exact_max_dim, iters, warm))
+    rel.update(mlp_stats(w1, w2, exact_max_dim, iters, warm))
+    rel.update(norm_stats(*norm1, which="norm1"))
+    rel.update(norm_stats(*norm2, which="norm2"))
+    return N.for_block(block, rel)
+
+
+def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: Tensor | None = None,
+                        wq: Tensor | None = None, wk: Tensor | None = None, num_heads: int = 1,
+                        block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
+                        mask: Tensor | None = None, causal: bool = False,
+                        per_head: bool = False) -> dict[str, float]:
+    """Activation-side metrics of one block on the probe batch, under full names.
+
+    ``probs`` (B, H, T, S) gives the entropy; with ``attn_input`` (the attention's input
+    after the pre-norm) and ``wq, wk`` also the Theorem 3.1 bound; ``block_input`` gives the
+    token similarity and ``norm/<block>/x``, ``block_input_grad`` ``norm/<block>/grad_x``.
+    """
+    rel: dict[str, float] = {}
+    if probs is not None:
+        rel.update(attention_entropy(probs, mask, causal, per_head))
+        if attn_input is not None and wq is not None and wk is not None:
+            bound = entropy_lower_bound(split_heads(wq, num_heads), split_heads(wk, num_heads),
+                                        attn_input, causal)
+            rel.update(bound_stats(bound, per_head))
+    if block_input is not None:
+        rel[N.TOKEN_SIM] = token_similarity(block_input)
+        rel.update(activation_norms(block_input, block_input_grad))
+    return N.for_block(block, rel)

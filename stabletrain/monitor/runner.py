@@ -1,0 +1,172 @@
+"""Monitors wired to the trainer: weight-side every ``weight_every`` steps, the probe pass
+every ``probe_every`` steps, health alerts, and crash forensics for ``summary.json``.
+
+Monitors change nothing in training: they run on rank 0 only, read weights under
+``no_grad``, take gradients of the probe loss with ``torch.autograd.grad`` (never ``.grad``),
+run the probe in eval mode (no dropout), and restore the RNG state afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from stabletrain.layers.norm import _enum
+from stabletrain.models.registry import transformer_blocks
+from stabletrain.monitor import names as N
+from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
+from stabletrain.monitor.quantities import block_probe_metrics, block_weight_metrics
+
+HISTORY = 64  # weight snapshots kept for forensics
+
+
+def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W_q, W_k, W_v rows of the fused projection (effective weights under sigmaReparam)."""
+    return attn.qkv.weight.detach().float().chunk(3, 0)
+
+
+def _norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    g, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    return (g.detach().float() if isinstance(g, torch.Tensor) else None,
+            b.detach().float() if isinstance(b, torch.Tensor) else None)
+
+
+class MonitorRunner:
+    def __init__(self, trainer):
+        self.t = trainer
+        self.cfg = trainer.cfg.monitor
+        self.active = trainer.info.is_main
+        self.blocks = transformer_blocks(trainer.model)
+        self.causal = _enum(trainer.cfg.model.family) == "gpt"
+        self.with_bound = _enum(trainer.cfg.reparam.name) != "none"
+        self.watch = HealthWatch.from_config(self.cfg)
+        self.warm: dict[str, dict] = {name: {} for name, _ in self.blocks}
+        self.history: list[dict] = []
+        self.alerts: list[dict] = []
+        self.stop_reason: str | None = None
+        x, y = next(trainer.data.val_batches(self.cfg.probe_batch_size, 1))
+        self.probe_batch = (x, y)
+
+    @contextlib.contextmanager
+    def _isolated(self):
+        """No RNG draw, no autocast surprise, and the model's mode restored afterwards."""
+        dev = [self.t.device] if self.t.device.type == "cuda" else []
+        was_training = self.t.model.training
+        with torch.random.fork_rng(devices=dev):
+            try:
+                yield
+            finally:
+                self.t.model.train(was_training)
+
+    # --- cadence --------------------------------------------------------------------
+
+    def after_step(self, step: int) -> None:
+        if not self.active:
+            return
+        done = step + 1
+        rec: dict[str, float] = {}
+        with self._isolated():
+            if done % self.cfg.weight_every == 0:
+                rec.update(self.weight_metrics())
+                self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
+            if done % self.cfg.probe_every == 0:
+                rec.update(self.probe_metrics())
+        if not rec:
+            return
+        for alert in self.watch.update(done, rec) if self.cfg.alerts else []:
+            self.alerts.append(alert)
+            rec[f"alert/{alert['layer']}"] = 1.0
+            self.t.metrics.message("WARNING " + alert["message"])
+            if self.cfg.stop_on_alert and self.stop_reason is None:
+                self.stop_reason = f"entropy collapse at {alert['layer']} (step {done})"
+        self.t.metrics.log(done, rec)
+
+    # --- the two sides --------------------------------------------------------------
+
+    @torch.no_grad()
+    def weight_metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, blk in self.blocks:
+            wq, wk, wv = _qkv(blk.attn)
+            mats = (wq, blk.attn.proj.weight, blk.mlp.fc1.weight, blk.mlp.fc2.weight)
+            if not all(bool(torch.isfinite(m).all()) for m in mats):
+                out[N.metric(N.SIGMA1, name, "nonfinite_weights")] = 1.0  # no spectrum of a NaN
+                continue
+            out.update(block_weight_metrics(
+                name, wq=wq, wk=wk, wv=wv, wo=blk.attn.proj.weight.detach().float(),
+                w1=blk.mlp.fc1.weight.detach().float(), w2=blk.mlp.fc2.weight.detach().float(),
+                num_heads=blk.attn.num_heads, norm1=_norm_params(blk.norm1), norm2=_norm_params(blk.norm2),
+                per_head=self.cfg.per_head, warm=self.warm[name]))
+        return out
+
+    def probe_metrics(self) -> dict[str, float]:
+        model, t = self.t.model, self.t
+        model.eval()
+        inputs: dict[str, torch.Tensor] = {}
+        hooks = []
+        for name, blk in self.blocks:
+            blk.attn.probe = {}
+            hooks.append(blk.register_forward_pre_hook(
+                lambda _m, args, name=name: inputs.__setitem__(name, args[0])))
+        x, y = t._to_device(*self.probe_batch)
+        try:
+            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+                return {}
+            with torch.enable_grad():
+                loss = t.loss_on(model, x, y)
+                names = list(inputs)
+                grads = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True)
+            grad_of = dict(zip(names, grads))
+            out: dict[str, float] = {}
+            for name, blk in self.blocks:
+                cap = blk.attn.probe or {}
+                xin, g = inputs.get(name), grad_of.get(name)
+                wq, wk = (_qkv(blk.attn)[:2] if self.with_bound else (None, None))
+                flat = (lambda v: None if v is None else v.detach().float().reshape(v.shape[0], -1, v.shape[-1]))
+                out.update(block_probe_metrics(
+                    name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
+                    wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=flat(xin),
+                    block_input_grad=flat(g), causal=self.causal and _is_causal(blk),
+                    per_head=self.cfg.per_head))
+            return out
+        finally:
+            for h in hooks:
+                h.remove()
+            for _, blk in self.blocks:
+                blk.attn.probe = None
+
+    # --- results --------------------------------------------------------------------
+
+    def summary(self, status: str) -> dict:
+        out: dict = {"alerts": self.alerts}
+        if status == "diverged" and self.active:
+            forensics: dict = {}
+            finite = [h for h in self.history if not any(k.endswith("/nonfinite_weights") for k in h)]
+            if finite:
+                forensics["last_finite_snapshot"] = finite[-1]
+                growth = growth_summary(self.history)
+                if growth:
+                    forensics["growth"] = growth
+            x, y = self.t._to_device(*self.probe_batch)
+            with self._isolated(), torch.no_grad():
+                self.t.model.eval()
+                bad = first_nonfinite(self.t.model, lambda m: self.t.loss_on(m, x, y))
+            if bad:
+                forensics["first_nonfinite"] = f"first non-finite: {bad}"
+            out["forensics"] = forensics
+        return out
+
+    def state_dict(self) -> dict:
+        return {"alerts": self.alerts,
+                "watch": {b: asdict(s) for b, s in self.watch.blocks.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alerts = list(state.get("alerts", []))
+        self.watch.blocks = {b: _BlockState(**s) for b, s in state.get("watch", {}).items()}
+
+
+def _is_causal(blk: nn.Module) -> bool:
+    return bool(getattr(blk.attn, "causal", False))

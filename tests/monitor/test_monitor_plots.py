@@ -1,0 +1,130 @@
+"""The plot scripts on a tiny synthetic run directory."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image as mpimg
+
+from stabletrain.monitor import names as N
+from stabletrain.monitor import plots as P
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCKS = [f"blocks.{i}" for i in range(4)]
+D_H = 8
+
+
+def _write_run(run_dir: Path, crash: bool = True, steps: int = 300) -> Path:
+    """A 4-block run whose blocks.2 crashes at the end: sparse cadences, a torn last line."""
+    run_dir.mkdir(parents=True)
+    lines = []
+    for step in range(0, steps + 1, 10):
+        f = step / steps
+        boom = 60.0 ** (f**6) if crash else 1.0
+        row = {"step": step, "loss": 4.0 * math.exp(-2 * f) * (boom if f > 0.9 else 1.0),
+               "lr": 1e-3 * 0.5 * (1 + math.cos(math.pi * f)), "grad_norm": 1.0 + f}
+        if step % 20 == 0:
+            for i, b in enumerate(BLOCKS):
+                g = boom if i == 2 else 1.0
+                row.update({
+                    N.metric("sigma1", b, "wq"): 1.0 + f, N.metric("sigma1", b, "wk"): 1.1 + f,
+                    N.metric("sigma1", b, "wv"): 1.0, N.metric("sigma1", b, "wo"): 0.9,
+                    N.metric("sigma1", b, "w1"): 1.5, N.metric("sigma1", b, "w2"): 1.4 + f,
+                    N.metric("sigma1", b, "w2_w1"): 2.0 + f,
+                    N.metric("sigma1", b, "wq_t_wk_full"): 5.0 * (1 + f) * g,
+                    N.metric("sigma1", b, "wq_t_wk_max"): 2.0 * (1 + f) * g,
+                    N.metric("sigma1", b, "wq_t_wk_mean"): 1.5 * (1 + f) * g,
+                    N.metric("sigma1", b, "wo_wv_full"): 3.0, N.metric("sigma1", b, "wo_wv_max"): 1.2,
+                    N.metric("norm", b, "norm1_gamma"): 5.0 + f, N.metric("norm", b, "norm1_beta"): f,
+                    N.metric("norm", b, "norm2_gamma"): 5.0, N.metric("norm", b, "norm2_beta"): 0.1 * f,
+                })
+                conc = min(0.999, 0.3 + 0.7 * f**4) if i == 2 and crash else 0.3
+                for s in N.sec_sizes(D_H):
+                    row[N.metric("sec", b, f"s{s}")] = min(1.0, conc + (1 - conc) * (s - 1) / (D_H - 1))
+                for q, v in ((N.EIG_MEAN_TRACE, 0.1 - f), (N.EIG_SCALE_TR2, 2 * f * g),
+                             (N.EIG_SCALE_FRO2, 3 + f * g), (N.EIG_VAR_D2, 10 * f)):
+                    row[N.metric("qk_spectrum", b, q)] = v
+        if step % 50 == 0:
+            for i, b in enumerate(BLOCKS):
+                ent = 2.0 * (1 - f) ** (4 if i == 2 and crash else 0.3)
+                row.update({N.metric("entropy", b, "mean"): ent + 0.2, N.metric("entropy", b, "min"): ent,
+                            N.metric("entropy", b, "log_T"): math.log(17),
+                            N.metric("entropy", b, "bound_min"): 0.5 * ent,
+                            N.metric("token_sim", b): 0.1 + 0.2 * i * f,
+                            N.metric("norm", b, "x"): 10.0 * (1 + i), N.metric("norm", b, "grad_x"): 0.1 / (1 + f)})
+            row[N.FRAC_BOUNDED] = 1 - f
+            for i, b in enumerate(BLOCKS):
+                for kind in ("attn.qkv.weight", "mlp.fc2.weight", "norm1.weight"):
+                    p = f"{b}.{kind}"
+                    row[N.adamw2_lr_eff(p)] = row["lr"] * min(1.0, (f + 0.05) * (2 + i))
+                    row[N.adamw2_lr_ratio(p)] = min(1.0, (f + 0.05) * (2 + i))
+            row[N.adamw2_lr_eff("pos_embed")] = row["lr"]
+        if step % 100 == 0:
+            row["val/loss"] = row["loss"] + 0.1
+            row["val/acc"] = 0.1 + 0.5 * f
+        lines.append(json.dumps(row))
+    text = "\n".join(lines) + '\n{"step": 310, "loss": 1.'  # a crash mid-write
+    (run_dir / "metrics.jsonl").write_text(text)
+    summary = {"status": "diverged", "step": steps, "reason": "loss spike"} if crash else {"status": "completed"}
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def _check_pngs(paths):
+    for p in paths:
+        assert p.exists() and p.stat().st_size > 5000, p
+        img = mpimg.imread(p)
+        assert img.shape[0] > 200 and img.shape[1] > 300
+        assert img[..., :3].std() > 0.01  # not a blank canvas
+
+
+def test_plot_dynamics_script_writes_every_figure(tmp_path):
+    run = _write_run(tmp_path / "crash_run")
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/plot_dynamics.py"), str(run),
+                          "--blocks", "0,-1"], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    names = {p.name for p in (run / "plots").iterdir()}
+    assert names == {"training.png", "dynamics_blocks.0.png", "dynamics_blocks.3.png", "entropy.png", "sec.png", "adamw2_lr.png",
+                     "token_similarity.png", "qk_spectrum.png"}
+    _check_pngs(sorted((run / "plots").iterdir()))
+
+
+def test_absent_metrics_are_skipped_with_a_note(tmp_path, capsys):
+    run = tmp_path / "loss_only"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "loss": 3.0 / (1 + s)})
+                                                for s in range(0, 100, 10)))
+    paths = P.plot_dynamics(run)
+    assert [p.name for p in paths] == ["training.png"]
+    out = capsys.readouterr().out
+    for fig in ("entropy.png", "sec.png", "adamw2_lr.png", "token_similarity.png", "qk_spectrum.png"):
+        assert f"skipping {fig}" in out
+    _check_pngs(paths)
+
+
+def test_read_metrics_keeps_sparse_series_and_skips_torn_lines(tmp_path):
+    run = P.load_run(_write_run(tmp_path / "r"))
+    steps, _ = run.metrics["loss"]
+    assert steps[-1] == 300 and len(steps) == 31
+    assert len(run.metrics["entropy/blocks.0/min"][0]) == 7
+    assert run.diverged_step == 300
+    assert P.select_blocks(BLOCKS, None) == BLOCKS
+    many = [f"blocks.{i}" for i in range(12)]
+    assert P.select_blocks(many, None) == [f"blocks.{i}" for i in (0, 2, 4, 6, 7, 9, 11)]
+    assert P.select_blocks(many, "blocks.5,-1") == ["blocks.5", "blocks.11"]
+
+
+def test_compare_runs_script_overlays_runs(tmp_path):
+    a = _write_run(tmp_path / "adamw_nowarmup")
+    b = _write_run(tmp_path / "adamw2", crash=False)
+    out = tmp_path / "cmp"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(a), str(b),
+                          "--out", str(out)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr
+    _check_pngs([out / "compare.png"])
+    qk = P.over_blocks(P.load_run(a), "sigma1", "wq_t_wk_full")
+    assert qk[1][-1] == max(P.load_run(a).metrics[f"sigma1/{b}/wq_t_wk_full"][1][-1] for b in BLOCKS)

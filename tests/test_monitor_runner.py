@@ -1,0 +1,65 @@
+"""Monitors wired into training: they change nothing, they catch the papers' collapse."""
+
+import json
+
+import pytest
+
+from tests.helpers import losses, train
+
+MON = ["monitor=standard", "monitor.weight_every=2", "monitor.probe_every=3"]
+
+
+@pytest.mark.parametrize("model", ["vit_test", "gpt_test", "swin_test"])
+def test_monitors_change_nothing(tmp_path, model):
+    args = [f"model={model}", "steps=6", "batch_size=8", "logger.log_every=1", "eval_every=1000"]
+    if model != "gpt_test":
+        args.append("model.drop_path=0.1")  # training draws random numbers: monitors must not
+    train(tmp_path / "off", *args)
+    train(tmp_path / "on", *args, *MON, "monitor.per_head=true", "reparam=sigma")
+    train(tmp_path / "off_sigma", *args, "reparam=sigma")
+    assert losses(tmp_path / "on") == losses(tmp_path / "off_sigma")
+    recs = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    names = set().union(*recs)
+    block = "layers.0.blocks.0" if model == "swin_test" else "blocks.0"
+    for key in (f"sigma1/{block}/wq_t_wk_max", f"sigma1/{block}/wo_wv_full", f"sec/{block}/s1",
+                f"entropy/{block}/min", f"entropy/{block}/bound_min", f"token_sim/{block}",
+                f"norm/{block}/grad_x", f"qk_spectrum/{block}/eig_mean_trace", f"sigma1/{block}/w2_w1"):
+        assert key in names, key
+    assert any(r["step"] == 0 for r in recs)  # the step-0 baseline
+
+
+COLLAPSE = ["model=vit_test", "steps=100", "batch_size=32", "optim.lr=0.05", "warmup=0",
+            "monitor=standard", "monitor.weight_every=25", "monitor.probe_every=25",
+            "logger.log_every=25", "eval_every=1000"]
+
+
+def test_adamw_without_warmup_collapses_and_the_alert_names_the_layer(tmp_path):
+    s = train(tmp_path / "adamw", *COLLAPSE, "optim=adamw")
+    assert s["alerts"], "the collapse went unnoticed"
+    a = s["alerts"][0]
+    assert a["layer"].startswith("blocks.") and a["value"] < 0.1
+    recs = [json.loads(x) for x in (tmp_path / "adamw" / "metrics.jsonl").read_text().splitlines()]
+    layer = a["layer"]
+    qk = [r[f"sigma1/{layer}/wq_t_wk_max"] for r in recs if f"sigma1/{layer}/wq_t_wk_max" in r]
+    ent = [r[f"entropy/{layer}/min"] for r in recs if f"entropy/{layer}/min" in r]
+    assert qk[-1] > 10 * qk[0] and ent[-1] < 0.5 * ent[0]  # the papers' signature
+    assert any(f"alert/{layer}" in r for r in recs)
+
+    s2 = train(tmp_path / "adamw2", *COLLAPSE, "optim=adamw2")
+    assert s2["alerts"] == []
+
+
+def test_stop_on_alert_ends_the_run_as_diverged(tmp_path):
+    s = train(tmp_path, *COLLAPSE, "optim=adamw", "monitor.stop_on_alert=true")
+    assert s["status"] == "diverged" and "entropy collapse" in s["reason"]
+    assert s["step"] < 100
+
+
+def test_divergence_forensics(tmp_path):
+    s = train(tmp_path, "model=gpt_test", "steps=60", "batch_size=8", "optim=sgd", "optim.lr=1e4",
+              "optim.momentum=0.0", "monitor=standard", "monitor.weight_every=1", "monitor.probe_every=5",
+              "logger.log_every=1")
+    assert s["status"] == "diverged"
+    f = json.loads((tmp_path / "summary.json").read_text())["forensics"]
+    assert "last_finite_snapshot" in f
+    assert f.get("first_nonfinite", "").startswith("first non-finite: ") or "grew" in f.get("growth", "")
