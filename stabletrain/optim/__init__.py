@@ -1,0 +1,132 @@
+"""Optimizers (adamw, adamw2, lars, sgd), their param groups and lr schedules.
+
+The trainer builds once, then sets the rate every step from a state-free schedule::
+
+    optimizer, summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
+                                         cfg.batch_size)
+    print(summary)
+    lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total_steps,
+                          warmup=cfg.warmup, steps_per_epoch=steps_per_epoch)
+    for step in range(start, total_steps):
+        set_lr(optimizer, lr_at(step))          # multiplies by each group's lr_mult
+        ...backward, clip...
+        optimizer.step()
+        if isinstance(optimizer, AdamW2) and step % every == 0:
+            log(optimizer.telemetry())          # the only host sync AdamW² asks for
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from stabletrain.optim.adamw2 import AdamW2, BoundRecord
+from stabletrain.optim.lars import LARS
+from stabletrain.optim.param_groups import classify, make_param_groups, summarize_groups
+from stabletrain.optim.schedule import LRSchedule, enum_value, make_schedule, set_lr, to_steps
+
+__all__ = [
+    "LARS",
+    "OPTIMIZERS",
+    "AdamW2",
+    "BoundRecord",
+    "LRSchedule",
+    "build_optimizer",
+    "classify",
+    "make_param_groups",
+    "make_schedule",
+    "scaled_lr",
+    "set_lr",
+    "summarize_groups",
+    "to_steps",
+]
+
+OPTIMIZERS = ("adamw", "adamw2", "lars", "sgd")
+
+
+def scaled_lr(optim_cfg: Any, batch_size: int | None = None) -> float:
+    """``optim.lr``, times ``batch_size / 256`` when ``optim.lr_scale_by_batch`` (SPEC 8.3)."""
+    lr = float(optim_cfg.lr)
+    if getattr(optim_cfg, "lr_scale_by_batch", False):
+        if not batch_size:
+            raise ValueError("optim.lr_scale_by_batch=true needs the global batch_size")
+        lr *= batch_size / 256
+    return lr
+
+
+def build_optimizer(
+    model: nn.Module,
+    optim_cfg: Any,
+    family: Any,
+    reparam_cfg: Any = None,
+    batch_size: int | None = None,
+) -> tuple[torch.optim.Optimizer, str]:
+    """The optimizer named by ``optim_cfg.name`` over ``model``'s grouped parameters.
+
+    Call after the model is on its device (adamw picks its fused kernel from that). Groups
+    follow :mod:`stabletrain.optim.param_groups` and carry ``names`` and ``lr_mult``; the
+    initial ``lr`` of each group is ``scaled_lr * lr_mult``. Returns the optimizer and a short
+    text summary of the split for the trainer to print.
+    """
+    name = enum_value(optim_cfg.name)
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={name!r}: use one of {', '.join(OPTIMIZERS)}")
+    lr = scaled_lr(optim_cfg, batch_size)
+    gamma_lr_mult = float(reparam_cfg.gamma_lr_mult) if reparam_cfg is not None else 1.0
+    groups = make_param_groups(
+        model,
+        enum_value(family),
+        float(optim_cfg.weight_decay),
+        optimizer=name,
+        bound_norm_gains=bool(optim_cfg.bound_norm_gains),
+        gamma_lr_mult=gamma_lr_mult,
+    )
+    if not groups:
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    summary = summarize_groups(groups, header=f"optimizer {name} lr {lr:g}: ")
+    for g in groups:
+        g.pop("kinds")
+        g["lr"] = lr * g["lr_mult"]
+
+    betas = tuple(float(b) for b in optim_cfg.betas)
+    if name == "adamw":
+        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+        fused = on_cuda if optim_cfg.fused is None else bool(optim_cfg.fused)
+        opt = torch.optim.AdamW(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=float(optim_cfg.eps),
+            fused=fused,
+            foreach=None if fused else True,
+        )
+    elif name == "adamw2":
+        opt = AdamW2(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=float(optim_cfg.eps),
+            tau=float(optim_cfg.tau),
+            power_iters=int(optim_cfg.power_iters),
+            warm_start=bool(optim_cfg.warm_start),
+            eps_inside_sqrt=bool(optim_cfg.eps_inside_sqrt),
+            fused=optim_cfg.fused,
+        )
+    elif name == "lars":
+        opt = LARS(
+            groups,
+            lr=lr,
+            momentum=float(optim_cfg.momentum),
+            trust_coef=float(optim_cfg.trust_coef),
+        )
+    else:
+        opt = torch.optim.SGD(
+            groups,
+            lr=lr,
+            momentum=float(optim_cfg.momentum),
+            nesterov=bool(optim_cfg.nesterov),
+            foreach=True,
+        )
+    return opt, summary

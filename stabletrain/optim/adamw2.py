@@ -1,0 +1,415 @@
+"""AdamW² — AdamW whose step on each bounded tensor obeys Weyl's inequality (SPEC section 1).
+
+Algorithm 1 of 000 (l.189-210), for every bounded tensor ``W`` at step ``t`` with rate ``lr``:
+
+    m, v        Adam moments of the gradient (betas), bias-corrected to m_hat, v_hat
+    U           m_hat / (sqrt(v_hat) + eps)        (eps_inside_sqrt=False, PyTorch's form)
+                m_hat / sqrt(v_hat + eps)          (eps_inside_sqrt=True, Alg. 1 line 5)
+    s_w, s_u    sigma1(W_{t-1}), sigma1(U) by power iteration (spectral.power_iteration)
+    lr_eff      tau * s_w / s_u   if lr * s_u / s_w > tau and s_w > 0,   else lr
+    W_t         W_{t-1} - lr_eff * U - lr_eff * weight_decay * W_{t-1}
+
+By Weyl, ``sigma1(W_t) <= (1 - lr_eff*wd) s_w + lr_eff s_u <= (1 + tau) s_w``: no step can grow
+a bounded tensor's spectral norm by more than the ratio ``tau``. Unbounded tensors take the
+plain AdamW step, identical to ``torch.optim.AdamW``.
+
+How a step is laid out (all on the device, no host sync):
+
+- Bounded tensors of one param group are bucketed by matrix shape (``spectral.as_matrix``).
+  Each bucket owns one buffer ``(2B, rows, cols)``: the first half is a copy of the B weights,
+  the second half receives their Adam directions, scaled to ``-U / wd``; one batched power
+  iteration then gives all ``sigma1(W)`` and ``sigma1(U)`` of that shape at once.
+- The direction comes from torch's fused Adam kernel run on the zeroed half of that buffer
+  with ``lr = 1 / wd`` (one pass over g, m, v instead of eight elementwise ops);
+  ``eps_inside_sqrt`` and non-fp32 parameters take an equivalent ``torch._foreach`` path.
+- The update ``W - lr_eff * U - lr_eff * wd * W`` is ``lerp(W, -U / wd, lr_eff * wd)``: one
+  read-modify-write of each weight, with ``lr_eff`` a device tensor.
+- Power iteration is ``spectral.power_iteration`` (the code ``spectral.batched_sigma1`` runs)
+  applied to that buffer directly, which ``batched_sigma1`` would stack a second time. It runs
+  in ``promote(param dtype, float32)``; 1-D bounded tensors (norm gains) use their exact L2
+  norm, as ``batched_sigma1`` does.
+
+Decisions (SPEC section 1): ``eps`` 1e-8 outside the root by default; ``warm_start`` keeps the
+power-iteration vectors of W and of U (``w_u, w_v, upd_u, upd_v``) in ``self.state[p]`` and so
+in the state dict, ``warm_start=False`` draws fresh random unit vectors every step (from the
+global RNG); ``s_w == 0`` takes ``lr`` so zero-initialised tensors learn. Param group key
+``bound``: ``None`` (standalone default) bounds tensors with >= 2 dims after ``as_matrix``,
+``True``/``False`` force it (the trainer's grouping sets it, bounding norm gains too). Optional
+group key ``names`` (or torch's ``param_names``) labels telemetry.
+
+Parameters must be whole tensors on each rank (DDP, single device); FSDP shards would give
+the sigma1 of a shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from stabletrain.spectral import as_matrix, power_iteration, random_unit
+
+_TINY = 1e-30  # keeps tau*s_w/s_u finite where s_u == 0; torch.where discards that branch then
+
+
+@dataclass
+class BoundRecord:
+    """What one bucket of bounded tensors did in the last step (device tensors, no sync)."""
+
+    names: list[str]
+    lr: float | Tensor
+    lr_eff: Tensor  # (B,)
+    hit: Tensor  # (B,) bool: the bound was active
+    sigma_w: Tensor  # (B,) sigma1(W_{t-1})
+    sigma_u: Tensor  # (B,) sigma1(U)
+
+
+W_KEYS = ("w_u", "w_v")  # warm-start vectors of sigma1(W) in self.state[p]
+U_KEYS = ("upd_u", "upd_v")  # and of sigma1(U)
+
+
+class AdamW2(Optimizer):
+    """AdamW with the Weyl learning-rate bound of AdamW² (000, Alg. 1; SPEC section 1).
+
+    Args mean what they mean for ``torch.optim.AdamW``, plus:
+        tau: largest allowed ``lr * sigma1(U) / sigma1(W)`` per step (000 Table 2: 0.004
+            vision, 0.01 GPT).
+        power_iters: power-iteration steps per sigma1 estimate (000 l.230: 3).
+        warm_start: keep the power-iteration vectors across steps (SPEC decision).
+        eps_inside_sqrt: ``sqrt(v_hat + eps)`` as in Alg. 1 line 5 instead of PyTorch's
+            ``sqrt(v_hat) + eps`` (SPEC decision: default False).
+        fused: compute the Adam direction with torch's fused Adam kernel. ``None`` uses it
+            where it applies (eps outside the root, fp32/fp64 parameters on CPU or CUDA).
+
+    After :meth:`step`, :meth:`bound_stats` (nested) and :meth:`telemetry` (flat metric keys)
+    report the bound per tensor, with one host sync only when called; :attr:`last_bound`
+    holds the same as device tensors.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        tau: float = 0.004,
+        power_iters: int = 3,
+        warm_start: bool = True,
+        eps_inside_sqrt: bool = False,
+        *,
+        fused: bool | None = None,
+    ):
+        if not 0.0 <= lr:
+            raise ValueError(f"AdamW2: lr={lr} must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"AdamW2: betas={betas} must lie in [0, 1)")
+        if not 0.0 <= eps:
+            raise ValueError(f"AdamW2: eps={eps} must be >= 0")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"AdamW2: weight_decay={weight_decay} must be >= 0")
+        if not tau > 0.0:
+            raise ValueError(f"AdamW2: tau={tau} must be > 0")
+        if power_iters < 1:
+            raise ValueError(f"AdamW2: power_iters={power_iters} must be >= 1")
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "tau": tau,
+            "power_iters": power_iters,
+            "warm_start": warm_start,
+            "eps_inside_sqrt": eps_inside_sqrt,
+            "bound": None,
+        }
+        super().__init__(params, defaults)
+        self.fused = fused
+        self.last_bound: list[BoundRecord] = []
+
+    # --- the step -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        records: list[BoundRecord] = []
+        for gi, group in enumerate(self.param_groups):
+            bounded: dict[tuple, list[tuple[str, Tensor]]] = defaultdict(list)
+            free: list[Tensor] = []
+            for name, p in zip(_group_names(group, gi), group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamW2 does not support sparse gradients")
+                self._init_state(p)
+                if _is_bounded(group["bound"], p):
+                    shape = tuple(_as_bounded_matrix(p).shape)
+                    bounded[(gi, shape, p.device, _compute_dtype(p))].append((name, p))
+                else:
+                    free.append(p)
+            if free:
+                self._step_free(group, free)
+            for key, members in bounded.items():
+                records.append(self._step_bucket(group, key, members))
+        self.last_bound = records
+        return loss
+
+    def _init_state(self, p: Tensor) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            # the step count lives on the parameter's device: bias corrections never sync
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif state["step"].device != p.device:  # loaded from a checkpoint on another device
+            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def _use_fused(self, group: dict, params: list[Tensor]) -> bool:
+        if self.fused is False or group["eps_inside_sqrt"]:
+            return False
+        p0 = params[0]
+        ok = (
+            p0.device.type in ("cuda", "cpu")
+            and p0.dtype in (torch.float32, torch.float64)
+            and all(p.device == p0.device and p.dtype == p0.dtype for p in params)
+        )
+        if self.fused and not ok:
+            raise RuntimeError("AdamW2(fused=True) needs eps_inside_sqrt=False and fp32/fp64 parameters on CPU or CUDA")
+        return ok
+
+    def _adam_direction(self, group: dict, params: list[Tensor], out: list[Tensor], scale: float = 1.0) -> None:
+        """Advance step counts and moments of ``params``; add ``scale * U`` to ``out`` (zeros)."""
+        beta1, beta2 = group["betas"]
+        eps = group["eps"]
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        if self._use_fused(group, params):
+            # Adam's update "out -= lr * m_hat / (sqrt(v_hat) + eps)" with lr = -scale and out = 0
+            # leaves scale * U in out, in the same single pass that updates m and v.
+            torch._fused_adam_(
+                out,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                [],
+                steps,
+                lr=-scale,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=0.0,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+            )
+            return
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        # bias corrections in the update's precision (a no-op cast for fp32 parameters)
+        steps = [s.to(u.dtype) for s, u in zip(steps, out)]
+        bias1 = _one_minus_pow(beta1, steps)
+        bias2 = _one_minus_pow(beta2, steps)
+        if group["eps_inside_sqrt"]:
+            denom = torch._foreach_div(exp_avg_sqs, bias2)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_sqrt_(denom)
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, torch._foreach_sqrt(bias2))
+            torch._foreach_add_(denom, eps)
+        torch._foreach_mul_(denom, bias1)
+        torch._foreach_addcdiv_(out, exp_avgs, denom, value=scale)
+
+    def _step_free(self, group: dict, params: list[Tensor]) -> None:
+        """Plain AdamW (what torch.optim.AdamW does) for tensors outside the bound."""
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        if self._use_fused(group, params):
+            steps = [self.state[p]["step"] for p in params]
+            torch._foreach_add_(steps, 1.0)
+            torch._fused_adamw_(
+                params,
+                [p.grad for p in params],
+                [self.state[p]["exp_avg"] for p in params],
+                [self.state[p]["exp_avg_sq"] for p in params],
+                [],
+                steps,
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=wd,
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
+            return
+        updates = [torch.zeros_like(p, dtype=_compute_dtype(p)) for p in params]
+        self._adam_direction(group, params, updates)
+        if wd != 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_add_(params, updates, alpha=-lr)
+
+    def _step_bucket(self, group: dict, key: tuple, members: list[tuple[str, Tensor]]) -> BoundRecord:
+        """Bounded step for B tensors whose matrices share ``shape`` (see module docstring)."""
+        _, shape, device, dtype = key
+        names = [n for n, _ in members]
+        params = [p for _, p in members]
+        n = len(params)
+        lr, tau, wd = group["lr"], group["tau"], group["weight_decay"]
+        # The step W - lr_eff*U - lr_eff*wd*W (Alg. 1 line 11: the bounded rate scales the
+        # decay too) is lerp(W, -U/wd, lr_eff*wd): one pass over W and the direction. So the
+        # direction holds -U/wd (or -U without decay), and its sigma1 is rescaled below.
+        scale = -1.0 / wd if wd != 0 else -1.0
+        buf = torch.empty((2 * n, *shape), dtype=dtype, device=device)
+        _stack_matrices(params, out=buf[:n])
+        direction = buf[n:]
+        direction.zero_()
+        self._adam_direction(group, params, [direction[i].view(p.shape) for i, p in enumerate(params)], scale)
+
+        if len(shape) == 1:
+            sigma = buf.norm(dim=-1)
+        else:
+            sigma = self._sigma1_matrices(group, params, buf)
+        sigma_w, sigma_u = sigma[:n], sigma[n:] * abs(1.0 / scale)
+
+        hit = (sigma_w > 0) & (sigma_u * lr > sigma_w * tau)
+        lr_eff = torch.where(hit, tau * sigma_w / sigma_u.clamp_min(_TINY), lr)
+
+        steps = [direction[i].view(p.shape) for i, p in enumerate(params)]
+        if wd != 0:
+            rates = list((lr_eff * wd).unbind(0))
+            if all(p.dtype == dtype for p in params):
+                torch._foreach_lerp_(params, steps, rates)
+            else:  # low-precision parameters: step in the compute dtype, round once
+                for p, d, a in zip(params, steps, rates):
+                    p.copy_(torch.lerp(p.to(dtype), d, a))
+        else:
+            torch._foreach_addcmul_(params, steps, list(lr_eff.unbind(0)))
+        return BoundRecord(names, lr, lr_eff, hit, sigma_w, sigma_u)
+
+    def _sigma1_matrices(self, group: dict, params: list[Tensor], buf: Tensor) -> Tensor:
+        """sigma1 of every matrix in ``buf`` = [W_1..W_B, U_1..U_B], one batched iteration."""
+        n = len(params)
+        two_n, rows, cols = buf.shape
+        if group["warm_start"]:
+            states = [self.state[p] for p in params]
+            keys = (W_KEYS, U_KEYS)
+            u0 = torch.stack([_vector(s, ku, rows, buf) for ku, _ in keys for s in states])
+            v0 = torch.stack([_vector(s, kv, cols, buf) for _, kv in keys for s in states])
+        else:
+            u0 = random_unit(two_n, rows, device=buf.device, dtype=buf.dtype)
+            v0 = random_unit(two_n, cols, device=buf.device, dtype=buf.dtype)
+        sigma, u, v = power_iteration(buf, u0, v0, group["power_iters"])
+        if group["warm_start"]:
+            for block, (ku, kv) in enumerate(keys):
+                for i, state in enumerate(states):
+                    state[ku], state[kv] = u[block * n + i], v[block * n + i]
+        return sigma
+
+    # --- telemetry ----------------------------------------------------------------------
+
+    def bound_stats(self) -> dict[str, Any]:
+        """The bound in the last step, as host floats (one device sync, here and only here).
+
+        ``bound_fraction``: share of bounded tensors whose rate was cut (nan before the first
+        step or with nothing bounded); per tensor name: ``lr_eff`` (App. M's "actual lr"),
+        ``lr_ratio = lr_eff / lr``, ``sigma_w = sigma1(W_{t-1})``, ``sigma_u = sigma1(U)``.
+        """
+        if not self.last_bound:
+            return {
+                "bound_fraction": math.nan,
+                "lr_eff": {},
+                "lr_ratio": {},
+                "sigma_w": {},
+                "sigma_u": {},
+            }
+        names = [name for r in self.last_bound for name in r.names]
+        rows = torch.cat(
+            [
+                torch.stack([r.lr_eff, r.lr_eff / r.lr, r.sigma_w, r.sigma_u, r.hit.to(r.lr_eff.dtype)]).cpu()
+                for r in self.last_bound
+            ],
+            dim=1,
+        ).double()
+        lr_eff, ratio, sigma_w, sigma_u, hit = rows.tolist()
+        return {
+            "bound_fraction": sum(hit) / len(hit),
+            "lr_eff": dict(zip(names, lr_eff)),
+            "lr_ratio": dict(zip(names, ratio)),
+            "sigma_w": dict(zip(names, sigma_w)),
+            "sigma_u": dict(zip(names, sigma_u)),
+        }
+
+    def telemetry(self, prefix: str = "adamw2/") -> dict[str, float]:
+        """:meth:`bound_stats` flattened for a metrics sink: ``adamw2/bound_fraction``,
+        ``adamw2/lr_eff/<name>``, ``adamw2/lr_ratio/<name>``, ``adamw2/sigma_w/<name>``,
+        ``adamw2/sigma_u/<name>`` (one host sync; call it at the logging cadence)."""
+        stats = self.bound_stats()
+        flat = {f"{prefix}bound_fraction": stats.pop("bound_fraction")}
+        for key, per_tensor in stats.items():
+            flat.update({f"{prefix}{key}/{name}": value for name, value in per_tensor.items()})
+        return flat
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def _group_names(group: dict, index: int) -> list[str]:
+    names = group.get("names") or group.get("param_names")
+    if names is None:
+        return [f"group{index}.{i}" for i in range(len(group["params"]))]
+    if len(names) != len(group["params"]):
+        raise ValueError(f"param group {index}: {len(names)} names for {len(group['params'])} params")
+    return list(names)
+
+
+def _is_bounded(flag: bool | None, p: Tensor) -> bool:
+    if flag is None:
+        return as_matrix(p).dim() >= 2
+    return bool(flag)
+
+
+def _stack_matrices(params: list[Tensor], out: Tensor) -> Tensor:
+    """Copy the parameters' bounded matrices into ``out`` (B, ...), casting if needed."""
+    mats = [_as_bounded_matrix(p) for p in params]
+    if all(m.dtype == out.dtype for m in mats):
+        return torch.stack(mats, out=out)
+    return out.copy_(torch.stack(mats))
+
+
+def _as_bounded_matrix(p: Tensor) -> Tensor:
+    """``as_matrix``, with a scalar seen as a 1-vector so that its sigma1 is |x|."""
+    m = as_matrix(p)
+    return m.reshape(1) if m.dim() == 0 else m
+
+
+def _compute_dtype(p: Tensor) -> torch.dtype:
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+def _one_minus_pow(beta: float, steps: list[Tensor]) -> list[Tensor]:
+    powers = torch._foreach_pow(beta, steps)
+    torch._foreach_neg_(powers)
+    torch._foreach_add_(powers, 1.0)
+    return powers
+
+
+def _vector(state: dict, key: str, size: int, like: Tensor) -> Tensor:
+    """A warm-start vector from ``state`` (cast to the compute dtype), or a fresh one."""
+    vec = state.get(key)
+    if vec is None or vec.shape != (size,):
+        return random_unit(size, device=like.device, dtype=like.dtype)
+    return vec.to(device=like.device, dtype=like.dtype)

@@ -1,0 +1,167 @@
+"""Which parameters decay, which AdamW² bounds, which LARS adapts (SPEC section 1, 8.3).
+
+Every trainable parameter gets a role:
+
+- ``gamma``: sigmaReparam's scale (name ends in ``gamma`` under a ``parametrizations`` path)
+  or any 0-dim parameter. Never decays, never bounded, LARS-excluded, ``lr_mult`` =
+  ``reparam.gamma_lr_mult`` (SPEC section 2).
+- ``norm_gain``: a ``*weight`` vector of a norm layer (``nn.LayerNorm``, ``nn.RMSNorm`` or any
+  module class whose name contains ``Norm``, e.g. our StableNorm). No decay; bounded by AdamW²
+  when ``bound_norm_gains`` (SPEC decision: App. M plots RMSNorm gains hitting the bound).
+- ``vector``: any other tensor with < 2 dims (biases, norm biases). No decay, unbounded.
+- ``position``: vision families' ``pos_embed``, ``cls_token`` (and timm's ``dist_token``,
+  ``reg_token``, Swin's ``absolute_pos_embed``), ``relative_position_bias_table``. No decay
+  (timm's recipe); bounded when a matrix after ``as_matrix`` (``pos_embed`` yes, ``cls_token``
+  no), as every matrix is.
+- ``matrix``: everything else (>= 2 dims: linear and conv weights, embeddings). Decays,
+  bounded. The GPT family decays every >= 2-D tensor incl. embeddings (nanoGPT).
+
+LARS excludes (plain momentum, no decay) gamma and every tensor that is a vector after
+``as_matrix`` (biases, norms, ``cls_token``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from torch import nn
+
+from stabletrain.spectral import as_matrix
+
+FAMILIES = ("vit", "swin", "gpt")
+VISION_NO_DECAY = frozenset(
+    {
+        "pos_embed",
+        "cls_token",
+        "dist_token",
+        "reg_token",
+        "absolute_pos_embed",
+        "relative_position_bias_table",
+    }
+)
+NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+@dataclass(frozen=True)
+class ParamRole:
+    kind: str  # gamma | norm_gain | vector | position | matrix
+    decay: bool
+    bound: bool
+    lars_exclude: bool
+    lr_mult: float
+
+
+def is_norm_module(module: nn.Module) -> bool:
+    return isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
+
+
+def is_reparam_gamma(name: str, p: nn.Parameter) -> bool:
+    return p.dim() == 0 or (name.endswith("gamma") and "parametrizations" in name.split("."))
+
+
+def _norm_gain_ids(model: nn.Module) -> set[int]:
+    ids = set()
+    for module in model.modules():
+        if is_norm_module(module):
+            for local, p in module.named_parameters(recurse=False):
+                if local.endswith("weight") and as_matrix(p).dim() <= 1:
+                    ids.add(id(p))
+    return ids
+
+
+def classify(
+    model: nn.Module, family: str, *, bound_norm_gains: bool = True, gamma_lr_mult: float = 1.0
+) -> list[tuple[str, nn.Parameter, ParamRole]]:
+    """``(name, param, role)`` for every trainable parameter, in ``named_parameters`` order."""
+    family = str(getattr(family, "value", family))
+    if family not in FAMILIES:
+        raise ValueError(f"model.family={family!r}: use one of {', '.join(FAMILIES)}")
+    vision = family in ("vit", "swin")
+    norm_gains = _norm_gain_ids(model)
+    out = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_matrix = as_matrix(p).dim() >= 2
+        if is_reparam_gamma(name, p):
+            role = ParamRole("gamma", decay=False, bound=False, lars_exclude=True, lr_mult=gamma_lr_mult)
+        elif id(p) in norm_gains:
+            role = ParamRole("norm_gain", decay=False, bound=bound_norm_gains, lars_exclude=True, lr_mult=1.0)
+        elif p.dim() < 2:
+            role = ParamRole("vector", decay=False, bound=False, lars_exclude=True, lr_mult=1.0)
+        elif vision and name.split(".")[-1] in VISION_NO_DECAY:
+            role = ParamRole("position", decay=False, bound=is_matrix, lars_exclude=not is_matrix, lr_mult=1.0)
+        else:
+            role = ParamRole("matrix", decay=True, bound=is_matrix, lars_exclude=False, lr_mult=1.0)
+        out.append((name, p, role))
+    return out
+
+
+def make_param_groups(
+    model: nn.Module,
+    family: str,
+    weight_decay: float,
+    *,
+    optimizer: str = "adamw",
+    bound_norm_gains: bool = True,
+    gamma_lr_mult: float = 1.0,
+) -> list[dict]:
+    """Param groups for ``optimizer`` (adamw | adamw2 | lars | sgd), merged by what differs.
+
+    Each group has ``params``, ``names``, ``weight_decay`` (``weight_decay`` or 0), ``lr_mult``,
+    plus ``bound`` for adamw2 and ``lars_exclude`` for lars. ``lr`` is left to the caller.
+    """
+    groups: OrderedDict[tuple, dict] = OrderedDict()
+    for name, p, role in classify(model, family, bound_norm_gains=bound_norm_gains, gamma_lr_mult=gamma_lr_mult):
+        key: tuple = (role.decay, role.lr_mult)
+        extra: dict = {}
+        if optimizer == "adamw2":
+            key += (role.bound,)
+            extra["bound"] = role.bound
+        elif optimizer == "lars":
+            key += (role.lars_exclude,)
+            extra["lars_exclude"] = role.lars_exclude
+        if key not in groups:
+            groups[key] = dict(
+                params=[],
+                names=[],
+                kinds=[],
+                weight_decay=weight_decay if role.decay else 0.0,
+                lr_mult=role.lr_mult,
+                **extra,
+            )
+        groups[key]["params"].append(p)
+        groups[key]["names"].append(name)
+        groups[key]["kinds"].append(role.kind)
+    return list(groups.values())
+
+
+def summarize_groups(groups: list[dict], header: str = "") -> str:
+    """A few lines: per group its flags, tensor count, parameter count and example names."""
+    total_t = sum(len(g["params"]) for g in groups)
+    total_n = sum(p.numel() for g in groups for p in g["params"])
+    lines = [f"{header}{total_t} tensors, {_count(total_n)} params in {len(groups)} groups"]
+    for g in groups:
+        flags = ["decay" if g["weight_decay"] > 0 else "no-decay"]
+        if "bound" in g:
+            flags.append("bound" if g["bound"] else "free")
+        if "lars_exclude" in g:
+            flags.append("plain-sgd" if g["lars_exclude"] else "lars")
+        if g.get("lr_mult", 1.0) != 1.0:
+            flags.append(f"lr x{g['lr_mult']:g}")
+        kinds = sorted(set(g.get("kinds", [])))
+        n = sum(p.numel() for p in g["params"])
+        examples = ", ".join(g["names"][:3]) + (", ..." if len(g["names"]) > 3 else "")
+        lines.append(
+            f"  {' '.join(flags):<24} wd {g['weight_decay']:<6g} {len(g['params']):>4} tensors "
+            f"{_count(n):>8}  [{'/'.join(kinds)}] {examples}"
+        )
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)

@@ -1,0 +1,112 @@
+"""Learning-rate schedules as pure functions of the optimizer step (no scheduler state).
+
+Resuming needs no scheduler state dict: the trainer recomputes ``lr(step)`` from the step it
+restored and calls :func:`set_lr` every step. Conventions (ours, SPEC 8.2/8.3):
+
+- Steps count optimizer steps from 0. ``warmup = W > 0``: step ``s < W`` runs at
+  ``base_lr * (s + 1) / W``, so step ``W - 1`` already reaches ``base_lr``; ``W = 0`` gives
+  ``base_lr`` at step 0 (the AdamW² recipes).
+- cosine: from ``base_lr`` at step ``W`` to ``min_lr`` at step ``horizon`` (the run's total steps
+  unless ``schedule.horizon`` says otherwise, e.g. GPT-L's 600K horizon stopped at 100K),
+  ``min_lr + (base_lr - min_lr) * (1 + cos(pi * (s - W) / (horizon - W))) / 2``, and ``min_lr``
+  after the horizon.
+- step: ``base_lr * gamma ** k`` with ``k`` the number of milestones ``<= s`` (milestones are
+  absolute steps from the start of the run, warmup included).
+- constant: ``base_lr``.
+
+Warmup, milestones and horizon are given in ``schedule.unit``; :func:`to_steps` converts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torch.optim import Optimizer
+
+SCHEDULES = ("cosine", "step", "constant")
+
+
+def enum_value(x: Any) -> str:
+    """``'cosine'`` for ``ScheduleName.cosine`` or ``'cosine'`` alike."""
+    return str(getattr(x, "value", x))
+
+
+def to_steps(value: float, unit: Any, steps_per_epoch: int | None = None) -> int:
+    """A length in ``unit`` (``steps`` or ``epochs``) as a whole number of optimizer steps."""
+    unit = enum_value(unit)
+    if unit == "steps":
+        return round(value)
+    if unit == "epochs":
+        if not steps_per_epoch:
+            raise ValueError("to_steps: a length in epochs needs steps_per_epoch")
+        return round(value * steps_per_epoch)
+    raise ValueError(f"schedule.unit={unit!r}: use steps or epochs")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """``lr(step) -> float``; all lengths in optimizer steps (see the module docstring)."""
+
+    name: str
+    base_lr: float
+    total_steps: int
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    horizon_steps: int | None = None
+
+    def __post_init__(self):
+        if self.name not in SCHEDULES:
+            raise ValueError(f"schedule.name={self.name!r}: use one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup={self.warmup_steps} steps must be >= 0")
+
+    def __call__(self, step: int) -> float:
+        w = self.warmup_steps
+        if step < w:
+            return self.base_lr * (step + 1) / w
+        if self.name == "constant":
+            return self.base_lr
+        if self.name == "step":
+            passed = sum(1 for m in self.milestones if step >= m)
+            return self.base_lr * self.gamma**passed
+        horizon = self.horizon_steps if self.horizon_steps is not None else self.total_steps
+        progress = min(1.0, (step - w) / max(1, horizon - w))
+        return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_schedule(
+    schedule_cfg: Any,
+    base_lr: float,
+    total_steps: int,
+    *,
+    warmup: float = 0.0,
+    steps_per_epoch: int | None = None,
+) -> LRSchedule:
+    """The schedule of ``schedule_cfg`` (config.ScheduleConfig) for a run of ``total_steps``.
+
+    ``warmup`` is the trainer's ``warmup`` key and, like ``milestones`` and ``horizon``, is in
+    ``schedule_cfg.unit``. ``base_lr`` is the peak rate after any batch scaling
+    (:func:`stabletrain.optim.scaled_lr`); ``min_lr`` is absolute.
+    """
+    unit = schedule_cfg.unit
+    horizon = schedule_cfg.horizon
+    return LRSchedule(
+        name=enum_value(schedule_cfg.name),
+        base_lr=float(base_lr),
+        total_steps=int(total_steps),
+        warmup_steps=to_steps(warmup, unit, steps_per_epoch),
+        min_lr=float(schedule_cfg.min_lr),
+        milestones=tuple(to_steps(m, unit, steps_per_epoch) for m in schedule_cfg.milestones),
+        gamma=float(schedule_cfg.gamma),
+        horizon_steps=None if horizon is None else to_steps(horizon, unit, steps_per_epoch),
+    )
+
+
+def set_lr(optimizer: Optimizer, lr: float) -> None:
+    """Give every param group ``lr * group['lr_mult']`` (``lr_mult`` 1 where absent)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)

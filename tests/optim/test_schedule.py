@@ -1,0 +1,66 @@
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from stabletrain.config import ScheduleConfig
+from stabletrain.optim import LRSchedule, make_schedule, set_lr, to_steps
+
+
+def test_cosine_start_middle_end():
+    lr = LRSchedule("cosine", base_lr=1e-3, total_steps=100, min_lr=1e-5)
+    assert lr(0) == pytest.approx(1e-3)
+    assert lr(50) == pytest.approx(1e-5 + (1e-3 - 1e-5) / 2)
+    assert lr(25) == pytest.approx(1e-5 + (1e-3 - 1e-5) * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr(100) == pytest.approx(1e-5)
+    assert lr(150) == pytest.approx(1e-5)
+
+
+def test_cosine_after_warmup_and_own_horizon():
+    lr = LRSchedule("cosine", base_lr=1.0, total_steps=100, warmup_steps=10, horizon_steps=210)
+    assert lr(10) == pytest.approx(1.0)
+    assert lr(110) == pytest.approx(0.5)  # halfway between the warmup's end and the horizon
+    assert lr(99) > 0.5  # the run stops before the horizon
+
+
+def test_warmup_ramp():
+    lr = LRSchedule("cosine", base_lr=2.0, total_steps=100, warmup_steps=4)
+    assert [lr(s) for s in range(4)] == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert lr(4) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("name", ["cosine", "step", "constant"])
+def test_no_warmup_starts_at_peak(name):
+    assert LRSchedule(name, base_lr=0.3, total_steps=10, milestones=(5,))(0) == pytest.approx(0.3)
+
+
+def test_step_at_milestones():
+    lr = LRSchedule("step", base_lr=0.1, total_steps=300, milestones=(100, 200), gamma=0.5)
+    assert lr(99) == pytest.approx(0.1)
+    assert lr(100) == pytest.approx(0.05)
+    assert lr(199) == pytest.approx(0.05)
+    assert lr(200) == pytest.approx(0.025)
+
+
+def test_constant_with_warmup():
+    lr = LRSchedule("constant", base_lr=1.0, total_steps=50, warmup_steps=2)
+    assert [lr(0), lr(1), lr(2), lr(49)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+
+
+def test_from_config_in_epochs():
+    cfg = OmegaConf.structured(ScheduleConfig(name="step", unit="epochs", milestones=[210], gamma=0.1))
+    lr = make_schedule(cfg, base_lr=0.1, total_steps=250 * 10, warmup=1.5, steps_per_epoch=10)
+    assert lr.warmup_steps == 15 and lr.milestones == (2100,)
+    assert lr(14) == pytest.approx(0.1)
+    assert lr(2099) == pytest.approx(0.1) and lr(2100) == pytest.approx(0.01)
+    assert to_steps(3, "steps") == 3
+    with pytest.raises(ValueError):
+        to_steps(1.0, "epochs")
+
+
+def test_set_lr_applies_group_multiplier():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr_mult": 2.0}], lr=1.0)
+    set_lr(opt, 0.25)
+    assert [g["lr"] for g in opt.param_groups] == [0.25, 0.5]
