@@ -135,12 +135,11 @@ def build_data(cfg) -> Data:
         return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, cfg.seed)
     if name == "pytext":
         from stabletrain.data.embedded import pytext_bytes
+        from stabletrain.data.tokenizer import encode
 
-        if d.tokenizer != "byte":
-            raise ConfigError("data=pytext is byte-level: set data.tokenizer=byte")
-        arr = pytext_bytes()
+        arr, vocab = encode(pytext_bytes(), d.tokenizer)
         cut = int(len(arr) * (1 - d.val_fraction / 2))
-        return TokenWindows(arr[:cut], arr[cut:], 256, m.block_size, cfg.seed)
+        return TokenWindows(arr[:cut], arr[cut:], vocab, m.block_size, cfg.seed)
     if name == "tokens":
         path = Path(d.path or "")
         if not path.is_file():

@@ -1,0 +1,88 @@
+"""Embedded data, step-indexed streams, and clear errors for missing data."""
+
+import numpy as np
+import pytest
+import torch
+
+from stabletrain.config import ConfigError
+from stabletrain.data import Shard, build_data, epoch_indices
+from tests.helpers import cli, make_cfg
+
+
+def test_digits_are_real_and_split():
+    d = build_data(make_cfg("model=vit_test"))
+    assert d.kind == "vision" and d.num_classes == 10 and d.in_chans == 1
+    x, y = next(d.val_batches(512, 1))
+    assert x.shape[1:] == (1, 16, 16) and set(y.tolist()) == set(range(10))
+    assert d.n_train + len(y) == 1797
+
+
+def test_pytext_is_stdlib_bytes():
+    d = build_data(make_cfg("model=gpt_test"))
+    assert d.kind == "text" and d.vocab_size == 256
+    text = bytes(d.train[:20000].tolist()).decode("utf-8", errors="replace")
+    assert "def " in text and "import" in text
+
+
+def test_epoch_stream_is_a_permutation_per_epoch():
+    idx = epoch_indices(10, seed=3, start=0, count=30)
+    for e in range(3):
+        assert sorted(idx[10 * e:10 * (e + 1)].tolist()) == list(range(10))
+    assert torch.equal(epoch_indices(10, 3, 7, 9), idx[7:16])  # any window of the same stream
+
+
+def test_ranks_and_micro_batches_partition_the_global_batch():
+    d = build_data(make_cfg("model=gpt_test"))
+    whole = next(d.train_iter(5, Shard(8)))
+    assert len(whole) == 1 and whole[0][0].shape == (8, 32)
+    parts = [next(d.train_iter(5, Shard(8, rank=r, world=2, accum=2))) for r in range(2)]
+    xs = torch.cat([x for p in parts for x, _ in p])
+    assert torch.equal(xs, whole[0][0])
+    x, y = whole[0]
+    assert torch.equal(x[:, 1:], y[:, :-1])  # next-token targets
+
+
+def test_tokens_bin(tmp_path):
+    arr = (np.arange(5000) % 50000).astype(np.uint16)
+    arr.tofile(tmp_path / "train.bin")
+    arr[:1000].tofile(tmp_path / "val.bin")
+    d = build_data(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}",
+                            "model.vocab_size=50304"))
+    x, y = next(d.train_iter(0, Shard(4)))[0]
+    assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_gpt2_tokenizer_offline_gives_a_clear_error(monkeypatch):
+    import tiktoken
+
+    def offline(_name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(ConfigError, match="TIKTOKEN_CACHE_DIR|data.tokenizer=byte"):
+        build_data(make_cfg("model=gpt_test", "data.tokenizer=gpt2"))
+
+
+def test_data_must_fit_the_model():
+    with pytest.raises(ConfigError, match="does not fit"):
+        build_data(make_cfg("model=gpt_test", "data=digits"))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["model=nope"], "model=nope is not an option of 'model'"),
+    (["optimm.lr=0.1"], "optimm.lr"),
+    (["optim.lr=-1"], "optim.lr=-1.0 must be > 0"),
+    (["steps=abc"], "steps"),
+    (["data=imagefolder", "data.root=/nonexistent"], "data.root=/nonexistent"),
+    (["norm=stablenorm", "norm.alpha=0.7"], "norm.alpha=0.7 must be in [0, 0.5]"),
+    (["optim.tau=0"], "optim.tau=0.0 must be > 0"),
+    (["model=gpt_test", "data=tokens", "data.path=/nope.bin"], "data.path=/nope.bin"),
+    (["norm.eps_mode=foo"], "foo"),
+])
+def test_bad_input_is_one_clear_line(args, needle, tmp_path):
+    r = cli(*args, f"hydra.run.dir={tmp_path}", timeout=120)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in r.stderr
