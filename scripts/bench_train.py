@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.config import MonitorConfig  # noqa: E402
 from stabletrain.engine.loop import Trainer  # noqa: E402
-from tests.helpers import make_cfg  # noqa: E402
+from stabletrain.cli import compose_config as make_cfg  # noqa: E402
 
 
 def timed(fn, steps: int, warmup: int, sync) -> float:

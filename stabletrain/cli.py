@@ -58,30 +58,38 @@ def explain(err: Exception, overrides: list[str]) -> str:
     return f"{key}: {first}" if key else first
 
 
+def compose_config(overrides: list[str]):
+    """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from stabletrain.config import register
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return compose("train", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def check_overrides(argv: list[str]) -> None:
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --help, --cfg, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from stabletrain.config import ConfigError, validate
 
-    from stabletrain.config import ConfigError, register, validate
-
-    register()
     try:
         ovs = _first_of_sweeps(overrides)
     except Exception as e:
         _fail(f"cannot parse the overrides: {str(e).splitlines()[0]}")
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=ovs)
-        validate(cfg)
+        validate(compose_config(ovs))
     except ConfigError as e:
         _fail(str(e))
     except Exception as e:
         _fail(explain(e, ovs))
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def _fail(msg: str) -> None:

@@ -8,20 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-
-from stabletrain.config import register
+from stabletrain.cli import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["logger=none", "monitor=off", "logger.progress=false"]
 
 
 def make_cfg(*overrides: str):
-    register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+    return compose_config(list(overrides))
 
 
 def train(run_dir: Path, *overrides: str, quiet: bool = True) -> dict:

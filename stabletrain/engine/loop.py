@@ -322,7 +322,11 @@ class Trainer:
                     if self.device.type == "cuda":
                         rec["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
                     if hasattr(self.optimizer, "telemetry"):
-                        rec.update(self.optimizer.telemetry())
+                        tel = self.optimizer.telemetry()
+                        # per-tensor curves at the weight-monitor cadence (App. M: every 50 steps)
+                        if self.step % cfg.monitor.weight_every and self.step != self.total_steps:
+                            tel = {k: v for k, v in tel.items() if k == "adamw2/frac_bounded"}
+                        rec.update(tel)
                     m.log(self.step, rec)
                     m.progress(self.step, self.total_steps, {"loss": train_loss, "lr": lr,
                                                               **{k: v for k, v in last_vals.items() if k.startswith("val/")}})

@@ -354,11 +354,11 @@ class AdamW2(Optimizer):
         }
 
     def telemetry(self, prefix: str = "adamw2/") -> dict[str, float]:
-        """:meth:`bound_stats` flattened for a metrics sink: ``adamw2/bound_fraction``,
+        """:meth:`bound_stats` flattened for a metrics sink: ``adamw2/frac_bounded``,
         ``adamw2/lr_eff/<name>``, ``adamw2/lr_ratio/<name>``, ``adamw2/sigma_w/<name>``,
         ``adamw2/sigma_u/<name>`` (one host sync; call it at the logging cadence)."""
         stats = self.bound_stats()
-        flat = {f"{prefix}bound_fraction": stats.pop("bound_fraction")}
+        flat = {f"{prefix}frac_bounded": stats.pop("bound_fraction")}
         for key, per_tensor in stats.items():
             flat.update({f"{prefix}{key}/{name}": value for name, value in per_tensor.items()})
         return flat

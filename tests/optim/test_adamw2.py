@@ -308,7 +308,7 @@ def test_flat_telemetry_for_the_metrics_sink():
     loss_fn(model, *batches(1)[0]).backward()
     opt.step()
     flat = opt.telemetry()
-    assert flat["adamw2/bound_fraction"] == 1.0
+    assert flat["adamw2/frac_bounded"] == 1.0
     assert flat["adamw2/lr_ratio/w1"] == opt.bound_stats()["lr_ratio"]["w1"] < 1.0
     assert len(flat) == 1 + 4 * 5 and all(isinstance(v, float) for v in flat.values())
 
