@@ -31,7 +31,16 @@ from stabletrain.layers.norm import StableNorm, _enum
 
 
 def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:
-    """``(q_norm, k_norm, scale)`` for the attention variant ``attn_cfg.name``."""
+    """``(q_norm, k_norm, scale)`` for the attention variant ``attn_cfg.name``.
+
+    Decisions (SPEC section 5): the q and k norms have gains of size ``d_h`` shared by all
+    heads, init 1. ``stable`` uses ``alpha = attn_cfg.alpha`` (null: ``norm_cfg.alpha``; the
+    logits do not depend on it, only where eps enters does), ``eps = attn_cfg.eps`` and
+    ``norm_cfg.eps_mode``; ``N = attn_cfg.seq_len`` or else ``seq_len``, the model's tokens per
+    attention fixed at construction: GPT block size (1024 -> tau 16.18), ViT token count
+    with the class token, Swin window area. ``qknorm`` is our added baseline (RMSNorm with
+    gains, eps ``attn_cfg.eps``, scale ``1/sqrt(d_h)``), not one of the paper's runs.
+    """
     name = _enum(attn_cfg.name)
     if name == "softmax":
         return nn.Identity(), nn.Identity(), head_dim**-0.5

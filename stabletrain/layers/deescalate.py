@@ -27,15 +27,19 @@ from torch import Tensor, nn
 from stabletrain.layers.norm import _enum
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def token_similarity(x: Tensor) -> Tensor:
     """``||P X||_F^2 / ||X||_F^2`` per sequence (full token mean), ``x`` of shape (B, tokens..., d).
 
     002 Def. 1.1: 1 exactly when all tokens are equal; 0 for a zero sequence (guarded).
     """
-    xf = x.float().flatten(1, -2)
+    xf = _at_least_fp32(x).flatten(1, -2)
     mean = xf.mean(1, keepdim=True)
     num = mean.pow(2).sum((1, 2)) * xf.shape[1]
-    return num / xf.pow(2).sum((1, 2)).clamp_min(torch.finfo(torch.float32).tiny)
+    return num / xf.pow(2).sum((1, 2)).clamp_min(torch.finfo(xf.dtype).tiny)
 
 
 class Deescalate(nn.Module):
@@ -52,16 +56,16 @@ class Deescalate(nn.Module):
 
     def token_mean(self, x: Tensor) -> Tensor:
         """Mean over the token dims (all but batch and width), prefix mean if causal."""
-        xf = x.float()
+        xf = _at_least_fp32(x)
         if self.causal:
             if x.dim() != 3:
                 raise ValueError(f"causal de-escalation needs (batch, tokens, width), got {tuple(x.shape)}")
-            count = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=torch.float32)
-            return xf.cumsum(1) / count.view(-1, *([1] * (x.dim() - 2)))
+            count = torch.arange(1, x.shape[1] + 1, device=x.device, dtype=xf.dtype)
+            return xf.cumsum(1) / count.view(-1, 1)
         return xf.mean(dim=tuple(range(1, x.dim() - 1)), keepdim=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        return (x.float() - self.lambda_ * self.token_mean(x)).to(x.dtype)
+        return (_at_least_fp32(x) - self.lambda_ * self.token_mean(x)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"causal={self.causal}"

@@ -1,0 +1,83 @@
+"""Weight initialisations chosen by name (``init`` config group; SPEC sections 5 and 6).
+
+``family`` (default) keeps each model's own init: timm ``trunc_normal(.02)`` for ViT/Swin,
+GPT-2's ``N(0, .02)`` with residual projections scaled by ``1/sqrt(2 n_layer)``. The other
+names re-draw every ``nn.Linear`` weight (biases set to 0) after the model is built:
+
+- ``xavier``: ``N(0, std^2)``, ``std = gain * sqrt(2 / (n_in + n_out))`` (the AdamW² GPT
+  recipe, 000 Table 2). Glorot's variance; drawn normal (not uniform) so that
+  ``trunc_xavier`` is exactly its truncation.
+- ``trunc_xavier``: the same normal truncated at ``+-2 std`` (our reading of 000 Table 2's
+  "Truncated Xavier", ViT). As with timm's ``trunc_normal_``, ``std`` is the untruncated
+  normal's; the drawn values' std is ``0.880 * std``.
+- ``stable``: StableInit (004 Eq. 1, l.145-147), ``N(0, (gain / (sqrt(n_in) + sqrt(n_out)))^2)``,
+  so ``E[sigma_max(W)] <= gain``.
+
+Decisions:
+
+- Only ``nn.Linear`` weights are touched, as StableInit's demo does (004 l.988-994): token
+  and position embeddings, the patch-embedding conv, class token, Swin's relative-position
+  tables and norms keep the family init; a tied ``lm_head`` (its weight is the embedding's)
+  keeps the embedding's init; nanoGPT's residual-projection scaling is not applied (those
+  projections are redrawn like every other linear layer).
+- A fused ``qkv`` (``3d x d``) is three ``d x d`` matrices that happen to share storage: each
+  of q, k, v is drawn as its own matrix with ``n_in = n_out = d`` (the per-slice reading,
+  also timm's MoCo-v3 ViT init). Read as one ``3d x d`` matrix, StableInit would give q, k, v
+  a smaller std (``1/(sqrt(d) + sqrt(3d))`` instead of ``1/(2 sqrt(d))``).
+- ``gain`` (``init.gain``, default 1.0) multiplies the std of all three; StableInit's paper
+  suggests "smaller" for deeper networks without a value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from stabletrain.config import ConfigError
+from stabletrain.layers.norm import _enum
+from stabletrain.layers.reparam import fused_qkv_layers, raw_weight
+
+TRUNC_STDS = 2.0  # trunc_xavier cuts at +-2 std (our reading)
+
+
+def init_std(name: str, n_in: int, n_out: int, gain: float = 1.0) -> float:
+    """The (untruncated) std that init ``name`` draws an ``n_out x n_in`` matrix with."""
+    if name in ("xavier", "trunc_xavier"):
+        return gain * math.sqrt(2.0 / (n_in + n_out))
+    if name == "stable":
+        return gain / (math.sqrt(n_in) + math.sqrt(n_out))
+    raise ConfigError(f"init={name!r} has no std; choose xavier, trunc_xavier or stable")
+
+
+@torch.no_grad()
+def init_matrix_(w: Tensor, name: str, gain: float = 1.0) -> Tensor:
+    """Re-draw the matrix ``w`` (``n_out x n_in``, may be a view) in place with init ``name``."""
+    n_out, n_in = w.shape
+    std = init_std(name, n_in, n_out, gain)
+    if name == "trunc_xavier":
+        return nn.init.trunc_normal_(w, std=std, a=-TRUNC_STDS * std, b=TRUNC_STDS * std)
+    return nn.init.normal_(w, std=std)
+
+
+@torch.no_grad()
+def apply_init(model: nn.Module, init_cfg) -> nn.Module:
+    """Re-initialise ``model``'s linear layers per ``init_cfg`` (``name``, ``gain``); returns it."""
+    name = _enum(init_cfg.name)
+    if name == "family":
+        return model
+    init_std(name, 1, 1)  # refuses an unknown name before touching anything
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    fused = fused_qkv_layers(model)
+    for mod in model.modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        w = raw_weight(mod)
+        if id(w) in tied:
+            continue
+        for block in (w.chunk(3, dim=0) if id(mod) in fused else (w,)):
+            init_matrix_(block, name, init_cfg.gain)
+        if mod.bias is not None:
+            nn.init.zeros_(mod.bias)
+    return model

@@ -1,0 +1,223 @@
+"""sigmaReparam: ``W_hat = (gamma / sigma(W)) * W`` on linear layers (001 Sec. 3.2; SPEC section 2).
+
+``reparam=sigma`` reparametrises every ``nn.Linear`` and every ``nn.Conv2d`` (the patch
+embedding, as its ``(out, in*kh*kw)`` flattening); ``reparam=sigma_qk`` only the query and key
+rows of each fused ``qkv`` and keeps the LayerNorms (only the all-layer form lets them go,
+001 l.395). It is installed with ``torch.nn.utils.parametrize``, so ``module.weight`` *is*
+the effective weight everywhere (forward, monitors, exports) while the optimizer trains the
+raw ``module.parametrizations.weight.original`` and the gains.
+
+Per reparametrised matrix (or ``qkv`` slice) there is a learned ``gamma`` and two persistent
+unit buffers ``u`` (rows) and ``v`` (columns); ``sigma = u^T W v`` is computed in fp32 with
+autocast off, with the gradient flowing through ``W`` (001 Alg. 1, l.400-404).
+
+Decisions (SPEC section 2):
+
+- ``u, v`` change only in :func:`reparam_step`, called once per optimizer step by the
+  trainer (``power_iters`` iterations, default 1, "more steps made no difference", l.395),
+  batched by shape over the whole model through :mod:`stabletrain.spectral`. Every
+  micro-batch and DDP rank therefore uses the same ``sigma``; forward and eval never touch
+  the buffers (the paper's sketch iterates at every training forward, l.406-411).
+  :func:`apply_reparam` makes the first call, so ``sigma`` is meaningful from step 0.
+- ``gamma_init``: ``one`` (default, l.95) or ``svd``: ``gamma = sigma1(W_init)`` and ``u, v``
+  the top singular vectors, so the initial effective weight equals the initial weight
+  (the vision recipe, l.749). **Warning:** outside vision this kernel-derived init diverged
+  (l.747); keep ``one`` for language and speech.
+- ``qkv_split`` for the fused ``qkv`` (l.751-753, l.576): ``joint`` (default, the official
+  code: one sigma/gamma for the ``3d x d`` matrix), ``qk_v`` (queries+keys together, values
+  apart; App. I's wording) or ``q_k_v`` (each slice its own). Under ``sigma_qk`` the value
+  rows stay raw; ``joint`` and ``qk_v`` then both mean one sigma for ``[W_q; W_k]``.
+- ``gamma`` is a 1-element parameter whose name ends in ``.gamma``; the optimizer builder
+  finds them with :func:`gamma_parameters` for ``gamma_lr_mult`` and no weight decay.
+- GPT's ``lm_head`` is tied to the token embedding: it is the embedding, not a linear layer
+  of the network, and reparametrising it would untie it, so it is skipped (any ``nn.Linear``
+  whose weight is an ``nn.Embedding``'s).
+- ``attn_fp32`` is applied by the attention layers (``stabletrain.layers.attention``).
+- An all-zero weight is refused at apply time: ``sigma = 0`` leaves ``gamma / sigma``
+  undefined (no family here zero-initialises a linear layer or the patch conv).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from stabletrain.config import ConfigError
+from stabletrain.layers.norm import _enum
+from stabletrain.spectral import batched_sigma1, random_unit
+
+QKV_LAYOUTS = {
+    # (apply_to, qkv_split) -> one entry per slice of (q, k, v): index of the sigma that
+    # scales it, None for raw rows. Equal indices share one sigma and gamma.
+    ("all", "joint"): (0, 0, 0),
+    ("all", "qk_v"): (0, 0, 1),
+    ("all", "q_k_v"): (0, 1, 2),
+    ("qk", "joint"): (0, 0, None),
+    ("qk", "qk_v"): (0, 0, None),
+    ("qk", "q_k_v"): (0, 1, None),
+}
+
+
+class SigmaPart(nn.Module):
+    """The state of one spectrally normalised row block: ``gamma`` and the vectors ``u, v``."""
+
+    def __init__(self, rows: int, cols: int, gamma: float = 1.0, u: Tensor | None = None, v: Tensor | None = None,
+                 device=None):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((1,), float(gamma), device=device))
+        self.register_buffer("u", random_unit(rows, device=device) if u is None else u.float().clone())
+        self.register_buffer("v", random_unit(cols, device=device) if v is None else v.float().clone())
+
+    def sigma(self, w: Tensor) -> Tensor:
+        """``u^T W v`` for the fp32 matrix ``w``; differentiable in ``w``, not in ``u, v``."""
+        return self.u @ (w @ self.v)
+
+
+class SigmaReparam(nn.Module):
+    """Parametrization ``W -> W_hat``: row ranges scaled by their ``gamma / sigma`` or left raw.
+
+    ``layout`` splits the rows into equal slices (q, k, v for a fused ``qkv``; one slice
+    otherwise) and names the sigma of each (``None``: raw). Slices sharing a sigma must be
+    adjacent; they are normalised as one matrix (``qk_v``: ``[W_q; W_k]``).
+    """
+
+    def __init__(self, weight: Tensor, layout: tuple[int | None, ...] = (0,), gamma_init: str = "one",
+                 power_iters: int = 1):
+        super().__init__()
+        if gamma_init not in ("one", "svd"):
+            raise ConfigError(f"reparam.gamma_init={gamma_init!r} must be 'one' or 'svd'")
+        self.power_iters = int(power_iters)
+        m = weight.detach().reshape(weight.shape[0], -1)
+        if m.shape[0] % len(layout):
+            raise ConfigError(f"cannot split {m.shape[0]} rows into {len(layout)} equal slices")
+        rows = m.shape[0] // len(layout)
+        ranges: list[list] = []  # [start, stop, part]: adjacent slices of one sigma merged
+        for i, p in enumerate(layout):
+            if ranges and ranges[-1][2] == p:
+                ranges[-1][1] += rows
+            else:
+                ranges.append([i * rows, (i + 1) * rows, p])
+        parts = [p for *_, p in ranges if p is not None]
+        if parts != list(range(len(parts))):
+            raise ConfigError(f"qkv layout {layout}: slices sharing a sigma must be adjacent")
+        self.ranges = [tuple(r) for r in ranges]
+        self.parts = nn.ModuleList()
+        for lo, hi, p in self.ranges:
+            if p is None:
+                continue
+            sub = m[lo:hi]
+            if gamma_init == "svd":
+                u_, s_, vh_ = torch.linalg.svd(sub.double(), full_matrices=False)
+                self.parts.append(SigmaPart(*sub.shape, s_[0].item(), u_[:, 0], vh_[0], device=sub.device))
+            else:
+                self.parts.append(SigmaPart(*sub.shape, device=sub.device))
+
+    def part_matrices(self, w: Tensor) -> list[Tensor]:
+        """The matrix each part normalises: its rows of ``w`` viewed as a matrix."""
+        m = w.reshape(w.shape[0], -1)
+        return [m[lo:hi] for lo, hi, p in self.ranges if p is not None]
+
+    def forward(self, w: Tensor) -> Tensor:
+        with torch.autocast(w.device.type, enabled=False):
+            wf = w.float()
+            mats = self.part_matrices(wf)
+            scales = [part.gamma / part.sigma(mat) for part, mat in zip(self.parts, mats)]
+            if len(self.ranges) == 1:
+                out = wf * scales[0]
+            else:
+                m = wf.reshape(wf.shape[0], -1)
+                out = torch.cat([m[lo:hi] if p is None else m[lo:hi] * scales[p] for lo, hi, p in self.ranges])
+                out = out.reshape(w.shape)
+        return out.to(w.dtype)
+
+    def extra_repr(self) -> str:
+        spans = ", ".join(f"{lo}:{hi}->{'raw' if p is None else p}" for lo, hi, p in self.ranges)
+        return f"rows=[{spans}], power_iters={self.power_iters}"
+
+
+def _tied_to_embedding(model: nn.Module) -> set[int]:
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def fused_qkv_layers(model: nn.Module) -> set[int]:
+    """ids of the fused ``qkv`` linears (attention modules with ``qkv`` and ``num_heads``)."""
+    return {id(m.qkv) for m in model.modules()
+            if isinstance(getattr(m, "qkv", None), nn.Linear) and hasattr(m, "num_heads")}
+
+
+def raw_weight(mod: nn.Module) -> Tensor:
+    """The trained tensor behind ``mod.weight`` (the original if parametrised)."""
+    if parametrize.is_parametrized(mod, "weight"):
+        return mod.parametrizations.weight.original
+    return mod.weight
+
+
+def apply_reparam(model: nn.Module, cfg) -> nn.Module:
+    """Install sigmaReparam per ``cfg`` (``reparam`` group) in place; returns ``model``.
+
+    ``cfg.name``: ``sigma`` (every linear layer and conv; SPEC ``apply_to: all``) or
+    ``sigma_qk`` (query/key rows only; ``apply_to: qk``). Then one :func:`reparam_step`.
+    """
+    name = _enum(cfg.name)
+    apply_to = {"sigma": "all", "sigma_qk": "qk"}.get(name)
+    if apply_to is None:
+        raise ConfigError(f"reparam={name!r}: apply_reparam needs 'sigma' or 'sigma_qk'")
+    split = _enum(cfg.qkv_split)
+    if (apply_to, split) not in QKV_LAYOUTS:
+        raise ConfigError(f"reparam.qkv_split={split!r} must be joint, qk_v or q_k_v")
+    gamma_init = _enum(cfg.gamma_init)
+    tied, fused = _tied_to_embedding(model), fused_qkv_layers(model)
+    targets = []
+    for mod in model.modules():
+        if not isinstance(mod, (nn.Linear, nn.Conv2d)) or parametrize.is_parametrized(mod, "weight"):
+            continue
+        if id(mod.weight) in tied:
+            continue
+        if id(mod) in fused:
+            targets.append((mod, QKV_LAYOUTS[(apply_to, split)]))
+        elif apply_to == "all":
+            targets.append((mod, (0,)))
+    for mod, _ in targets:  # checked before any change, so a refusal leaves the model intact
+        if mod.weight.device.type != "meta" and not mod.weight.detach().any():
+            raise ConfigError(f"sigmaReparam of the all-zero weight of {mod}: sigma(W) = 0 leaves gamma / sigma "
+                              "undefined; initialise it non-zero (e.g. init=stable)")
+    for mod, layout in targets:
+        parametrize.register_parametrization(
+            mod, "weight", SigmaReparam(mod.weight, layout, gamma_init, cfg.power_iters))
+    reparam_step(model)
+    return model
+
+
+def sigma_reparams(model: nn.Module) -> list[tuple[Tensor, SigmaReparam]]:
+    """``(raw weight, parametrization)`` for every sigmaReparam in ``model``."""
+    out = []
+    for mod in model.modules():
+        if parametrize.is_parametrized(mod, "weight"):
+            plist = mod.parametrizations.weight
+            out += [(plist.original, p) for p in plist if isinstance(p, SigmaReparam)]
+    return out
+
+
+@torch.no_grad()
+def reparam_step(model: nn.Module) -> None:
+    """Advance every ``u, v`` by ``power_iters`` power iterations, batched by shape.
+
+    The trainer calls this once after each optimizer step (SPEC section 2 decision).
+    """
+    by_iters: dict[int, list[tuple[Tensor, SigmaPart]]] = defaultdict(list)
+    for w, rep in sigma_reparams(model):
+        for part, mat in zip(rep.parts, rep.part_matrices(w.detach())):
+            by_iters[rep.power_iters].append((mat, part))
+    for iters, items in by_iters.items():
+        _, vecs = batched_sigma1([m for m, _ in items], [(p.u, p.v) for _, p in items], iters=iters)
+        for (_, part), (u, v) in zip(items, vecs):
+            part.u.copy_(u)
+            part.v.copy_(v)
+
+
+def gamma_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, gamma)`` of every sigmaReparam gain, for ``gamma_lr_mult`` and no decay."""
+    return [(f"{n}.gamma" if n else "gamma", m.gamma) for n, m in model.named_modules() if isinstance(m, SigmaPart)]
