@@ -44,6 +44,13 @@ def explain(err: Exception, overrides: list[str]) -> str:
             key, _, val = ov.lstrip("+~").partition("=")
             if "." not in key and (CONFIG_DIR / key).is_dir() and val not in group_options(key):
                 return f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(group_options(key))}"
+    from stabletrain.config import ConfigError
+
+    link = err
+    while link is not None:  # a ConfigError raised inside composition (a recipe's ${required:})
+        if isinstance(link, ConfigError):
+            return str(link)
+        link = link.__cause__ or link.__context__
     cause = err
     while cause.__cause__ is not None:
         cause = cause.__cause__

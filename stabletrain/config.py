@@ -327,8 +327,21 @@ class TrainConfig:
     name: str = "run"
 
 
+def _required(key: str):
+    raise ConfigError(f"{key} is required by this recipe (the paper does not give it): set {key}=VALUE")
+
+
 def register() -> None:
+    """The schema for ``configs/train.yaml`` and the ``${required:KEY}`` resolver.
+
+    A recipe marks a value the papers leave open as ``${required:optim.lr}``: resolving it
+    without a command-line value fails with one line naming the key. (A ``???`` cannot do
+    this in a group file: merging it over an existing value keeps the old value.)
+    """
+    from omegaconf import OmegaConf
+
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    OmegaConf.register_new_resolver("required", _required, replace=True)
 
 
 # --- validation ------------------------------------------------------------------------

@@ -86,3 +86,10 @@ def test_bad_input_is_one_clear_line(args, needle, tmp_path):
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("error: ") and needle in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_recipe_required_value_is_named(tmp_path):
+    r = cli("experiment=deesc_vit_cifar", f"hydra.run.dir={tmp_path}", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: optim.lr is required by this recipe (the paper does not give it): "
+                                "set optim.lr=VALUE")
