@@ -6,6 +6,8 @@ Works as a plain process, under ``torchrun``, under ``srun``, and as a Hydra mul
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 
 import hydra
@@ -13,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 
 from stabletrain.cli import check_overrides
 from stabletrain.config import register
-from stabletrain.run import main_guarded
+from stabletrain.engine.distributed import detect
+from stabletrain.run import fail, main_guarded
 
 register()
 
@@ -23,6 +26,28 @@ def main(cfg) -> None:
     main_guarded(cfg, HydraConfig.get().runtime.output_dir)
 
 
+def follower_argv(argv: list[str]) -> list[str]:
+    """Overrides for ranks > 0 of a DDP job: Hydra creates no directory and writes nothing.
+
+    Each rank composes the config itself, and the default run dir is timestamped, so ranks
+    started a second apart would each make their own; instead they compose into ``.`` (which
+    exists) and use the directory rank 0 broadcasts (stabletrain.run).
+    """
+    mine = ("hydra.run.dir=", "hydra.output_subdir=", "hydra/job_logging=")
+    kept = [a for a in argv if not a.lstrip("+~").startswith(mine)]
+    return kept + ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none"]
+
+
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])
+    args = sys.argv[1:]
+    info = detect()
+    if info.enabled and any(a in ("-m", "--multirun") for a in args):
+        fail("-m under torchrun/srun would run every sweep point on every rank; sweep with "
+             "hydra/launcher=slurm (hydra.launcher.tasks_per_node=N) or call torchrun once per point")
+    if info.rank > 0:
+        with contextlib.redirect_stderr(io.StringIO()):  # rank 0 reports a bad override, once
+            check_overrides(args)
+        sys.argv[1:] = follower_argv(args)
+    else:
+        check_overrides(args)
     main()

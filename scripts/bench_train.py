@@ -52,7 +52,7 @@ def bench(model: str, args) -> dict:
         over.append(f"model.block_size={args.seq}")
     else:
         over += ["data=digits", "data.img_size=224"] if "test" not in model else []
-    cfg = make_cfg(*over)
+    cfg = make_cfg(over)
     t = Trainer(cfg, Path(args.out) / model)
     sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
     batch = next(t.data.train_iter(0, t.shard))

@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from stabletrain.layers.norm import _enum
@@ -58,7 +59,7 @@ class Metrics:
             import wandb
 
             id_file = run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=mode,
                                     dir=str(run_dir), id=run_id, resume="allow", name=cfg.name,

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,22 +13,61 @@ from omegaconf import OmegaConf
 
 from stabletrain.config import ConfigError, validate
 from stabletrain.engine import distributed as D
+from stabletrain.engine.checkpoint import last_checkpoint
 
 
 def run(cfg, run_dir: str | Path) -> dict:
-    """Validate, build, train; returns the summary (also in ``run_dir/summary.json``)."""
-    from stabletrain.engine.loop import Trainer
+    """Validate, build, train; returns the summary (also in ``run_dir/summary.json``).
+
+    In a DDP job every rank calls this; rank 0's ``run_dir`` is the run's, whatever the
+    others were given, and only rank 0 writes into it.
+    """
+    from stabletrain.engine.loop import Trainer, pick_device
 
     validate(cfg)
     info = D.detect()
-    run_dir = Path(run_dir)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     try:
-        return Trainer(cfg, run_dir, info).fit()
+        D.init(info, pick_device(cfg.device, info))
+        run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
+        if info.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config = run_dir / "config.yaml"
+            # A requeued attempt keeps the first attempt's file: the loop refuses to resume
+            # a checkpoint of another config, and that file must still say which config it was.
+            requeued = cfg.resume is None and D.may_be_requeued() and last_checkpoint(run_dir) is not None
+            if not (requeued and config.is_file()):
+                config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        trainer = Trainer(cfg, run_dir, info)
+        summary = trainer.fit()
     finally:
         D.shutdown(info)
+    if summary["status"] == "interrupted":
+        requeue_after(trainer.stop_signal, info)
+    return summary
+
+
+def requeue_after(signum: int, info: D.DistInfo) -> None:
+    """The run has checkpointed on ``signum``; under SLURM, have the job run again.
+
+    Under submitit (``hydra/launcher=slurm``) its own handler for the signal, which the loop
+    held back while training, now does what it exists for: rank 0 calls the launcher's
+    ``checkpoint`` (resubmit the same sweep point), requeues the job and exits. Under a plain
+    sbatch script, a preemption warning (SIGUSR1/SIGUSR2) makes rank 0 run
+    ``scontrol requeue``. Either way the next attempt finds ``last.pt`` and resumes.
+    """
+    if D.under_submitit():
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signum, None)
+        return
+    usr = {getattr(signal, n) for n in ("SIGUSR1", "SIGUSR2") if hasattr(signal, n)}
+    if D.under_slurm() and signum in usr and info.is_main:
+        if shutil.which("scontrol") is None:
+            print("warning: cannot requeue (no scontrol on PATH); resubmit the job to resume", file=sys.stderr)
+            return
+        job = os.environ.get("SLURM_ARRAY_JOB_ID")
+        job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ["SLURM_JOB_ID"]
+        subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
 
 
 def fail(msg: str, code: int = 2) -> None:

@@ -39,8 +39,8 @@ def test_resume_continues_identically(tmp_path, extra):
     args = FAST + extra
     train(tmp_path / "full", *args, "steps=8")
     # Stop after 4 of 8 steps (same schedule horizon), then resume and finish.
-    from tests.helpers import make_cfg, QUIET
     from stabletrain.engine.loop import Trainer
+    from tests.helpers import QUIET, make_cfg
 
     cfg = make_cfg(*QUIET, *args, "steps=8", "ckpt_every=4")
     t = Trainer(cfg, tmp_path / "half")
@@ -70,8 +70,8 @@ def _run_until(trainer, n):
 
 
 def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
-    from tests.helpers import make_cfg, QUIET
     from stabletrain.engine.loop import Trainer
+    from tests.helpers import QUIET, make_cfg
 
     cfg = make_cfg(*QUIET, *GPT, "steps=1000")
     t = Trainer(cfg, tmp_path)

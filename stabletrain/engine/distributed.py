@@ -58,6 +58,11 @@ def under_submitit() -> bool:
     return bool(os.environ.get("SUBMITIT_EXECUTOR"))
 
 
+def may_be_requeued() -> bool:
+    """Whether a scheduler may start this same job again after a preemption or time limit."""
+    return under_slurm() or under_submitit()
+
+
 def first_host(nodelist: str) -> str:
     """First host of a SLURM node list: ``scontrol show hostnames`` when there is one, else
     the simple forms ``node07``, ``gpu[03-06,9]`` and ``a1,b2`` are read here."""

@@ -230,7 +230,7 @@ class Trainer:
         of the same config: that is how a requeued job continues (docs/distributed.md).
         """
         r = self.cfg.resume
-        requeued = r is None and (D.under_slurm() or D.under_submitit())
+        requeued = r is None and D.may_be_requeued()
         if r is None and not requeued:
             return None
         path = last_checkpoint(self.run_dir) if r in (None, "auto") else Path(r)
@@ -340,8 +340,10 @@ class Trainer:
                 if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
                     last_vals = self.evaluate()
                     m.log(self.step, last_vals)
-                self.stop_signal = D.agree_on_signal(self.stop_signal, self.info)
-                if self.stop_signal is not None:
+                # A signal landing during the agreement counts at the next step, on every rank.
+                agreed = D.agree_on_signal(self.stop_signal, self.info)
+                if agreed is not None:
+                    self.stop_signal = agreed
                     status = "interrupted"
                     reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
                     self.save()

@@ -1,0 +1,54 @@
+"""One row per run of a sweep: the swept values, status, step reached, final metrics.
+
+    python scripts/summarize_sweep.py multirun/2025-01-01/12-00-00 \
+        [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]
+
+Prints a markdown table, writes SWEEP_DIR/summary.csv, and with --plot draws the final
+metric against the --x value, one line per --series value, diverged runs as red crosses.
+Runs are the directories below SWEEP_DIR holding a summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stabletrain import sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep_dir", type=Path)
+    ap.add_argument("--x", help="swept key for the plot's x axis, e.g. optim.tau")
+    ap.add_argument("--series", help="swept key drawn as one line per value, e.g. optim")
+    ap.add_argument("--metric", help="column to plot (default: final_val/loss, else final_loss)")
+    ap.add_argument("--plot", type=Path, help="write the plot here (.png, .pdf, .svg)")
+    args = ap.parse_args(argv)
+
+    runs = sweep.find_runs(args.sweep_dir)
+    if not runs:
+        print(f"error: no run with a summary.json under {args.sweep_dir}", file=sys.stderr)
+        return 1
+    columns, table = sweep.rows(runs)
+    print(sweep.markdown(columns, table))
+    csv_path = args.sweep_dir / "summary.csv"
+    sweep.write_csv(csv_path, columns, table)
+    print(f"\n{len(table)} runs; table written to {csv_path}", file=sys.stderr)
+    if args.plot:
+        metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
+        for key in (args.x, args.series, metric):
+            if key is not None and key not in columns:
+                print(f"error: {key!r} is not a column; choose from: {', '.join(columns)}", file=sys.stderr)
+                return 2
+        if args.x is None:
+            print("error: --plot needs --x KEY (a swept value)", file=sys.stderr)
+            return 2
+        print(f"plot written to {sweep.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

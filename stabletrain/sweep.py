@@ -1,0 +1,181 @@
+"""A sweep as a table: one row per run directory under a sweep directory.
+
+A run is a directory with ``summary.json``; what distinguishes it from its siblings comes
+from ``.hydra/overrides.yaml`` (the overrides Hydra's multirun gave it) or, where that is
+missing, from the run's resolved ``config.yaml``. Only the keys whose values differ between
+runs become columns. Reads files only: no torch, so it is quick on a login node.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss"]
+
+
+@dataclass
+class Run:
+    path: Path
+    summary: dict
+    settings: dict = field(default_factory=dict)  # key -> value, everything the run was given
+
+
+def _value(text):
+    """``0.01`` -> 0.01, ``1e9`` -> 1e9, ``adamw2`` -> "adamw2" (YAML reads 1e9 as a string)."""
+    if not isinstance(text, str):
+        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "null": None}.get(text.lower(), text)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if not isinstance(v, list) else str(v)
+    return out
+
+
+def _settings(run_dir: Path) -> dict:
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        out = {}
+        for line in yaml.safe_load(overrides.read_text()) or []:
+            key, _, val = line.partition("=")
+            out[key.lstrip("+~")] = _value(val)
+        return out
+    config = run_dir / "config.yaml"
+    return _flatten(yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+
+
+def find_runs(sweep_dir: str | Path) -> list[Run]:
+    runs = []
+    for s in sorted(Path(sweep_dir).rglob("summary.json")):
+        try:
+            summary = json.loads(s.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a run still writing its summary
+        runs.append(Run(s.parent, summary, _settings(s.parent)))
+    return runs
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    keys = sorted({k for r in runs for k in r.settings})
+    missing = object()
+    return [k for k in keys if len({repr(r.settings.get(k, missing)) for r in runs}) > 1]
+
+
+def final_metrics(runs: list[Run]) -> list[str]:
+    """Validation metrics some run reached, in a stable order."""
+    return sorted({k for r in runs for k in (r.summary.get("final") or {}) if k.startswith("val/")})
+
+
+def _sort_key(v):
+    if v is None or v == "":
+        return (2, 0, "")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return (0, v, "")
+    return (1, 0, str(v))
+
+
+def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
+    """Columns and one dict per run, sorted by the swept values."""
+    keys = varying_keys(runs)
+    vals = final_metrics(runs)
+    out = []
+    for r in runs:
+        s, final = r.summary, r.summary.get("final") or {}
+        row = {k: r.settings.get(k, "") for k in keys}
+        row.update(status=s.get("status", "?"), step=s.get("step", ""), total_steps=s.get("total_steps", ""),
+                   diverged_at=s.get("step", "") if s.get("status") == "diverged" else "",
+                   final_loss=final.get("loss", ""))
+        row.update({f"final_{k}": final.get(k, "") for k in vals})
+        row["run"] = r.path.name
+        out.append(row)
+    out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
+    return keys + FIXED + [f"final_{k}" for k in vals] + ["run"], out
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if math.isfinite(v) else str(v)
+    return "" if v is None else str(v)
+
+
+def markdown(columns: list[str], table: list[dict]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in table]
+    return "\n".join(lines)
+
+
+def write_csv(path: Path, columns: list[str], table: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(table)
+
+
+def _number(v) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str) -> Path:
+    """``metric`` against ``x``, one line per value of ``series``; a diverged run is a cross in
+    its series' colour, drawn at the top of the axis when its metric is off the chart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def points(rs, diverged: bool):
+        pts = [(_number(r.get(x)), _number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]
+        return [(a, b) for a, b in pts if a is not None and (diverged or b is not None)]
+
+    healthy = [b for _, b in points(table, False)]
+    top = max(healthy) * 1.1 if healthy else 1.0
+    groups: dict = {}
+    for row in table:
+        groups.setdefault(row.get(series, "") if series else "", []).append(row)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    any_diverged = False
+    for name, rs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
+        rs = sorted(rs, key=lambda r: _sort_key(r.get(x)))
+        ok = points(rs, False)
+        line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o-", label=f"{series}={name}" if series else None)[0]
+        bad = [(a, b if b is not None and b <= top else top) for a, b in points(rs, True)]
+        if bad:
+            ax.plot([a for a, _ in bad], [b for _, b in bad], "x", color=line.get_color(), markersize=10, mew=2)
+            any_diverged = True
+    if any_diverged:
+        ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
+    xs = [a for a, _ in points(table, False) + points(table, True)]
+    if xs and min(xs) > 0 and max(xs) / min(xs) > 100:
+        ax.set_xscale("log")
+    ax.set_ylim(top=top * 1.05)
+    ax.set_xlabel(x)
+    ax.set_ylabel(metric.replace("final_", "final "))
+    if series or any_diverged:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

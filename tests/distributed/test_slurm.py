@@ -1,0 +1,171 @@
+"""SLURM without a cluster: srun's environment, the submitit job script, preemption and requeue.
+
+``sbatch``, ``srun`` and ``scontrol`` are stand-ins (tests/distributed/common.py). A sweep is
+submitted the way ``python train.py -m hydra/launcher=slurm ...`` does it (Hydra's sweeper,
+the submitit plugin, submitit's SlurmExecutor) up to the ``sbatch`` call; then a job is run
+as SLURM would run it (``python -m submitit.core._submit`` with SLURM's variables), is sent
+the signal its job script asks SLURM for, and is run again as a requeued job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stabletrain.config import ConfigError
+from stabletrain.engine import distributed as D
+from tests.distributed.common import GPT, clean_env, fake_slurm_tools, signal_once_running, start, wait_ok
+from tests.helpers import ROOT, losses, train
+
+# Few steps keep the test quick; 27 steps after the warning still outlast the 20 ms polling.
+JOB = ["steps=30", "batch_size=8", "ckpt_every=1000", *GPT]
+LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.account=proj",
+            "hydra.launcher.qos=low", "hydra.launcher.nodes=2", "hydra.launcher.gpus_per_node=4"]
+
+
+def submit_sweep(overrides: list[str]) -> None:
+    """``python train.py -m <overrides>``, in this process, without configuring logging."""
+    from hydra import initialize_config_dir
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.plugins import Plugins
+    from hydra.types import HydraContext, RunMode
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3", job_name="train"):
+        hydra = GlobalHydra.instance().hydra
+        cfg = hydra.compose_config("train", overrides, run_mode=RunMode.MULTIRUN)
+        ctx = HydraContext(config_loader=hydra.config_loader, callbacks=Callbacks(cfg))
+        sweeper = Plugins.instance().instantiate_sweeper(hydra_context=ctx, task_function=train.main.__wrapped__,
+                                                         config=cfg)
+        sweeper.sweep(arguments=OmegaConf.to_container(cfg.hydra.overrides.task))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """A two-point sweep submitted to the fake SLURM: (sweep dir, env with the fake tools, scontrol log)."""
+    base = tmp_path_factory.mktemp("slurm")
+    log = base / "scontrol.log"
+    tools = fake_slurm_tools(base / "bin", log)
+    sweep_dir = base / "sweep"
+    from submitit.slurm.slurm import SlurmJob
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", tools["PATH"])
+        # launch() waits for the jobs' results; nothing runs them until the test does.
+        mp.setattr(SlurmJob, "results", lambda self: [SimpleNamespace(return_value=None)])
+        submit_sweep([*LAUNCHER, f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=${hydra.job.num}",
+                      *JOB, "optim.tau=0.01,0.02"])
+    return SimpleNamespace(dir=sweep_dir, env=tools, scontrol=log)
+
+
+def test_slurm_launcher_writes_one_array_job_of_ddp_tasks(sweep):
+    script = (sweep.dir / ".submitit" / "4242" / "4242_submission.sh").read_text()
+    flags = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(.*))?$", script, re.M))
+    assert flags["array"] == "0-1%2"  # one job per sweep point
+    assert (flags["partition"], flags["account"], flags["qos"]) == ("gpu", "proj", "low")
+    assert (flags["nodes"], flags["gpus-per-node"], flags["ntasks-per-node"]) == ("2", "4", "4")  # a rank per GPU
+    assert flags["time"] == "1440" and flags["mem"] == "480GB" and flags["cpus-per-task"] == "10"
+    assert re.fullmatch(r"USR[12]@120", flags["signal"]) and "requeue" in flags
+    assert re.search(r"^srun .* -m submitit\.core\._submit .*\.submitit/%j$", script, re.M)
+    for point in (0, 1):
+        assert (sweep.dir / ".submitit" / f"4242_{point}" / f"4242_{point}_submitted.pkl").is_file()
+
+
+def test_preempted_slurm_job_checkpoints_requeues_and_resumes_identically(sweep, tmp_path):
+    script = (sweep.dir / ".submitit" / "4242" / "4242_submission.sh").read_text()
+    warning = getattr(signal, "SIG" + re.search(r"--signal=(USR[12])@", script).group(1))
+    cmd = [sys.executable, "-u", "-m", "submitit.core._submit", str(sweep.dir / ".submitit" / "%j")]
+    env = clean_env(**sweep.env, SUBMITIT_EXECUTOR="slurm", SLURM_JOB_ID="4243", SLURM_ARRAY_JOB_ID="4242",
+                    SLURM_ARRAY_TASK_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1",
+                    SLURM_NODEID="0", SLURM_JOB_NUM_NODES="1")
+    run_dir = sweep.dir / "0"
+
+    log = tmp_path / "attempt1.log"
+    proc = start(cmd, cwd=ROOT, env=env, log=log)
+    signal_once_running(proc, run_dir, warning, after_step=3)
+    out = wait_ok(proc, log, expect=255)  # submitit requeues, then exits with -1
+    assert sweep.scontrol.read_text().split() == ["requeue", "4242_0"], out[-3000:]
+    k = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
+    assert 3 <= k < 30, f"stopped at step {k}: the warning came too late to test a resume"
+    assert '"interrupted"' in (run_dir / "summary.json").read_text()
+
+    log = tmp_path / "attempt2.log"
+    wait_ok(start(cmd, cwd=ROOT, env=env, log=log), log)  # SLURM starts the requeued job afresh
+    assert f"resumed from step {k}" in log.read_text()
+    assert '"completed"' in (run_dir / "summary.json").read_text()
+
+    train(tmp_path / "reference", *JOB, "optim.tau=0.01")
+    got, want = losses(run_dir), losses(tmp_path / "reference")
+    assert sorted(got) == sorted(want) == list(range(1, 31))
+    for s in want:
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=1e-7), s
+
+
+def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path, monkeypatch):
+    """A job script of one's own (``#SBATCH --signal=USR1@90``, ``srun python train.py ...``)."""
+    from stabletrain.engine.loop import Trainer
+
+    log = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    args = [*GPT, "steps=8", "batch_size=8"]
+    step = Trainer.train_step
+    calls = []
+
+    def warned_at_step_5(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", warned_at_step_5)
+    s = train(tmp_path / "run", *args)
+    assert s["status"] == "interrupted" and "SIGUSR1" in s["reason"] and s["step"] == 5
+    assert log.read_text().split() == ["requeue", "77"]
+
+    monkeypatch.setattr(Trainer, "train_step", step)
+    assert train(tmp_path / "run", *args)["status"] == "completed"  # no resume=...: SLURM implies it
+    train(tmp_path / "reference", *args)
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "reference"), rel=1e-6)
+
+    config = (tmp_path / "run" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="another config"):
+        train(tmp_path / "run", *args, "optim.lr=0.5")
+    assert (tmp_path / "run" / "config.yaml").read_text() == config
+
+
+def test_srun_environment_gives_ranks_and_rendezvous(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(k)
+    # A batch script sees the allocation but is a single process.
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert D.detect() == D.DistInfo()
+    # A task started by srun.
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert D.detect() == D.DistInfo(rank=5, world=8, local_rank=1)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[007-009,012],cpu1")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the node list is read here
+    env = D.slurm_rendezvous(os.environ)
+    assert env == {"MASTER_ADDR": "gpu007", "MASTER_PORT": str(20000 + 123456 % 20000)}
+    assert D.first_host("node17") == "node17" and D.first_host("a1,b[2-3]") == "a1"
+    # torchrun inside an allocation wins over srun's variables.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert D.detect() == D.DistInfo(rank=1, world=2, local_rank=1)
