@@ -39,7 +39,7 @@ def pick_device(name: str, info: D.DistInfo) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        name = f"cuda:{info.local_rank}"
+        name = f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}"  # one GPU per task too
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -181,10 +181,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        bs = max(1, self.shard.micro)
+        # The same global eval batches whatever the world size; each rank scores its slice.
+        bs = min(self.cfg.batch_size, 256)
+        r, w = self.info.rank, self.info.world
         loss_sum, correct, count = 0.0, 0, 0
         for x, y in self.data.val_batches(bs, self.cfg.eval_batches):
-            x, y = self._to_device(x, y)
+            x, y = self._to_device(x[r::w], y[r::w])
+            if len(y) == 0:
+                continue
             with self.autocast():
                 out = self.model(x)
             if self.data.kind == "text":
@@ -204,6 +208,48 @@ class Trainer:
         else:
             out["val/acc"] = correct / max(count, 1)
         return out
+
+    # --- logging --------------------------------------------------------------------
+
+    def _log_interval(self, pending, samples: int, dt: float, lr: float, last_vals: dict) -> str | None:
+        """Read the interval's losses back (the one host sync), check divergence step by step,
+        and log. Under DDP the losses are the global batch's and the monitors' stop request is
+        shared, so every rank reaches the same verdict at the same step. Returns the reason to
+        stop, or None."""
+        stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
+        values = torch.stack([p[1] for p in pending] + [torch.tensor(stop, device=self.device)])
+        if self.info.enabled:
+            torch.distributed.all_reduce(values)
+            values[:-1] /= self.info.world
+        *losses, stop = values.tolist()
+        reason = None
+        for (s, _, _, _), value in zip(pending, losses):
+            reason = self.divergence.update(s, value)
+            if reason:
+                break
+        if reason is None and stop > 0:
+            reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
+                else "entropy collapse (on rank 0)"
+        self.last_train_loss = sum(losses) / len(losses)
+        rec = {"loss": self.last_train_loss, "lr": lr, "time/step_s": dt / len(pending)}
+        unit = self.data.seq_len or 1
+        per_s = "tokens_per_s" if self.data.kind == "text" else "samples_per_s"
+        rec[f"throughput/{per_s}"] = samples * unit / dt
+        gnorm = pending[-1][2]
+        if gnorm is not None:
+            rec["grad_norm"] = float(gnorm)
+        if self.device.type == "cuda":
+            rec["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if hasattr(self.optimizer, "telemetry"):
+            tel = self.optimizer.telemetry()
+            # per-tensor curves at the weight-monitor cadence (App. M: one point per 50 steps)
+            if self.step % self.cfg.monitor.weight_every and self.step != self.total_steps:
+                tel = {k: v for k, v in tel.items() if k == "adamw2/frac_bounded"}
+            rec.update(tel)
+        self.metrics.log(self.step, rec)
+        shown = {k: v for k, v in last_vals.items() if k.startswith("val/")}
+        self.metrics.progress(self.step, self.total_steps, {"loss": self.last_train_loss, "lr": lr, **shown})
+        return reason
 
     # --- checkpoints ----------------------------------------------------------------
 
@@ -307,36 +353,12 @@ class Trainer:
                 if self.monitor is not None:
                     self.monitor.after_step(step)
                 if log_now:
-                    losses = torch.stack([p[1] for p in pending]).tolist()
-                    for (s, _, _, _), value in zip(pending, losses):
-                        reason = self.divergence.update(s, value)
-                        if reason:
-                            break
-                    dt = time.perf_counter() - t_last
-                    train_loss = sum(losses) / len(losses)
-                    rec = {"loss": train_loss, "lr": lr, "time/step_s": dt / len(pending)}
-                    unit = self.data.seq_len or 1
-                    rec["throughput/" + ("tokens_per_s" if self.data.kind == "text" else "samples_per_s")] = samples * unit / dt
-                    if gnorm is not None:
-                        rec["grad_norm"] = float(gnorm)
-                    if self.device.type == "cuda":
-                        rec["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-                    if hasattr(self.optimizer, "telemetry"):
-                        tel = self.optimizer.telemetry()
-                        # per-tensor curves at the weight-monitor cadence (App. M: every 50 steps)
-                        if self.step % cfg.monitor.weight_every and self.step != self.total_steps:
-                            tel = {k: v for k, v in tel.items() if k == "adamw2/frac_bounded"}
-                        rec.update(tel)
-                    m.log(self.step, rec)
-                    m.progress(self.step, self.total_steps, {"loss": train_loss, "lr": lr,
-                                                              **{k: v for k, v in last_vals.items() if k.startswith("val/")}})
+                    reason = self._log_interval(pending, samples, time.perf_counter() - t_last, lr, last_vals)
+                    train_loss = self.last_train_loss
                     pending, samples, t_last = [], 0, time.perf_counter()
                     if reason:
                         status = "diverged"
                         break
-                if self.monitor is not None and self.monitor.stop_reason:
-                    status, reason = "diverged", self.monitor.stop_reason
-                    break
                 if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
                     last_vals = self.evaluate()
                     m.log(self.step, last_vals)
