@@ -17,7 +17,7 @@ train: setup
 	$(BIN)/python train.py $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check stabletrain tests scripts train.py
