@@ -97,7 +97,8 @@ def main() -> None:
     rows = [bench(m, args) for m in args.models.split(",")]
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"\n{dev}, batch {args.batch}, compile={args.compile}\n")
-    print("| model | bare loop ms | trainer ms | overhead | weight monitors ms | probe ms | monitors at default cadence |")
+    print("| model | bare loop ms | trainer ms | overhead | weight monitors ms | probe ms "
+          "| monitors at default cadence |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['model']} | {r['bare_ms']:.1f} | {r['trainer_ms']:.1f} | {100 * r['overhead']:+.1f}% | "

@@ -19,7 +19,8 @@ def test_default_vision_models_are_timms(ours, timm_name, kw):
     model = build_model(cfg).eval()
     ref = timm.create_model(timm_name, pretrained=False, num_classes=1000, **kw).eval()
     assert list(model.state_dict()) == list(ref.state_dict())
-    assert [type(m).__name__ for m in model.modules()].count("Mlp") == [type(m).__name__ for m in ref.modules()].count("Mlp")
+    kinds = [type(m).__name__ for m in model.modules()]
+    assert kinds.count("Mlp") == [type(m).__name__ for m in ref.modules()].count("Mlp")
     ref.load_state_dict(model.state_dict())
     size = cfg.model.img_size
     x = torch.randn(2, 3, size, size)

@@ -36,7 +36,8 @@ class ImageFolderData(Data):
         root = Path(d.root or "")
         for split in ("train", "val"):
             if not (root / split).is_dir():
-                raise ConfigError(f"data.root={d.root} has no {split}/ folder: expected root/train/<class>/ and root/val/<class>/")
+                raise ConfigError(f"data.root={d.root} has no {split}/ folder: "
+                                  "expected root/train/<class>/ and root/val/<class>/")
         size = d.img_size or m.img_size
         train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing)
         val_tf = create_transform(size, is_training=False)
