@@ -16,9 +16,8 @@ from torch import nn
 
 from stabletrain.layers.norm import _enum
 from stabletrain.models.registry import transformer_blocks
-from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import block_probe_metrics, block_weight_metrics
+from stabletrain.monitor.quantities import block_probe_metrics, model_weight_metrics
 
 HISTORY = 64  # weight snapshots kept for forensics
 
@@ -26,12 +25,6 @@ HISTORY = 64  # weight snapshots kept for forensics
 def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W_q, W_k, W_v rows of the fused projection (effective weights under sigmaReparam)."""
     return attn.qkv.weight.detach().float().chunk(3, 0)
-
-
-def _norm_params(norm: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    g, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
-    return (g.detach().float() if isinstance(g, torch.Tensor) else None,
-            b.detach().float() if isinstance(b, torch.Tensor) else None)
 
 
 class MonitorRunner:
@@ -43,7 +36,7 @@ class MonitorRunner:
         self.causal = _enum(trainer.cfg.model.family) == "gpt"
         self.with_bound = _enum(trainer.cfg.reparam.name) != "none"
         self.watch = HealthWatch.from_config(self.cfg)
-        self.warm: dict[str, dict] = {name: {} for name, _ in self.blocks}
+        self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
         self.history: list[dict] = []
         self.alerts: list[dict] = []
         self.stop_reason: str | None = None
@@ -88,19 +81,9 @@ class MonitorRunner:
 
     @torch.no_grad()
     def weight_metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, blk in self.blocks:
-            wq, wk, wv = _qkv(blk.attn)
-            mats = (wq, blk.attn.proj.weight, blk.mlp.fc1.weight, blk.mlp.fc2.weight)
-            if not all(bool(torch.isfinite(m).all()) for m in mats):
-                out[N.metric(N.SIGMA1, name, "nonfinite_weights")] = 1.0  # no spectrum of a NaN
-                continue
-            out.update(block_weight_metrics(
-                name, wq=wq, wk=wk, wv=wv, wo=blk.attn.proj.weight.detach().float(),
-                w1=blk.mlp.fc1.weight.detach().float(), w2=blk.mlp.fc2.weight.detach().float(),
-                num_heads=blk.attn.num_heads, norm1=_norm_params(blk.norm1), norm2=_norm_params(blk.norm2),
-                per_head=self.cfg.per_head, warm=self.warm[name]))
-        return out
+        """All blocks in one batched pass with one device-to-host copy (quantities.stacked_weight_metrics);
+        a block with non-finite weights reports ``sigma1/<block>/nonfinite_weights = 1.0`` only."""
+        return model_weight_metrics(self.blocks, per_head=self.cfg.per_head, warm=self.warm)
 
     def probe_metrics(self) -> dict[str, float]:
         model, t = self.t.model, self.t
@@ -125,11 +108,10 @@ class MonitorRunner:
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
                 wq, wk = (_qkv(blk.attn)[:2] if self.with_bound else (None, None))
-                flat = (lambda v: None if v is None else v.detach().float().reshape(v.shape[0], -1, v.shape[-1]))
                 out.update(block_probe_metrics(
                     name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
-                    wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=flat(xin),
-                    block_input_grad=flat(g), causal=self.causal and _is_causal(blk),
+                    wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
+                    block_input_grad=_tokens(g), causal=self.causal and _is_causal(blk),
                     per_head=self.cfg.per_head))
             return out
         finally:
@@ -166,6 +148,11 @@ class MonitorRunner:
     def load_state_dict(self, state: dict) -> None:
         self.alerts = list(state.get("alerts", []))
         self.watch.blocks = {b: _BlockState(**s) for b, s in state.get("watch", {}).items()}
+
+
+def _tokens(v: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, T, d) from a block input; Swin's (B, H, W, C) maps become token lists."""
+    return None if v is None else v.detach().float().reshape(v.shape[0], -1, v.shape[-1])
 
 
 def _is_causal(blk: nn.Module) -> bool:

@@ -1,0 +1,259 @@
+"""The batched weight pass (quantities.stacked_weight_metrics / model_weight_metrics) against
+exact SVDs, explicit formulas and the per-block reference, on ViT- and Swin-shaped stacks."""
+
+import math
+
+import pytest
+import torch
+
+from stabletrain import spectral
+from stabletrain.models.registry import build_model, transformer_blocks
+from stabletrain.monitor import names as N
+from stabletrain.monitor import quantities as Q
+from tests.helpers import make_cfg
+
+EXACT = dict(iters_cold=400, iters_warm=400)  # power iteration run to convergence
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the GPU box runs both
+POWER = {N.WQ, N.WK, N.WV, N.WO, N.W1, N.W2, N.W2_W1, N.WQ_T_WK_FULL, N.WO_WV_FULL}
+
+
+def _sv(m):
+    return torch.linalg.svdvals(m.double())
+
+
+def _block(name, seed, d, heads, hidden, norms=True, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(device)
+
+    nt = ((("norm1_gamma", 1 + r(d)), ("norm1_beta", r(d)), ("norm2_gamma", 1 + r(d))) if norms else ())
+    return Q.BlockWeights(name, r(d, d), r(d, d), r(d, d), r(d, d), r(hidden, d), r(d, hidden), heads, nt)
+
+
+def _explicit(b: Q.BlockWeights) -> dict[str, float]:
+    """Every metric of one block from d x d products and their SVDs, float64."""
+    d, h = b.wq.shape[1], b.num_heads
+    k = b.wq.shape[0] // h
+    wq, wk, wv, wo, w1, w2 = (w.cpu().double() for w in (b.wq, b.wk, b.wv, b.wo, b.w1, b.w2))
+    qk_heads = [wq[i * k:(i + 1) * k].T @ wk[i * k:(i + 1) * k] for i in range(h)]  # d x d each
+    ov_heads = [wo[:, i * k:(i + 1) * k] @ wv[i * k:(i + 1) * k] for i in range(h)]
+    qk = torch.stack([_sv(m)[:k] for m in qk_heads])  # (H, d_h): the nonzero spectrum
+    ov1 = torch.stack([_sv(m)[0] for m in ov_heads])
+    s = lambda q: N.metric(N.SIGMA1, b.name, q)  # noqa: E731
+    out = {s(N.WQ): _sv(wq)[0], s(N.WK): _sv(wk)[0], s(N.WV): _sv(wv)[0], s(N.WO): _sv(wo)[0],
+           s(N.W1): _sv(w1)[0], s(N.W2): _sv(w2)[0], s(N.W2_W1): _sv(w2 @ w1)[0],
+           s(N.WQ_T_WK_FULL): _sv(wq.T @ wk)[0], s(N.WO_WV_FULL): _sv(wo @ wv)[0],
+           s(N.WQ_T_WK_MAX): qk[:, 0].max(), s(N.WQ_T_WK_MEAN): qk[:, 0].mean(),
+           s(N.WO_WV_MAX): ov1.max(), s(N.WO_WV_MEAN): ov1.mean()}
+    for i in range(h):
+        out[s(f"wq_t_wk_head{i}")] = qk[i, 0]
+        out[s(f"wo_wv_head{i}")] = ov1[i]
+    energy = qk.pow(2)
+    for sz in N.sec_sizes(k):
+        out[N.metric(N.SEC, b.name, f"s{sz}")] = (energy[:, :sz].sum(1) / energy.sum(1)).max()
+    tr = sum(torch.trace(m) for m in qk_heads)
+    fro2 = sum(torch.trace(m.T @ m) for m in qk_heads)
+    tr2 = sum(torch.trace(m @ m) for m in qk_heads)
+    var = sum(d * torch.trace(m @ m) - torch.trace(m) ** 2 for m in qk_heads)
+    out.update({N.metric(N.QK_SPECTRUM, b.name, q): v for q, v in zip(N.QK_STATS, (tr, fro2, tr2, var))})
+    out.update({N.metric(N.NORM, b.name, q): t.cpu().double().norm() for q, t in b.norms})
+    return {key: float(v) for key, v in out.items()}
+
+
+def _check(got, b, power_rel=1e-4):
+    want = _explicit(b)
+    if not any("_head" in k for k in got):
+        want = {k: v for k, v in want.items() if "_head" not in k}
+    assert set(want) <= set(got)
+    scale = 1 + want[N.metric(N.QK_SPECTRUM, b.name, N.EIG_SCALE_FRO2)]
+    for key, v in want.items():
+        group, _, q = key.split("/")
+        if group == N.SIGMA1 and q in POWER:
+            assert got[key] <= v * (1 + 1e-6), key  # power iteration: a lower bound
+            assert got[key] == pytest.approx(v, rel=power_rel), key
+        elif group == N.SEC:
+            assert got[key] == pytest.approx(v, abs=1e-7), key
+        elif q.startswith(N.WO_WV):  # top eigenvalue by repeated squaring: error < (d_h - 1) / (e 2^24)
+            assert got[key] <= v * (1 + 1e-9) and got[key] == pytest.approx(v, rel=1e-6), key
+        else:  # per-head spectra, traces (which may cancel to ~0: abs scaled), norms: exact up to rounding
+            assert got[key] == pytest.approx(v, rel=1e-7, abs=1e-9 * scale), key
+
+
+def _reference(b: Q.BlockWeights, per_head=True) -> dict[str, float]:
+    b = b._replace(**{f: getattr(b, f).cpu() for f in ("wq", "wk", "wv", "wo", "w1", "w2")},
+                   norms=tuple((q, t.cpu()) for q, t in b.norms))
+    norm = dict(b.norms)
+    return Q.block_weight_metrics(b.name, wq=b.wq, wk=b.wk, wv=b.wv, wo=b.wo, w1=b.w1, w2=b.w2, num_heads=b.num_heads,
+                                  norm1=(norm.get("norm1_gamma"), norm.get("norm1_beta")),
+                                  norm2=(norm.get("norm2_gamma"), norm.get("norm2_beta")),
+                                  per_head=per_head, iters=400, exact_max_dim=1024)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vit_shaped_stack_matches_exact_svd_and_the_per_block_reference(device):
+    blocks = [_block(f"blocks.{i}", i, 24, 3, 48, device=device) for i in range(4)]
+    got = Q.stacked_weight_metrics(blocks, per_head=True, **EXACT)
+    for b in blocks:
+        _check(got, b)
+        ref = _reference(b)
+        mine = {k: v for k, v in got.items() if k.split("/")[1] == b.name}
+        assert list(mine) == list(ref)  # same names, same order as the per-block path
+        for key in ref:  # power-iteration values: against the exact SVD above (the reference's are approximate)
+            if key.split("/")[-1] not in POWER:
+                assert mine[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), key
+    without = Q.stacked_weight_metrics(blocks, per_head=False, **EXACT)
+    assert set(without) == {k for k in got if "_head" not in k}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swin_shaped_stages_of_two_widths_and_chunks(device):
+    # stage 0: d=16, 2 heads of 8; stage 1: d=32, 4 heads of 8 (and a d_h=16 variant), interleaved
+    blocks = [_block("layers.0.blocks.0", 0, 16, 2, 64), _block("layers.1.blocks.0", 1, 32, 4, 128),
+              _block("layers.0.blocks.1", 2, 16, 2, 64), _block("layers.1.blocks.1", 3, 32, 4, 128),
+              _block("layers.2.blocks.0", 4, 32, 2, 64, norms=False)]
+    blocks = [b._replace(**{f: getattr(b, f).to(device) for f in ("wq", "wk", "wv", "wo", "w1", "w2")},
+                         norms=tuple((q, t.to(device)) for q, t in b.norms)) for b in blocks]
+    got = Q.stacked_weight_metrics(blocks, per_head=True, **EXACT)
+    assert [k.split("/")[1] for k in got] == sorted((k.split("/")[1] for k in got),
+                                                    key=[b.name for b in blocks].index)  # input order kept
+    for b in blocks:
+        _check(got, b)
+    assert {f"sec/layers.2.blocks.0/s{s}" for s in (1, 2, 4, 8, 16)} <= set(got)
+    assert not any(k.startswith("norm/layers.2.blocks.0") for k in got)
+    # a tiny stacking budget: one block per chunk, same values
+    one_by_one = Q.stacked_weight_metrics(blocks, per_head=True, budget_bytes=1, **EXACT)
+    assert list(one_by_one) == list(got)
+    for key in got:
+        assert one_by_one[key] == pytest.approx(got[key], rel=1e-5, abs=1e-12), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_block_is_flagged_and_the_others_are_unaffected(device):
+    blocks = [_block(f"blocks.{i}", i, 24, 3, 48, device=device) for i in range(4)]
+    clean = Q.stacked_weight_metrics(blocks, per_head=True, **EXACT)
+    w1 = blocks[1].w1.clone()
+    w1[3, 5] = float("nan")
+    wq = blocks[2].wq.clone()
+    wq[0, 0] = float("inf")
+    bad = list(blocks)
+    bad[1], bad[2] = blocks[1]._replace(w1=w1), blocks[2]._replace(wq=wq)
+    warm = {}
+    got = Q.stacked_weight_metrics(bad, per_head=True, warm=warm, **EXACT)
+    for b in bad[1:3]:
+        assert {k for k in got if k.split("/")[1] == b.name} == {f"sigma1/{b.name}/nonfinite_weights"}
+        assert got[f"sigma1/{b.name}/nonfinite_weights"] == 1.0
+    for key, v in got.items():
+        if key.split("/")[1] in ("blocks.0", "blocks.3"):
+            assert v == pytest.approx(clean[key], rel=1e-5, abs=1e-12), key
+    # the stored start vectors stayed usable: the repaired blocks converge again from them
+    assert all(torch.isfinite(v).all() for state in warm.values() for v in state)
+    again = Q.stacked_weight_metrics(blocks, per_head=True, warm=warm, **EXACT)
+    for b in blocks:
+        _check(again, b)
+
+
+def test_warm_start_keeps_the_converged_value_and_recovers_from_zero_weights():
+    blocks = [_block(f"blocks.{i}", i, 24, 3, 48) for i in range(3)]
+    warm = {}
+    Q.stacked_weight_metrics(blocks, warm=warm, **EXACT)
+    one_step = Q.stacked_weight_metrics(blocks, warm=warm, iters_cold=400, iters_warm=1)
+    for b in blocks:
+        _check(one_step, b)
+    # a zero W_o (zero-init projections) gives zeros, not NaN, and leaves no zero vector behind
+    zero = [b._replace(wo=torch.zeros_like(b.wo)) for b in blocks]
+    warm = {}
+    got = Q.stacked_weight_metrics(zero, per_head=True, warm=warm, **EXACT)
+    for b in zero:
+        for q in ("wo", "wo_wv_full", "wo_wv_max", "wo_wv_mean", "wo_wv_head0"):
+            assert got[f"sigma1/{b.name}/{q}"] == pytest.approx(0.0, abs=1e-6)
+        assert got[f"sigma1/{b.name}/wq_t_wk_max"] > 0.1
+    later = Q.stacked_weight_metrics(blocks, warm=warm, iters_cold=400, iters_warm=400)
+    for b in blocks:
+        _check(later, b)
+
+
+def test_rank_one_and_orthonormal_heads_give_the_sec_extremes():
+    d, h = 24, 3
+    k = d // h
+    g = torch.Generator().manual_seed(3)
+    a, c = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    wq = torch.stack([torch.outer(torch.randn(k, generator=g), a) for _ in range(h)]).reshape(d, d)
+    wk = torch.stack([torch.outer(torch.randn(k, generator=g), c) for _ in range(h)]).reshape(d, d)
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=g))
+    w1 = torch.randn(2 * d, d, generator=g)
+    rank1 = Q.BlockWeights("blocks.0", wq, wk, torch.eye(d), torch.eye(d), w1, w1.T.contiguous(), h)
+    ortho = Q.BlockWeights("blocks.1", q.T, q.T, q.T, q, w1, w1.T.contiguous(), h)
+    got = Q.stacked_weight_metrics([rank1, ortho], **EXACT)
+    for s in N.sec_sizes(k):
+        assert got[f"sec/blocks.0/s{s}"] == pytest.approx(1.0, abs=1e-7)
+        assert got[f"sec/blocks.1/s{s}"] == pytest.approx(s / k, abs=1e-6)  # q is orthonormal in fp32
+    assert got["sigma1/blocks.1/wq_t_wk_max"] == pytest.approx(1.0, rel=1e-6)
+    _check(got, rank1)
+    _check(got, ortho)
+
+
+def test_real_models_vit_gpt_swin_match_the_per_block_reference():
+    for name in ("vit_test", "gpt_test", "swin_test"):
+        torch.manual_seed(0)
+        model = build_model(make_cfg(f"model={name}"))
+        blocks = transformer_blocks(model)
+        got = Q.model_weight_metrics(blocks, per_head=True, **EXACT)
+        ref = {}
+        for bname, blk in blocks:
+            ref.update(_reference(Q.block_weights(bname, blk)))
+        assert list(got) == list(ref), name
+        for key in ref:
+            if key.split("/")[-1] not in POWER:
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (name, key)
+        for bname, blk in blocks:  # init weights: sigma1 ~ sigma2, power iteration converges slowly
+            _check(got, Q.block_weights(bname, blk), power_rel=1e-2)
+        if name == "swin_test":
+            assert {b.wq.shape[1] for b in (Q.block_weights(n, m) for n, m in blocks)} == {16, 32}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_pass_is_one_transfer_and_no_scalar_sync(monkeypatch, device):
+    blocks = ([_block(f"blocks.{i}", i, 24, 3, 48, device=device) for i in range(3)]
+              + [_block("layers.1.blocks.0", 9, 32, 4, 64, device=device)])
+    calls = {"cpu": 0, "tolist": 0}
+
+    def banned(self, *a, **k):
+        raise AssertionError("host sync on a scalar")
+
+    for m in ("item", "__float__", "__bool__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, m, banned)
+    for m in calls:
+        orig = getattr(torch.Tensor, m)
+
+        def counted(self, *a, _m=m, _orig=orig, **k):
+            calls[_m] += 1
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, m, counted)
+    Q.stacked_weight_metrics(blocks, per_head=True, warm={})
+    assert calls["cpu"] == 1  # the single device-to-host copy; tolist only reads host tensors
+    assert calls["tolist"] <= 1 + 2 * 2  # norms, then per chunk the finite flags and the table
+
+
+def test_spectral_pair_power_iteration_and_gram_spectra():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 6, 20, generator=g), torch.randn(5, 6, 20, generator=g)
+    state = tuple(spectral.random_unit(*s, generator=g) for s in ((5, 6), (5, 20), (5, 20)))
+    sa, sb, sab, _ = spectral.pair_power_iteration(a, b, state, 300)
+    for i in range(5):
+        assert sa[i].item() == pytest.approx(_sv(a[i])[0].item(), rel=1e-5)
+        assert sb[i].item() == pytest.approx(_sv(b[i])[0].item(), rel=1e-5)
+        assert sab[i].item() == pytest.approx(_sv(a[i].T @ b[i])[0].item(), rel=1e-5)
+    exact = torch.stack([_sv(a[i].double().T @ b[i].double())[:6] for i in range(5)])
+    assert torch.allclose(spectral.product_singular_values_gram(a, b), exact, rtol=1e-7, atol=1e-10)
+    assert torch.allclose(spectral.product_singular_values(a, b).double(), exact, rtol=1e-4, atol=1e-5)
+    a64, b64 = a.double(), b.double()
+    c = spectral.gram_product_core(a64 @ a64.mT, b64 @ b64.mT)  # float64 Grams, as the monitor's
+    top = spectral.top_eigenvalue(c)
+    assert torch.allclose(top.sqrt(), exact[:, 0], rtol=1e-7) and (top.sqrt() <= exact[:, 0] * (1 + 1e-9)).all()
+    assert (spectral.top_eigenvalue(torch.zeros(2, 4, 4)) == 0).all()
+    # non-finite matrices give NaN rows, the others their spectra
+    c[1, 0, 0] = float("nan")
+    ev = spectral.symmetric_spectra(c)
+    assert torch.isnan(ev[1]).all() and torch.allclose(ev[0].sqrt(), exact[0], rtol=1e-7)
