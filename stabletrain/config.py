@@ -266,7 +266,8 @@ class DataConfig:
 @dataclass
 class MonitorConfig:
     name: MonitorName = MonitorName.standard
-    weight_every: int = 50  # weight-side quantities cadence (steps)
+    weight_every: int = 100  # weight-side quantities cadence (steps); ~1% of step time on ViT-B
+    adamw2_every: int = 50  # AdamW² per-tensor actual-lr curves (App. M plots one point per 50 steps)
     probe_every: int = 200  # activation-side quantities on the probe batch (steps)
     probe_batch_size: int = 8
     per_head: bool = False  # log every head, not only max/mean

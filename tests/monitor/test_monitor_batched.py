@@ -70,7 +70,7 @@ def _check(got, b, power_rel=1e-4):
     for key, v in want.items():
         group, _, q = key.split("/")
         if group == N.SIGMA1 and q in POWER:
-            assert got[key] <= v * (1 + 1e-6), key  # power iteration: a lower bound
+            assert got[key] <= v * (1 + 1e-5), key  # power iteration: a lower bound (up to fp32 rounding)
             assert got[key] == pytest.approx(v, rel=power_rel), key
         elif group == N.SEC:
             assert got[key] == pytest.approx(v, abs=1e-7), key
