@@ -18,7 +18,6 @@ Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,22 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_monitors import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from stabletrain.config import MonitorConfig  # noqa: E402
 from stabletrain.engine.loop import Trainer  # noqa: E402
 from stabletrain.cli import compose_config as make_cfg  # noqa: E402
-
-
-def timed(fn, steps: int, warmup: int, sync) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench(model: str, args) -> dict:
@@ -58,7 +45,7 @@ def bench(model: str, args) -> dict:
     batch = next(t.data.train_iter(0, t.shard))
     resident = [t._to_device(x, y) for x, y in batch]
 
-    trainer_s = timed(lambda: t.train_step(resident, 1e-4, False), args.steps, args.warmup, sync)
+    trainer_s, _ = timed(lambda: t.train_step(resident, 1e-4, False), args.steps, args.warmup, sync)
 
     model_ = t.train_model
     opt = torch.optim.AdamW(t.model.parameters(), lr=1e-4, fused=t.device.type == "cuda")
@@ -72,10 +59,10 @@ def bench(model: str, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    bare_s = timed(bare, args.steps, args.warmup, sync)
+    bare_s, _ = timed(bare, args.steps, args.warmup, sync)
     mon = t.monitor
-    weight_s = timed(mon.weight_metrics, 3, 1, sync)
-    probe_s = timed(mon.probe_metrics, 3, 1, sync)
+    weight_s, _ = timed(mon.weight_metrics, 3, 1, sync)
+    probe_s, _ = timed(mon.probe_metrics, 3, 1, sync)
     d = MonitorConfig()
     amortised = (weight_s / d.weight_every + probe_s / d.probe_every) / trainer_s
     return {"model": model, "bare_ms": bare_s * 1e3, "trainer_ms": trainer_s * 1e3,

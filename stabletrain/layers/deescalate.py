@@ -34,12 +34,13 @@ def _at_least_fp32(x: Tensor) -> Tensor:
 def token_similarity(x: Tensor) -> Tensor:
     """``||P X||_F^2 / ||X||_F^2`` per sequence (full token mean), ``x`` of shape (B, tokens..., d).
 
-    002 Def. 1.1: 1 exactly when all tokens are equal; 0 for a zero sequence (guarded).
+    002 Def. 1.1: 1 exactly when all tokens are equal. **Decision:** a zero sequence has all
+    rows equal and counts as 1 (the ratio is 0/0 there).
     """
     xf = _at_least_fp32(x).flatten(1, -2)
-    mean = xf.mean(1, keepdim=True)
-    num = mean.pow(2).sum((1, 2)) * xf.shape[1]
-    return num / xf.pow(2).sum((1, 2)).clamp_min(torch.finfo(xf.dtype).tiny)
+    num = xf.mean(1).pow(2).sum(-1) * xf.shape[1]
+    den = xf.pow(2).sum((1, 2))
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(xf.dtype).tiny), torch.ones_like(den))
 
 
 class Deescalate(nn.Module):

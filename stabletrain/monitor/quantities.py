@@ -48,6 +48,8 @@ import torch
 from torch import Tensor
 
 from stabletrain import spectral
+from stabletrain.layers.deescalate import token_similarity as deesc_similarity
+from stabletrain.layers.locater import qk_eigen_stats
 from stabletrain.monitor import names as N
 
 EXACT_MAX_DIM = 256
@@ -143,22 +145,12 @@ def qk_spectrum_stats(wq: Tensor, wk: Tensor, num_heads: int) -> dict[str, float
     ``eig_mean_trace = tr(W_QK) = <W_q^h, W_k^h>``,
     ``eig_scale_fro2 = tr(W_QK^T W_QK) = tr((W_q^h W_q^h^T)(W_k^h W_k^h^T))`` (the loss term),
     ``eig_scale_tr2 = tr(W_QK^2) = tr((W_k^h W_q^h^T)^2)`` (what 003 Fig. 6 plots),
-    ``eig_var_d2 = d tr(W_QK^2) - tr(W_QK)^2`` (003 Eq. 8). Computed in float64.
+    ``eig_var_d2 = d tr(W_QK^2) - tr(W_QK)^2`` (003 Eq. 8). Computed in float64 by
+    :func:`stabletrain.layers.locater.qk_eigen_stats`, the regulariser's own formulas.
     """
-    a = split_heads(wq.detach().double(), num_heads)
-    b = split_heads(wk.detach().double(), num_heads)
-    d = wq.shape[1]
-    trace = (a * b).sum((-2, -1))
-    fro2 = ((a @ a.transpose(-2, -1)) * (b @ b.transpose(-2, -1))).sum((-2, -1))
-    m = b @ a.transpose(-2, -1)
-    tr2 = (m * m.transpose(-2, -1)).sum((-2, -1))
-    var = d * tr2 - trace.pow(2)
-    return _floats({
-        f"{N.QK_SPECTRUM}/{N.EIG_MEAN_TRACE}": trace.sum(),
-        f"{N.QK_SPECTRUM}/{N.EIG_SCALE_FRO2}": fro2.sum(),
-        f"{N.QK_SPECTRUM}/{N.EIG_SCALE_TR2}": tr2.sum(),
-        f"{N.QK_SPECTRUM}/{N.EIG_VAR_D2}": var.sum(),
-    })
+    stats = qk_eigen_stats(split_heads(wq.detach().double(), num_heads),
+                           split_heads(wk.detach().double(), num_heads))
+    return _floats({f"{N.QK_SPECTRUM}/{k}": v.sum() for k, v in stats.items()})
 
 
 def qk_ov_stats(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, num_heads: int,
@@ -346,19 +338,10 @@ def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
 
 
 def token_similarity(x: Tensor) -> float:
-    """``sim(X) = ||P X||_F^2 / ||X||_F^2``, ``P`` the mean over tokens (002 Def. 1.1; SPEC 3).
-
-    ``x`` is ``(B, T, d)`` or ``(T, d)``; mean over sequences. ``||P X||_F^2 = T ||mean||^2``.
-    **Decision:** a sequence with ``||X|| = 0`` has all rows equal and counts as 1.
-    """
+    """Token similarity (SPEC section 3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences;
+    the formula lives with de-escalation, :func:`stabletrain.layers.deescalate.token_similarity`."""
     x = x.detach().double()
-    if x.dim() == 2:
-        x = x[None]
-    t = x.shape[1]
-    num = t * x.mean(1).pow(2).sum(-1)
-    den = x.pow(2).sum((1, 2))
-    sim = torch.where(den > 0, num / den.clamp_min(1e-300), torch.ones_like(den))
-    return float(sim.mean())
+    return float(deesc_similarity(x[None] if x.dim() == 2 else x).mean())
 
 
 def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, float]:

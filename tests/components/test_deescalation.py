@@ -27,7 +27,7 @@ def test_similarity_matches_its_definition():
     x = _x(3, 10, 8)
     torch.testing.assert_close(token_similarity(x), torch.stack([_sim(s) for s in x]))
     assert token_similarity(x[:, :1].expand(3, 10, 8)).sub(1).abs().max() < 1e-6  # equal rows: 1
-    assert token_similarity(torch.zeros(2, 4, 8)).eq(0).all()  # guarded zero
+    assert token_similarity(torch.zeros(2, 4, 8)).eq(1).all()  # guarded zero: all rows equal
 
 
 @pytest.mark.parametrize("shape", [(2, 12, 8), (2, 4, 3, 8)])  # ViT/GPT tokens, Swin (B, H, W, C)

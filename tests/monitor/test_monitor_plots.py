@@ -87,8 +87,8 @@ def test_plot_dynamics_script_writes_every_figure(tmp_path):
                          check=False)
     assert res.returncode == 0, res.stderr
     names = {p.name for p in (run / "plots").iterdir()}
-    assert names == {"training.png", "dynamics_blocks.0.png", "dynamics_blocks.3.png", "entropy.png", "sec.png", "adamw2_lr.png",
-                     "token_similarity.png", "qk_spectrum.png"}
+    assert names == {"training.png", "dynamics_blocks.0.png", "dynamics_blocks.3.png", "entropy.png", "sec.png",
+                     "adamw2_lr.png", "token_similarity.png", "qk_spectrum.png"}
     _check_pngs(sorted((run / "plots").iterdir()))
 
 
