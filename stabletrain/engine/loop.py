@@ -33,6 +33,7 @@ from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.layers.norm import _enum
 from stabletrain.metrics import Metrics, write_json
 from stabletrain.models.registry import build_model
+from stabletrain.optim import build_optimizer, make_schedule, scaled_lr, set_lr
 
 
 def pick_device(name: str, info: D.DistInfo) -> torch.device:
@@ -67,8 +68,8 @@ class Trainer:
         self._fit_model_to_data()
         self.model: nn.Module = build_model(cfg).to(self.device)
         self.family = _enum(cfg.model.family)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
-        from stabletrain.optim import build_optimizer, make_schedule, scaled_lr
 
         self.optimizer, self.group_summary = build_optimizer(self.model, cfg.optim, self.family, cfg.reparam,
                                                              batch_size=cfg.batch_size)
@@ -146,8 +147,6 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self, micro_batches, lr: float, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from stabletrain.optim import set_lr
-
         set_lr(self.optimizer, lr)
         self.train_model.train()
         total = torch.zeros((), device=self.device)
@@ -164,12 +163,12 @@ class Trainer:
                     loss = loss + self.penalty(self.model)
                 (loss / n).backward()
             total += loss.detach() / n
-        grad_norm = None
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = None  # before clipping; computed only when clipping or logging needs it
         if self.cfg.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
         elif want_grad_norm:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
+                                                      foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.reparam_step is not None:
