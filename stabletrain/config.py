@@ -260,7 +260,7 @@ class DataConfig:
     cutmix: float = 0.0
     label_smoothing: float = 0.0
     erasing: float = 0.0
-    repeated_aug: int = 1
+    repeated_aug: int = 1  # each sample this many times per batch, augmented separately
 
 
 @dataclass
@@ -386,6 +386,7 @@ def validate(cfg: Any) -> None:
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
     d = cfg.data
+    _need(d.repeated_aug >= 1, f"data.repeated_aug={d.repeated_aug} must be >= 1 (1 disables it)")
     if d.name == DataName.imagefolder:
         _need(d.root is not None and _exists(d.root),
               f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")

@@ -93,3 +93,14 @@ def test_recipe_required_value_is_named(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == ("error: optim.lr is required by this recipe (the paper does not give it): "
                                 "set optim.lr=VALUE")
+
+
+def test_repeated_augmentation_stream():
+    idx = epoch_indices(10, seed=1, start=0, count=10, repeats=2)
+    pairs = idx.view(5, 2)
+    assert torch.equal(pairs[:, 0], pairs[:, 1]) and len(set(pairs[:, 0].tolist())) == 5
+    plain = torch.randperm(10, generator=torch.Generator().manual_seed(100_003))
+    assert torch.equal(epoch_indices(10, 1, 0, 10), plain)
+    d = build_data(make_cfg("model=vit_test", "data.repeated_aug=3"))
+    (x, y), = next(d.train_iter(0, Shard(6)))
+    assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2]) and y[0] == y[2]

@@ -41,12 +41,20 @@ class Shard:
         return list(mine.split(self.micro))
 
 
-def epoch_indices(n: int, seed: int, start: int, count: int) -> torch.Tensor:
-    """Indices ``start .. start+count`` of the infinite stream of per-epoch permutations."""
+def epoch_indices(n: int, seed: int, start: int, count: int, repeats: int = 1) -> torch.Tensor:
+    """Indices ``start .. start+count`` of the infinite stream of per-epoch permutations.
+
+    ``repeats > 1`` is repeated augmentation (001 Table 13, ``data.repeated_aug``): an epoch of
+    ``n`` draws holds ``ceil(n / repeats)`` distinct samples, each ``repeats`` times in a row,
+    so each copy goes through the random transforms separately. Copies land in the same
+    micro-batch (ViTs have no batch statistics that would care).
+    """
     out, pos = [], start
     while pos < start + count:
         epoch, off = divmod(pos, n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        if repeats > 1:
+            perm = perm[:-(-n // repeats)].repeat_interleave(repeats)[:n]
         take = min(n - off, start + count - pos)
         out.append(perm[off:off + take])
         pos += take
@@ -71,14 +79,14 @@ class Data:
 class TensorImages(Data):
     """Images held in memory (the embedded digits)."""
 
-    def __init__(self, t: dict[str, torch.Tensor], num_classes: int, seed: int):
+    def __init__(self, t: dict[str, torch.Tensor], num_classes: int, seed: int, repeats: int = 1):
         super().__init__("vision", len(t["y_train"]), num_classes=num_classes, in_chans=t["x_train"].shape[1])
-        self.t, self.seed = t, seed
+        self.t, self.seed, self.repeats = t, seed, repeats
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
         step = start_step
         while True:
-            idx = epoch_indices(self.n_train, self.seed, step * shard.batch_size, shard.batch_size)
+            idx = epoch_indices(self.n_train, self.seed, step * shard.batch_size, shard.batch_size, self.repeats)
             yield [(self.t["x_train"][i], self.t["y_train"][i]) for i in shard.split(idx)]
             step += 1
 
@@ -132,7 +140,7 @@ def build_data(cfg) -> Data:
     if name == "digits":
         from stabletrain.data.embedded import digits_tensors
 
-        return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, cfg.seed)
+        return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, cfg.seed, d.repeated_aug)
     if name == "pytext":
         from stabletrain.data.embedded import pytext_bytes
         from stabletrain.data.tokenizer import encode

@@ -15,13 +15,13 @@ from stabletrain.data import Batch, Data, Shard, epoch_indices
 class _StepSampler(Sampler):
     """Micro-batches of this rank from step ``start`` on (the same stream as in-memory data)."""
 
-    def __init__(self, n: int, seed: int, start: int, shard: Shard):
-        self.n, self.seed, self.start, self.shard = n, seed, start, shard
+    def __init__(self, n: int, seed: int, start: int, shard: Shard, repeats: int = 1):
+        self.n, self.seed, self.start, self.shard, self.repeats = n, seed, start, shard, repeats
 
     def __iter__(self):
         step = self.start
         while True:
-            idx = epoch_indices(self.n, self.seed, step * self.shard.batch_size, self.shard.batch_size)
+            idx = epoch_indices(self.n, self.seed, step * self.shard.batch_size, self.shard.batch_size, self.repeats)
             for micro in self.shard.split(idx):
                 yield micro.tolist()
             step += 1
@@ -44,10 +44,11 @@ class ImageFolderData(Data):
         self.train_set = ImageFolder(str(root / "train"), transform=train_tf)
         self.val_set = ImageFolder(str(root / "val"), transform=val_tf)
         super().__init__("vision", len(self.train_set), num_classes=len(self.train_set.classes), in_chans=3)
-        self.seed, self.workers = cfg.seed, d.num_workers
+        self.seed, self.workers, self.repeats = cfg.seed, d.num_workers, d.repeated_aug
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
-        loader = DataLoader(self.train_set, batch_sampler=_StepSampler(self.n_train, self.seed, start_step, shard),
+        sampler = _StepSampler(self.n_train, self.seed, start_step, shard, self.repeats)
+        loader = DataLoader(self.train_set, batch_sampler=sampler,
                             num_workers=self.workers, pin_memory=True, persistent_workers=self.workers > 0)
         it = iter(loader)
         while True:
