@@ -148,6 +148,8 @@ class ModelConfig:
     qkv_bias: bool = True
     class_token: bool = True
     act: str = "gelu"  # gelu | relu (the de-escalation CIFAR ViT uses ReLU, 002 l.50)
+    init_std: float = 0.02  # ViT family init: trunc_normal std of Linear weights (timm's 0.02)
+    patch_embed_std: Optional[float] = None  # ViT: trunc_normal std of the patch conv; None = torch's
     # vit / gpt
     embed_dim: int = 768
     depth: int = 12
@@ -381,6 +383,8 @@ def validate(cfg: Any) -> None:
     _need(mb is None or (mb > 0 and cfg.batch_size % mb == 0),
           f"micro_batch_size={mb} must divide batch_size={cfg.batch_size}")
     _need(cfg.grad_clip is None or cfg.grad_clip > 0, f"grad_clip={cfg.grad_clip} must be > 0 or null")
+    _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
+    _need(m.patch_embed_std is None or m.patch_embed_std > 0, f"model.patch_embed_std={m.patch_embed_std} must be > 0")
     _need(m.embed_dim % m.num_heads == 0 or m.family == Family.swin,
           f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),

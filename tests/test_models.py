@@ -61,3 +61,12 @@ def test_transformer_blocks_found(name, count):
     assert len(blocks) == count
     for _, b in blocks:
         assert hasattr(b.attn, "qkv") and hasattr(b.mlp, "fc1")
+
+
+def test_vit_family_init_stds():
+    cfg = make_cfg("model=vit_b", "model.init_std=0.01", "model.patch_embed_std=0.0025")
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    w = model.blocks[0].mlp.fc1.weight
+    assert abs(w.std().item() - 0.01) < 5e-4
+    assert abs(model.patch_embed.proj.weight.std().item() - 0.0025) < 2e-4

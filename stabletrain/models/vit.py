@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+from timm.layers import trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -11,6 +13,7 @@ from stabletrain.layers.block import Block
 from stabletrain.layers.norm import _enum, make_norm
 
 LN_EPS = 1e-6  # timm ViT's LayerNorm eps
+LINEAR_STD = 0.02  # timm ViT's trunc_normal std for Linear weights
 
 
 def build_vit(cfg) -> VisionTransformer:
@@ -32,4 +35,18 @@ def build_vit(cfg) -> VisionTransformer:
     )
     if post:  # a post-LN stack already ends in a norm
         model.norm = nn.Identity()
+    _family_init(model, m.init_std, m.patch_embed_std)
     return model
+
+
+@torch.no_grad()
+def _family_init(model: nn.Module, std: float, patch_std: float | None) -> None:
+    """timm's init with other standard deviations: sigmaReparam's ViT-B trains with
+    trunc_normal(.02) on the patch embedding too (001 Table 13), ViT-L with .01 / .0025
+    (Table 14). The defaults leave timm's init untouched."""
+    if std != LINEAR_STD:
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear):
+                trunc_normal_(mod.weight, std=std)
+    if patch_std is not None:
+        trunc_normal_(model.patch_embed.proj.weight, std=patch_std)
