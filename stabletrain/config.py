@@ -221,6 +221,7 @@ class OptimConfig:
     name: OptimName = OptimName.adamw2
     lr: float = 1e-3
     weight_decay: float = 0.05
+    weight_decay_end: Optional[float] = None  # None: constant; else a half cosine to it over the run
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     # adamw2 (SPEC section 1)
@@ -360,6 +361,8 @@ def validate(cfg: Any) -> None:
     o, m = cfg.optim, cfg.model
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0 (e.g. optim.lr=1e-3)")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _need(o.weight_decay_end is None or o.weight_decay_end >= 0,
+          f"optim.weight_decay_end={o.weight_decay_end} must be >= 0 or null")
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
           f"optim.betas={list(o.betas)} must be two values in [0, 1)")
     _need(o.eps > 0, f"optim.eps={o.eps} must be > 0")

@@ -33,7 +33,7 @@ from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.layers.norm import _enum
 from stabletrain.metrics import Metrics, write_json
 from stabletrain.models.registry import build_model
-from stabletrain.optim import build_optimizer, make_schedule, scaled_lr, set_lr
+from stabletrain.optim import build_optimizer, make_schedule, scaled_lr, set_lr, set_weight_decay, weight_decay_at
 
 
 def pick_device(name: str, info: D.DistInfo) -> torch.device:
@@ -148,6 +148,10 @@ class Trainer:
 
     def train_step(self, micro_batches, lr: float, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         set_lr(self.optimizer, lr)
+        o = self.cfg.optim
+        if o.weight_decay_end is not None:
+            set_weight_decay(self.optimizer, weight_decay_at(o.weight_decay, o.weight_decay_end, self.step,
+                                                             self.total_steps))
         self.train_model.train()
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)

@@ -25,7 +25,15 @@ from torch import nn
 from stabletrain.optim.adamw2 import AdamW2, BoundRecord
 from stabletrain.optim.lars import LARS
 from stabletrain.optim.param_groups import classify, make_param_groups, summarize_groups
-from stabletrain.optim.schedule import LRSchedule, enum_value, make_schedule, set_lr, to_steps
+from stabletrain.optim.schedule import (
+    LRSchedule,
+    enum_value,
+    make_schedule,
+    set_lr,
+    set_weight_decay,
+    to_steps,
+    weight_decay_at,
+)
 
 __all__ = [
     "LARS",
@@ -39,6 +47,8 @@ __all__ = [
     "make_schedule",
     "scaled_lr",
     "set_lr",
+    "set_weight_decay",
+    "weight_decay_at",
     "summarize_groups",
     "to_steps",
 ]

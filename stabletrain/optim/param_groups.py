@@ -128,6 +128,7 @@ def make_param_groups(
                 names=[],
                 kinds=[],
                 weight_decay=weight_decay if role.decay else 0.0,
+                wd_mult=1.0 if role.decay else 0.0,  # set_weight_decay's mask for scheduled decay
                 lr_mult=role.lr_mult,
                 **extra,
             )

@@ -110,3 +110,19 @@ def set_lr(optimizer: Optimizer, lr: float) -> None:
     """Give every param group ``lr * group['lr_mult']`` (``lr_mult`` 1 where absent)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
+
+
+def weight_decay_at(start: float, end: float | None, step: int, total_steps: int) -> float:
+    """Weight decay at ``step``: constant ``start`` when ``end`` is None, else a half cosine
+    from ``start`` to ``end`` over the run (001 l.136: a cosine schedule 0 -> 1e-5 eases
+    sigmaReparam's ViT-L/H)."""
+    if end is None:
+        return start
+    progress = min(1.0, step / max(1, total_steps))
+    return end + (start - end) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_weight_decay(optimizer: Optimizer, wd: float) -> None:
+    """Give every decayed group ``wd`` (``wd_mult`` is 1 there, 0 on no-decay groups)."""
+    for group in optimizer.param_groups:
+        group["weight_decay"] = wd * group.get("wd_mult", 1.0)
