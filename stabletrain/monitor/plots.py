@@ -196,6 +196,15 @@ def _title(run: Run, what: str) -> str:
     return f"{run.name}{status}: {what}"
 
 
+def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
+    """Hide the grid's unused panels, title the figure, lay it out and save it."""
+    for ax in list(axes.flat)[used:]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, out_dir, name)
+
+
 def _save(fig, out_dir: Path, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
@@ -248,11 +257,7 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(name)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.suptitle(_title(run, "training curves"))
-    fig.tight_layout()
-    return _save(fig, out_dir, "training.png")
+    return _finish(fig, axes, len(panels), _title(run, "training curves"), out_dir, "training.png")
 
 
 @_styled
@@ -371,11 +376,8 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         ax.set_ylabel(f"SEC({d_h}, s)")
         ax.set_title(f"{block}: max over heads")
         ax.legend(loc="lower right")
-    for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
-    fig.suptitle(_title(run, r"spectral energy concentration of $W_q^{h\top} W_k^h$"))
-    fig.tight_layout()
-    return _save(fig, out_dir, "sec.png")
+    title = _title(run, r"spectral energy concentration of $W_q^{h\top} W_k^h$")
+    return _finish(fig, axes, n, title, out_dir, "sec.png")
 
 
 def _split_param(param: str) -> tuple[str, str]:
@@ -418,11 +420,8 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
         else:
             ax.text(0.02, 0.02, f"{len(entries)} blocks, dark = shallow, yellow = deep",
                     transform=ax.transAxes, fontsize=7, color="dimgray")
-    for ax in list(axes.flat)[len(order):]:
-        ax.set_visible(False)
-    fig.suptitle(_title(run, "AdamW² actual learning rate per tensor"))
-    fig.tight_layout()
-    return _save(fig, out_dir, "adamw2_lr.png")
+    title = _title(run, "AdamW² actual learning rate per tensor")
+    return _finish(fig, axes, len(order), title, out_dir, "adamw2_lr.png")
 
 
 @_styled
