@@ -88,9 +88,11 @@ class Trainer:
 
         self.reparam_step = None
         if _enum(cfg.reparam.name) != "none":
-            from stabletrain.layers.reparam import reparam_step
+            from functools import partial
 
-            self.reparam_step = reparam_step
+            from stabletrain.layers.reparam import reparam_step, sigma_reparams
+
+            self.reparam_step = partial(reparam_step, reps=sigma_reparams(self.model))
         self.penalty = None
         if _enum(cfg.regularizer.name) == "locater":
             from stabletrain.layers.locater import locater_penalty

@@ -202,13 +202,14 @@ def sigma_reparams(model: nn.Module) -> list[tuple[Tensor, SigmaReparam]]:
 
 
 @torch.no_grad()
-def reparam_step(model: nn.Module) -> None:
+def reparam_step(model: nn.Module, reps: list[tuple[Tensor, SigmaReparam]] | None = None) -> None:
     """Advance every ``u, v`` by ``power_iters`` power iterations, batched by shape.
 
-    The trainer calls this once after each optimizer step (SPEC section 2 decision).
+    The trainer calls this once after each optimizer step (SPEC section 2 decision), passing
+    ``reps = sigma_reparams(model)`` found once, so the hot path does not walk the modules.
     """
     by_iters: dict[int, list[tuple[Tensor, SigmaPart]]] = defaultdict(list)
-    for w, rep in sigma_reparams(model):
+    for w, rep in reps if reps is not None else sigma_reparams(model):
         for part, mat in zip(rep.parts, rep.part_matrices(w.detach())):
             by_iters[rep.power_iters].append((mat, part))
     for iters, items in by_iters.items():
