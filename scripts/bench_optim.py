@@ -4,6 +4,7 @@
     python scripts/bench_optim.py --compile --steps 30
     python scripts/bench_optim.py --optims adamw,adamw2,adamw2-foreach,adamw2-cold
     python scripts/bench_optim.py --device cpu --tiny   # smoke test of this script
+    python scripts/bench_optim.py --device cpu --optimizer-only --skip-power   # step() alone
 
 A step is forward + backward under bf16 autocast (fp32 master weights) + optimizer step +
 zero_grad. Times are medians of per-step CUDA events after warm-up; "optimizer" is the
@@ -216,6 +217,26 @@ def time_training(kind, variant, args, device):
     return label, statistics.median(steps), statistics.median(opts), extra
 
 
+def time_optimizer_only(kind, variant, args, device):
+    """``step()`` alone on the model's parameters with fixed random gradients (no forward)."""
+    torch.manual_seed(0)
+    model, family, _, label = make_workload(kind, args, device)
+    model = model.to(device)
+    opt, _ = build_optimizer(model, optim_cfg(**VARIANTS[variant], power_iters=args.power_iters), family)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    timer = Timer(device)
+    marks = []
+    for i in range(args.warmup + args.steps):
+        t = timer.start()
+        opt.step()
+        if i >= args.warmup:
+            marks.append(timer.stop(t))
+    ms = statistics.median(timer.collect(marks))
+    del model, opt
+    return label, ms
+
+
 def time_power_iteration(args, device):
     """sigma1 of ViT-B's matrices (and as many Adam directions): one batched call vs a loop."""
     import timm
@@ -286,6 +307,8 @@ def main(argv=None):
     ap.add_argument("--optims", default="adamw,adamw2", help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--power-iters", type=int, default=3)
     ap.add_argument("--skip-power", action="store_true", help="skip the power-iteration micro-benchmark")
+    ap.add_argument("--optimizer-only", action="store_true",
+                    help="time step() alone with random gradients: no forward or backward (fits a CPU)")
     ap.add_argument("--profile", default=None, help="profile the optimizer steps of one variant, e.g. adamw2")
     args = ap.parse_args(argv)
     args.batch = args.batch or (4 if args.tiny else 256)
@@ -306,9 +329,18 @@ def main(argv=None):
         "| model | optimizer | step ms | optimizer ms | vs adamw | note |",
         "| --- | --- | ---: | ---: | ---: | --- |",
     ]
+    if args.optimizer_only:
+        lines = ["| model | optimizer | optimizer step ms | vs adamw |", "| --- | --- | ---: | ---: |"]
     for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
         base = None
         for variant in variants:
+            if args.optimizer_only:
+                label, opt_ms = time_optimizer_only(kind, variant, args, device)
+                base = opt_ms if variant == "adamw" else base
+                rel = f"{opt_ms / base:.2f}x" if base else ""
+                lines.append(f"| {label} | {variant} | {opt_ms:.2f} | {rel} |")
+                print(lines[-1], flush=True)
+                continue
             label, step_ms, opt_ms, note = time_training(kind, variant, args, device)
             if variant == "adamw":
                 base = step_ms

@@ -235,7 +235,7 @@ class OptimConfig:
     nesterov: bool = False
     trust_coef: float = 0.001
     lr_scale_by_batch: bool = False  # lr * batch_size / 256
-    fused: Optional[bool] = None  # torch AdamW fused kernel; None = on CUDA
+    fused: Optional[bool] = None  # torch AdamW fused kernel; None = fused on CUDA and CPU
 
 
 @dataclass

@@ -54,8 +54,10 @@ def power_iteration(w: Tensor, u: Tensor, v: Tensor, iters: int) -> tuple[Tensor
     if squeeze:
         w, u, v = w[None], u[None], v[None]
     for _ in range(iters):
-        v = normalize(torch.bmm(w.transpose(1, 2), u.unsqueeze(-1)).squeeze(-1))
-        wv = torch.bmm(w, v.unsqueeze(-1)).squeeze(-1)
+        # W^T u and W v as row vectors times a matrix: the same numbers, but the CPU's batched
+        # gemm runs this form 4-20x faster than a matrix times a column (cuBLAS takes either)
+        v = normalize(torch.bmm(u.unsqueeze(1), w).squeeze(1))
+        wv = torch.bmm(v.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
         u = normalize(wv)
     sigma = wv.norm(dim=-1)
     if squeeze:

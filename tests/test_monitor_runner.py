@@ -30,14 +30,14 @@ def test_monitors_change_nothing(tmp_path, model):
 
 COLLAPSE = ["model=vit_test", "steps=100", "batch_size=32", "optim.lr=0.05", "warmup=0",
             "monitor=standard", "monitor.weight_every=25", "monitor.probe_every=25",
-            "logger.log_every=25", "eval_every=1000"]
+            "logger.log_every=25", "eval_every=1000", "monitor.entropy_floor=0.25"]
 
 
 def test_adamw_without_warmup_collapses_and_the_alert_names_the_layer(tmp_path):
     s = train(tmp_path / "adamw", *COLLAPSE, "optim=adamw")
     assert s["alerts"], "the collapse went unnoticed"
     a = s["alerts"][0]
-    assert a["layer"].startswith("blocks.") and a["value"] < 0.1
+    assert a["layer"].startswith("blocks.") and a["value"] < 0.25  # of log(17) = 2.83 nats at init
     recs = [json.loads(x) for x in (tmp_path / "adamw" / "metrics.jsonl").read_text().splitlines()]
     layer = a["layer"]
     qk = [r[f"sigma1/{layer}/wq_t_wk_max"] for r in recs if f"sigma1/{layer}/wq_t_wk_max" in r]
