@@ -290,6 +290,13 @@ class LoggerConfig:
 
 
 @dataclass
+class EmaConfig:
+    decay: Optional[float] = None  # EMA of the weights, evaluated as val_ema/*; null = off
+    every: int = 1  # average every k-th step with decay**k (same horizon, 1/k of the cost)
+    warmup: bool = False  # timm's decay warmup, 1 - (1 + n)^(-2/3) capped at decay
+
+
+@dataclass
 class DivergenceConfig:
     enabled: bool = True
     spike_factor: float = 4.0  # loss above spike_factor x its running mean ...
@@ -313,6 +320,7 @@ class TrainConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
 
     steps: Optional[int] = None  # optimizer steps; overrides epochs when set
     epochs: Optional[float] = None
@@ -386,6 +394,9 @@ def validate(cfg: Any) -> None:
     _need(mb is None or (mb > 0 and cfg.batch_size % mb == 0),
           f"micro_batch_size={mb} must divide batch_size={cfg.batch_size}")
     _need(cfg.grad_clip is None or cfg.grad_clip > 0, f"grad_clip={cfg.grad_clip} must be > 0 or null")
+    e = cfg.ema
+    _need(e.decay is None or 0 < e.decay < 1, f"ema.decay={e.decay} must be in (0, 1), e.g. 0.9999, or null (off)")
+    _need(e.every >= 1, f"ema.every={e.every} must be >= 1")
     _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
     _need(m.patch_embed_std is None or m.patch_embed_std > 0, f"model.patch_embed_std={m.patch_embed_std} must be > 0")
     _need(m.embed_dim % m.num_heads == 0 or m.family == Family.swin,

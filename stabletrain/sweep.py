@@ -79,7 +79,7 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 def final_metrics(runs: list[Run]) -> list[str]:
     """Validation metrics some run reached, in a stable order."""
-    return sorted({k for r in runs for k in (r.summary.get("final") or {}) if k.startswith("val/")})
+    return sorted({k for r in runs for k in (r.summary.get("final") or {}) if k.startswith(("val/", "val_ema/"))})
 
 
 def _sort_key(v):

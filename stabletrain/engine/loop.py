@@ -99,6 +99,12 @@ class Trainer:
 
             self.penalty = lambda m: locater_penalty(m, cfg.regularizer)
 
+        self.ema = None
+        if cfg.ema.decay is not None:
+            from stabletrain.engine.ema import WeightEma
+
+            self.ema = WeightEma(self.model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
+
         self.train_model: nn.Module = self.model
         if cfg.compile:
             self.train_model = torch.compile(self.model)
@@ -179,13 +185,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.reparam_step is not None:
             self.reparam_step(self.model)
+        if self.ema is not None:
+            self.ema.after_step(self.model, self.step)
         return total, grad_norm
 
     # --- evaluation -----------------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        self.model.eval()
+        """``val/*`` of the live model, and ``val_ema/*`` of the weight average when ``ema.decay`` is set."""
+        out = self._score(self.model, "val")
+        if self.ema is not None:
+            out.update(self._score(self.ema.for_eval(), "val_ema"))
+        return out
+
+    @torch.no_grad()
+    def _score(self, model: nn.Module, prefix: str) -> dict:
+        model.eval()
         # The same global eval batches whatever the world size; each rank scores its slice.
         bs = min(self.cfg.batch_size, 256)
         r, w = self.info.rank, self.info.world
@@ -195,7 +210,7 @@ class Trainer:
             if len(y) == 0:
                 continue
             with self.autocast():
-                out = self.model(x)
+                out = model(x)
             if self.data.kind == "text":
                 loss_sum += F.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="sum").item()
                 count += y.numel()
@@ -207,12 +222,10 @@ class Trainer:
         if self.info.enabled:
             torch.distributed.all_reduce(stats)
         loss_sum, correct, count = stats.tolist()
-        out = {"val/loss": loss_sum / max(count, 1)}
+        loss = loss_sum / max(count, 1)
         if self.data.kind == "text":
-            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
-        else:
-            out["val/acc"] = correct / max(count, 1)
-        return out
+            return {f"{prefix}/loss": loss, f"{prefix}/ppl": math.exp(min(loss, 50.0))}
+        return {f"{prefix}/loss": loss, f"{prefix}/acc": correct / max(count, 1)}
 
     # --- logging --------------------------------------------------------------------
 
@@ -252,7 +265,7 @@ class Trainer:
                 tel = {k: v for k, v in tel.items() if k == "adamw2/frac_bounded"}
             rec.update(tel)
         self.metrics.log(self.step, rec)
-        shown = {k: v for k, v in last_vals.items() if k.startswith("val/")}
+        shown = {k: v for k, v in last_vals.items() if k.startswith(("val/", "val_ema/"))}
         self.metrics.progress(self.step, self.total_steps, {"loss": self.last_train_loss, "lr": lr, **shown})
         return reason
 
@@ -267,6 +280,7 @@ class Trainer:
             "divergence": self.divergence.state_dict(),
             "config": OmegaConf.to_yaml(self.cfg, resolve=True),
             "monitor": self.monitor.state_dict() if self.monitor is not None else {},
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
     def save(self) -> None:
@@ -301,6 +315,8 @@ class Trainer:
         set_rng_state(ck["rng"])
         if self.monitor is not None and ck.get("monitor"):
             self.monitor.load_state_dict(ck["monitor"])
+        if self.ema is not None:
+            self.ema.load_state_dict(ck.get("ema"), self.model)
         self.step = ck["step"]
         return self.step
 

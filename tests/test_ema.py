@@ -1,0 +1,115 @@
+"""Weight EMA (ema.decay): the recursion, its cadence, sigmaReparam at eval, checkpoints."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from stabletrain.config import ConfigError
+from stabletrain.engine.ema import WeightEma
+from tests.helpers import make_cfg, train
+
+FAST = ["model=vit_test", "batch_size=16", "logger.log_every=1", "ema.decay=0.9"]
+
+
+def _walk(model: nn.Module, n: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random weights for ``n`` steps, as an optimizer would leave them."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(model.weight.shape, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_average_follows_the_recursion(every):
+    d, n = 0.8, 7
+    model = nn.Linear(3, 2, bias=False)
+    model.register_buffer("counter", torch.zeros(2))
+    expect = model.weight.detach().clone()
+    ema = WeightEma(model, d, every=every)
+    for step, w in enumerate(_walk(model, n)):
+        with torch.no_grad():
+            model.weight.copy_(w)
+            model.counter.fill_(step)
+        ema.after_step(model, step)
+        if (step + 1) % every == 0:  # e <- d^k e + (1 - d^k) w every k-th step
+            expect = d**every * expect + (1 - d**every) * w
+        torch.testing.assert_close(ema.module.weight, expect)
+    assert ema.updates == n // every
+    assert torch.equal(ema.module.counter, torch.full((2,), float(every * (n // every) - 1)))  # copied
+
+
+def test_warmup_starts_with_a_copy_then_follows_timms_schedule():
+    d = 0.999
+    model = nn.Linear(2, 2, bias=False)
+    ema = WeightEma(model, d, warmup=True)
+    walk = _walk(model, 3)
+    expect = None
+    for step, w in enumerate(walk):
+        with torch.no_grad():
+            model.weight.copy_(w)
+        ema.after_step(model, step)
+        k = step  # timm: decay 0 at the first update, then 1 - (1 + k)^(-2/3), capped at d
+        decay = 0.0 if k == 0 else min(1 - (1 + k) ** (-2 / 3), d)
+        expect = w.clone() if expect is None else decay * expect + (1 - decay) * w
+        torch.testing.assert_close(ema.module.weight, expect)
+
+
+def test_eval_refits_sigma_reparam_to_the_averaged_weights():
+    from stabletrain.layers.reparam import sigma_reparams
+    from stabletrain.models.registry import build_model
+    from stabletrain.spectral import sigma1_exact
+
+    torch.manual_seed(0)
+    model = build_model(make_cfg("model=vit_test", "reparam=sigma"))
+    ema = WeightEma(model, 0.5)
+    with torch.no_grad():  # a new leading direction, which the copied u, v do not know
+        for w, _ in sigma_reparams(model):
+            m = w.view(w.shape[0], -1)  # conv kernels as (out, in * k * k)
+            m.add_(5 * torch.outer(torch.randn(m.shape[0]), torch.randn(m.shape[1])) / m.numel() ** 0.5)
+    ema.after_step(model, 0)
+    stale = [part.sigma(mat.float()).item() / sigma1_exact(mat).item()
+             for w, rep in sigma_reparams(ema.module) for part, mat in zip(rep.parts, rep.part_matrices(w.detach()))]
+    assert min(stale) < 0.5  # the live model's vectors badly underestimate the average's sigma1
+    for w, rep in sigma_reparams(ema.for_eval()):
+        for part, mat in zip(rep.parts, rep.part_matrices(w.detach())):
+            assert part.sigma(mat.float()).item() == pytest.approx(sigma1_exact(mat).item(), rel=1e-4)
+
+
+def test_trainer_reports_the_average_and_resumes_it(tmp_path):
+    s = train(tmp_path / "full", *FAST, "steps=6", "eval_every=3")
+    recs = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("val_ema/acc" in r for r in recs) == 2 and "val_ema/loss" in s["final"]
+    full = torch.load(tmp_path / "full/checkpoints/last.pt", weights_only=True)["ema"]
+    assert full["updates"] == 6
+
+    from stabletrain.engine.loop import Trainer
+    from tests.helpers import QUIET
+    from tests.test_engine import _run_until
+
+    t = Trainer(make_cfg(*QUIET, *FAST, "steps=6", "eval_every=3", "ckpt_every=3"), tmp_path / "half")
+    _run_until(t, 3)
+    train(tmp_path / "half", *FAST, "steps=6", "eval_every=3", "resume=auto")
+    half = torch.load(tmp_path / "half/checkpoints/last.pt", weights_only=True)["ema"]
+    assert half["updates"] == 6
+    for k, v in full["module"].items():
+        torch.testing.assert_close(half["module"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_a_checkpoint_without_an_average_starts_it_from_its_weights(tmp_path):
+    train(tmp_path, "model=vit_test", "batch_size=16", "steps=2", "eval_every=1000")
+    from stabletrain.engine.loop import Trainer
+    from tests.helpers import QUIET
+
+    t = Trainer(make_cfg(*QUIET, *FAST, "steps=4", "resume=auto", "eval_every=1000"), tmp_path)
+    assert t.maybe_resume() == 2
+    for a, b in zip(t.ema.module.state_dict().values(), t.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad, msg", [("ema.decay=1.0", "ema.decay=1.0 must be in (0, 1)"),
+                                      ("ema.every=0", "ema.every=0 must be >= 1")])
+def test_bad_ema_settings_are_one_line_errors(bad, msg):
+    from stabletrain.config import validate
+
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        validate(make_cfg("model=vit_test", bad))
