@@ -55,7 +55,7 @@ def power_iteration(w: Tensor, u: Tensor, v: Tensor, iters: int) -> tuple[Tensor
         w, u, v = w[None], u[None], v[None]
     for _ in range(iters):
         # W^T u and W v as row vectors times a matrix: the same numbers, but the CPU's batched
-        # gemm runs this form 4-20x faster than a matrix times a column (cuBLAS takes either)
+        # gemm runs this form 4-20x faster than a matrix times a column
         v = normalize(torch.bmm(u.unsqueeze(1), w).squeeze(1))
         wv = torch.bmm(v.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
         u = normalize(wv)
