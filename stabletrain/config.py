@@ -111,6 +111,8 @@ class DataName(str, Enum):
     digits = "digits"
     pytext = "pytext"
     imagefolder = "imagefolder"
+    cifar10 = "cifar10"  # torchvision's python files in data.root; never downloaded
+    cifar100 = "cifar100"
     tokens = "tokens"
 
 
@@ -251,12 +253,12 @@ class ScheduleConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.auto
-    root: Optional[str] = None  # imagefolder: a folder with train/ and val/ class folders
-    path: Optional[str] = None  # tokens: train .bin (uint16); val from val.bin beside it
+    root: Optional[str] = None  # imagefolder: train/ and val/ class folders; cifar10/100: their python folder's parent
+    path: Optional[str] = None  # tokens: a train .bin; val.bin and (optional) meta.json beside it
     img_size: Optional[int] = None  # None = the model's
     num_workers: int = 0
     val_fraction: float = 0.2
-    tokenizer: str = "byte"  # byte | gpt2 (tiktoken, needs cached files offline)
+    tokenizer: str = "byte"  # pytext: byte | gpt2 (tiktoken, cached files offline); tokens: unused (meta.json)
     # vision augmentation (timm)
     randaug: Optional[str] = None  # e.g. rand-m9-mstd0.5-inc1
     mixup: float = 0.0
@@ -408,9 +410,14 @@ def validate(cfg: Any) -> None:
     if d.name == DataName.imagefolder:
         _need(d.root is not None and _exists(d.root),
               f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
+    if d.name in (DataName.cifar10, DataName.cifar100):
+        from stabletrain.data.vision import check_cifar_files
+
+        check_cifar_files(DataName(d.name).value, d.root)
     if d.name == DataName.tokens:
         _need(d.path is not None and _exists(d.path),
-              f"data.path={d.path} does not exist: point data=tokens at a uint16 token .bin file")
+              f"data.path={d.path} does not exist: point data=tokens at a train.bin "
+              "(scripts/prepare_tokens.py writes one)")
 
 
 def _exists(p: str) -> bool:

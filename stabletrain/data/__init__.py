@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -135,31 +134,35 @@ def build_data(cfg) -> Data:
         name = "pytext" if family == "gpt" else "digits"
     text = name in ("pytext", "tokens")
     if text != (family == "gpt"):
-        raise ConfigError(f"data={name} does not fit model={m.name} (a {family} model); "
-                          f"use data={'pytext or data=tokens' if family == 'gpt' else 'digits or data=imagefolder'}")
+        fits = "pytext or data=tokens" if family == "gpt" else "digits, cifar10, cifar100 or imagefolder"
+        raise ConfigError(f"data={name} does not fit model={m.name} (a {family} model); use data={fits}")
     if name == "digits":
         from stabletrain.data.embedded import digits_tensors
 
         return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, cfg.seed, d.repeated_aug)
+    if name == "imagefolder":
+        from stabletrain.data.vision import imagefolder_data
+
+        return imagefolder_data(cfg)
+    if name in ("cifar10", "cifar100"):
+        from stabletrain.data.vision import cifar_data
+
+        return cifar_data(cfg, name)
     if name == "pytext":
         from stabletrain.data.embedded import pytext_bytes
         from stabletrain.data.tokenizer import encode
 
         arr, vocab = encode(pytext_bytes(), d.tokenizer)
         cut = int(len(arr) * (1 - d.val_fraction / 2))
-        return TokenWindows(arr[:cut], arr[cut:], vocab, m.block_size, cfg.seed)
-    if name == "tokens":
-        path = Path(d.path or "")
-        if not path.is_file():
-            raise ConfigError(f"data.path={d.path} is not a file: point data=tokens at a uint16 token .bin")
-        val = path.with_name("val.bin")
-        if not val.is_file():
-            raise ConfigError(f"{val} is missing: data=tokens expects val.bin beside data.path")
-        train_arr = np.memmap(path, dtype=np.uint16, mode="r")
-        val_arr = np.memmap(val, dtype=np.uint16, mode="r")
-        return TokenWindows(train_arr, val_arr, 50257, m.block_size, cfg.seed)
-    if name == "imagefolder":
-        from stabletrain.data.vision import ImageFolderData
+        train, val = arr[:cut], arr[cut:]
+    elif name == "tokens":
+        from stabletrain.data.token_files import load_token_files
 
-        return ImageFolderData(cfg)
-    raise ConfigError(f"data={name!r} is unknown; choose auto, digits, pytext, imagefolder or tokens")
+        train, val, vocab = load_token_files(d.path or "")
+    else:
+        raise ConfigError(f"data={name!r} is unknown; choose auto, digits, cifar10, cifar100, imagefolder, "
+                          "pytext or tokens")
+    if m.vocab_size < vocab:  # the embedding would index out of range on the first batch
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary {vocab}: "
+                          f"set model.vocab_size={-(-vocab // 64) * 64} (or larger)")
+    return TokenWindows(train, val, vocab, m.block_size, cfg.seed)

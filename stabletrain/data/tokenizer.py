@@ -6,11 +6,16 @@ error then says how to proceed instead of surfacing a network traceback.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 
 from stabletrain.config import ConfigError
 
 GPT2_VOCAB = 50257
+# Prepared byte-level token files end each document with this byte: valid UTF-8 never
+# contains it, so it cannot be mistaken for text (GPT-2's end-of-text token plays that role).
+BYTE_EOT = 0xFF
 
 
 def encode(text_bytes: np.ndarray, name: str) -> tuple[np.ndarray, int]:
@@ -24,7 +29,34 @@ def encode(text_bytes: np.ndarray, name: str) -> tuple[np.ndarray, int]:
     raise ConfigError(f"data.tokenizer={name!r} is unknown; choose byte or gpt2")
 
 
-def gpt2_encoding():
+class DocEncoder(NamedTuple):
+    """Whole documents to token ids, for writing token files (``encode`` takes a batch)."""
+
+    name: str
+    vocab_size: int
+    eot: int  # ends every document
+    encode: Callable[[list], list[np.ndarray]]
+
+
+def doc_encoder(name: str) -> DocEncoder:
+    """``byte``: a document's UTF-8 bytes, unchanged; ``gpt2``: tiktoken's ids (text decoded as UTF-8)."""
+    if name == "byte":
+        def as_bytes(docs):
+            return [np.frombuffer(d if isinstance(d, bytes) else d.encode("utf-8"), dtype=np.uint8) for d in docs]
+
+        return DocEncoder("byte", 256, BYTE_EOT, as_bytes)
+    if name == "gpt2":
+        enc = gpt2_encoding(fallback="--tokenizer byte")
+
+        def as_gpt2(docs):
+            texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+            return [np.asarray(ids, dtype=np.uint32) for ids in enc.encode_ordinary_batch(texts)]
+
+        return DocEncoder("gpt2", GPT2_VOCAB, enc.eot_token, as_gpt2)
+    raise ConfigError(f"tokenizer {name!r} is unknown; choose byte or gpt2")
+
+
+def gpt2_encoding(fallback: str = "data.tokenizer=byte"):
     try:
         import tiktoken
 
@@ -32,5 +64,5 @@ def gpt2_encoding():
     except Exception as e:  # offline: tiktoken raises connection errors of several kinds
         raise ConfigError(
             f"tiktoken cannot load the gpt2 encoding ({type(e).__name__}); offline it needs its cached files: "
-            "set TIKTOKEN_CACHE_DIR to a folder holding them, or use data.tokenizer=byte"
+            f"set TIKTOKEN_CACHE_DIR to a folder holding them, or use {fallback}"
         ) from e

@@ -1,4 +1,9 @@
-"""ImageNet-style folders through torchvision, timm's transforms, mixup and losses."""
+"""Image data sets through torchvision, timm's transforms, mixup and losses.
+
+One pipeline (:class:`ImageData`: transforms, the step-indexed sampler, repeated augmentation,
+rank sharding, workers) serves every image source; ImageNet-style folders and CIFAR differ
+only in how their two data sets are constructed and which normalisation they use.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,16 @@ from pathlib import Path
 from typing import Iterator
 
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from stabletrain.config import ConfigError
 from stabletrain.data import Batch, Data, Shard, epoch_indices
+
+# Per-channel mean and std of each training set's pixels in [0, 1]: the widely used constants.
+CIFAR_STATS = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
 
 
 class _StepSampler(Sampler):
@@ -27,24 +38,29 @@ class _StepSampler(Sampler):
             step += 1
 
 
-class ImageFolderData(Data):
-    def __init__(self, cfg):
-        from timm.data import create_transform
-        from torchvision.datasets import ImageFolder
+def image_transforms(cfg, mean=None, std=None, eval_crop_pct=None):
+    """(train, eval) transforms from timm at the data's (or the model's) image size.
 
-        d, m = cfg.data, cfg.model
-        root = Path(d.root or "")
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise ConfigError(f"data.root={d.root} has no {split}/ folder: "
-                                  "expected root/train/<class>/ and root/val/<class>/")
-        size = d.img_size or m.img_size
-        train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing)
-        val_tf = create_transform(size, is_training=False)
-        self.train_set = ImageFolder(str(root / "train"), transform=train_tf)
-        self.val_set = ImageFolder(str(root / "val"), transform=val_tf)
-        super().__init__("vision", len(self.train_set), num_classes=len(self.train_set.classes), in_chans=3)
-        self.seed, self.workers, self.repeats = cfg.seed, d.num_workers, d.repeated_aug
+    ``mean``/``std`` None are timm's ImageNet defaults; ``eval_crop_pct`` None is timm's
+    resize-then-centre-crop (0.875), 1.0 keeps the whole image (CIFAR: identity at 32 px).
+    """
+    from timm.data import create_transform
+
+    d = cfg.data
+    size = d.img_size or cfg.model.img_size
+    norm = {} if mean is None else {"mean": mean, "std": std}
+    train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing, **norm)
+    val_tf = create_transform(size, is_training=False, crop_pct=eval_crop_pct, **norm)
+    return train_tf, val_tf
+
+
+class ImageData(Data):
+    """A train and a val data set of ``(image tensor, label)`` behind the step-indexed stream."""
+
+    def __init__(self, cfg, train_set: Dataset, val_set: Dataset, num_classes: int):
+        super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3)
+        self.train_set, self.val_set = train_set, val_set
+        self.seed, self.workers, self.repeats = cfg.seed, cfg.data.num_workers, cfg.data.repeated_aug
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
         sampler = _StepSampler(self.n_train, self.seed, start_step, shard, self.repeats)
@@ -62,6 +78,62 @@ class ImageFolderData(Data):
             yield b
 
 
+def imagefolder_data(cfg) -> ImageData:
+    """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout)."""
+    from torchvision.datasets import ImageFolder
+
+    root = Path(cfg.data.root or "")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise ConfigError(f"data.root={cfg.data.root} has no {split}/ folder: "
+                              "expected root/train/<class>/ and root/val/<class>/")
+    train_tf, val_tf = image_transforms(cfg)
+    train_set = ImageFolder(str(root / "train"), transform=train_tf)
+    val_set = ImageFolder(str(root / "val"), transform=val_tf)
+    return ImageData(cfg, train_set, val_set, len(train_set.classes))
+
+
+def _cifar_class(name: str):
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    return {"cifar10": CIFAR10, "cifar100": CIFAR100}[name]
+
+
+def check_cifar_files(name: str, root: str | None) -> None:
+    """ConfigError (one line: what is missing, how to get it) unless torchvision's CIFAR files are there.
+
+    Checks the file names only; torchvision verifies their checksums when it loads them.
+    """
+    cls = _cifar_class(name)
+    def get(where: str) -> str:
+        return (f"get it where there is network with torchvision.datasets.{cls.__name__}('DIR', download=True) "
+                f"and copy DIR/{cls.base_folder}/ into {where}, or extract {cls.url} into {where}")
+
+    if not root:
+        raise ConfigError(f"data={name} needs data.root=ROOT, the folder holding {cls.base_folder}/; {get('ROOT')}")
+    folder = Path(root) / cls.base_folder
+    files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        what = f"{folder}/ is missing" if not folder.is_dir() else f"{folder}/ lacks {', '.join(missing)}"
+        raise ConfigError(f"data={name}: {what}; {get(root)}")
+
+
+def cifar_data(cfg, name: str) -> ImageData:
+    """CIFAR-10/100 from torchvision's python-pickle files in ``data.root``; never downloads."""
+    check_cifar_files(name, cfg.data.root)
+    cls = _cifar_class(name)
+    mean, std = CIFAR_STATS[name]
+    train_tf, val_tf = image_transforms(cfg, mean, std, eval_crop_pct=1.0)
+    try:
+        train_set = cls(cfg.data.root, train=True, transform=train_tf, download=False)
+        val_set = cls(cfg.data.root, train=False, transform=val_tf, download=False)
+    except RuntimeError as e:  # files present but torchvision's md5 check failed
+        raise ConfigError(f"data={name}: torchvision rejects the files in {Path(cfg.data.root) / cls.base_folder} "
+                          f"({e}); extract {cls.url} there again") from e
+    return ImageData(cfg, train_set, val_set, len(train_set.classes))
+
+
 def vision_loss(cfg, num_classes: int) -> tuple[object | None, nn.Module]:
     """(mixup_fn or None, train loss) from the data config (timm's Mixup and losses)."""
     d = cfg.data
@@ -73,5 +145,3 @@ def vision_loss(cfg, num_classes: int) -> tuple[object | None, nn.Module]:
                     num_classes=num_classes)
         return mix, SoftTargetCrossEntropy()
     return None, nn.CrossEntropyLoss(label_smoothing=d.label_smoothing)
-
-

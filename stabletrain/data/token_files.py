@@ -1,0 +1,260 @@
+"""Token files for ``data=tokens``: ``train.bin`` + ``val.bin`` + ``meta.json`` in one folder.
+
+Each ``.bin`` is nanoGPT's format, a flat array of token ids with no header: documents one
+after another, each ended by the tokenizer's end-of-text token. ``meta.json`` says what the
+arrays hold (tokenizer, vocabulary, dtype, token counts, sources), so a reader needs no guess;
+bins without it are read as nanoGPT's GPT-2 files (uint16, vocabulary 50257).
+
+Writing streams the documents to ``*.tmp`` files and renames them into place only when they
+are complete, ``meta.json`` last: an interrupted run leaves ``.tmp`` files, never a set of
+bins that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from stabletrain.config import ConfigError
+from stabletrain.data.tokenizer import GPT2_VOCAB, doc_encoder
+
+META = "meta.json"
+LEGACY_META = {"vocab_size": GPT2_VOCAB, "dtype": "uint16"}  # nanoGPT's OpenWebText bins
+BATCH_DOCS = 1024  # documents per tokenizer call (gpt2 encodes a batch on several threads)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding ids ``0 .. vocab_size - 1`` (uint16 up to 65536)."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(train, val, vocab_size)``: ``path`` and ``val.bin`` beside it, memory-mapped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data.path={path} is not a file: point data=tokens at a train.bin "
+                          "(scripts/prepare_tokens.py writes one)")
+    val = path.with_name("val.bin")
+    if not val.is_file():
+        raise ConfigError(f"{val} is missing: data=tokens expects val.bin beside data.path")
+    meta_file = path.with_name(META)
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else LEGACY_META
+    dtype = np.dtype(meta["dtype"])
+    arrays = {}
+    for split, f in (("train", path), ("val", val)):
+        arrays[split] = np.memmap(f, dtype=dtype, mode="r")
+        want = meta.get(f"{split}_tokens")
+        if want is not None and len(arrays[split]) != want:
+            raise ConfigError(f"{f} holds {len(arrays[split])} tokens but {meta_file} says {want}: "
+                              "they come from different runs; run scripts/prepare_tokens.py again")
+    return arrays["train"], arrays["val"], int(meta["vocab_size"])
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+def text_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Files named, and every file under folders named (sorted, hidden ones skipped)."""
+    out = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file()
+                          and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        elif p.is_file():
+            out.append(p)
+        else:
+            raise ConfigError(f"--files {p}: no such file or folder")
+    if not out:
+        raise ConfigError("--files names no files")
+    return out
+
+
+def _utf8_contents(paths: list[Path], skipped: list[str]) -> Iterator[bytes]:
+    """Each file's bytes, unchanged; files that are not UTF-8 text (``.pyc``, images) go to ``skipped``."""
+    for p in paths:
+        data = p.read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(str(p))
+            continue
+        yield data
+
+
+def hf_dataset(name: str | None = None, config: str | None = None, split: str = "train",
+               disk: str | None = None, text_field: str = "text", revision: str | None = None):
+    """One split of a Hugging Face data set, by hub name (cached or downloaded) or ``save_to_disk`` folder."""
+    import datasets
+
+    if disk is not None:
+        try:
+            ds = datasets.load_from_disk(disk)
+        except Exception as e:  # a missing folder or one not written by save_to_disk
+            raise ConfigError(f"--hf-disk {disk}: cannot load it ({_first_line(e)}); "
+                              "expected a folder written by Dataset.save_to_disk") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ConfigError(f"--hf-disk {disk} has splits {list(ds)}, not {split!r}: pass --split/--val-split")
+            ds = ds[split]
+    else:
+        try:
+            ds = datasets.load_dataset(name, config, split=split, revision=revision)
+        except Exception as e:  # offline: ConnectionError (an OSError); also a wrong name, config or split
+            label = f"{name}" + (f" {config}" if config else "")
+            fix = ("it needs network once to fill the HF cache, or a local copy: where there is network run "
+                   "datasets.load_dataset(...).save_to_disk(DIR), copy DIR here and pass --hf-disk DIR"
+                   if isinstance(e, OSError) else "check --hf, --hf-config, --split and --hf-revision")
+            raise ConfigError(f"cannot load the Hugging Face data set '{label}' split {split!r} "
+                              f"({_first_line(e)}): {fix}") from e
+    if text_field not in ds.column_names:
+        raise ConfigError(f"--text-field {text_field!r} is not a column of the data set; columns: {ds.column_names}")
+    return ds
+
+
+def hf_texts(ds, text_field: str = "text") -> Iterator[str]:
+    for batch in ds.iter(batch_size=BATCH_DOCS):
+        yield from batch[text_field]
+
+
+def _first_line(e: Exception) -> str:
+    msg = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+def _batches(docs: Iterable, n: int) -> Iterator[list]:
+    batch = []
+    for d in docs:
+        batch.append(d)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _encoded(batch: list, enc, dtype: np.dtype, eot: bool) -> list[np.ndarray]:
+    ids = [a.astype(dtype) for a in enc.encode(batch)]
+    end = np.array([enc.eot], dtype=dtype)
+    return [np.concatenate([a, end]) for a in ids] if eot else ids
+
+
+def _append(f, arrays: list[np.ndarray]) -> int:
+    if arrays:
+        f.write(np.concatenate(arrays).tobytes())
+    return sum(len(a) for a in arrays)
+
+
+def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | None = None,
+                   tokenizer: str = "byte", val_fraction: float = 0.0005, block_size: int = 1024,
+                   eot: bool = True, seed: int = 0, sources: list | None = None, extra: dict | None = None,
+                   total: int | None = None, progress: bool = False) -> dict:
+    """Write ``train.bin``, ``val.bin`` and ``meta.json`` into ``out_dir``; returns the meta.
+
+    ``docs`` are ``str`` or ``bytes`` documents. val.bin holds ``val_docs`` when given (a data
+    set's own split); else each document goes there with probability ``val_fraction`` (seeded;
+    nanoGPT's OpenWebText split is a random 0.0005 of the documents too). ``eot=False``
+    concatenates documents as they are (WikiText's rows are the lines of one text), so they are
+    no units to draw from: val.bin is then the last ``val_fraction`` of the stream. Either way
+    val.bin gets at least ``block_size + 2`` tokens (what ``data=tokens`` needs for one window),
+    topped up from the end of train. ``extra`` is added to meta.json as it is once the
+    documents have been read.
+    """
+    from tqdm import tqdm
+
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction={val_fraction} must be in [0, 1)")
+    enc = doc_encoder(tokenizer)
+    dtype = token_dtype(enc.vocab_size)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    final = {"train": out / "train.bin", "val": out / "val.bin"}
+    tmp = {k: p.with_name(p.name + ".tmp") for k, p in final.items()}
+    min_tokens = block_size + 2
+    draw = val_docs is None and eot
+    rng = np.random.default_rng(seed)
+    n = {"train": 0, "val": 0}
+    n_docs = {"train": 0, "val": 0}
+    try:
+        with open(tmp["train"], "wb") as ft, open(tmp["val"], "wb") as fv, \
+                tqdm(total=total, unit="doc", desc="tokenizing", disable=not progress) as bar:
+            for batch in _batches(docs, BATCH_DOCS):
+                ids = _encoded(batch, enc, dtype, eot)
+                to_val = rng.random(len(ids)) < val_fraction if draw else np.zeros(len(ids), bool)
+                n["train"] += _append(ft, [a for a, v in zip(ids, to_val) if not v])
+                n["val"] += _append(fv, [a for a, v in zip(ids, to_val) if v])
+                n_docs["val"] += int(to_val.sum())
+                n_docs["train"] += len(ids) - int(to_val.sum())
+                bar.update(len(batch))
+            for batch in _batches([] if val_docs is None else val_docs, BATCH_DOCS):
+                n["val"] += _append(fv, _encoded(batch, enc, dtype, eot))
+                n_docs["val"] += len(batch)
+                bar.update(len(batch))
+        want = min_tokens
+        if val_docs is None and not eot:
+            want = max(want, math.ceil(val_fraction * (n["train"] + n["val"])))
+        move = min(max(0, want - n["val"]), n["train"])
+        if move:  # the end of train tops val up
+            n["train"] -= move
+            tail = np.fromfile(tmp["train"], dtype=dtype, offset=n["train"] * dtype.itemsize)
+            with open(tmp["val"], "ab") as fv:
+                fv.write(tail.tobytes())
+            os.truncate(tmp["train"], n["train"] * dtype.itemsize)
+            n["val"] += move
+        for split in ("train", "val"):
+            if n[split] < min_tokens:
+                raise ConfigError(f"{split} would hold {n[split]} tokens, fewer than {min_tokens} "
+                                  f"(--block-size {block_size} + 2): give more text or a smaller --block-size")
+        meta = {"tokenizer": enc.name, "vocab_size": enc.vocab_size, "dtype": dtype.name,
+                "eot": enc.eot if eot else None, "train_tokens": n["train"], "val_tokens": n["val"],
+                "train_documents": n_docs["train"], "val_documents": n_docs["val"],
+                "val_tail_tokens": move, "val_fraction": None if val_docs is not None else val_fraction,
+                "seed": seed, "block_size": block_size, "sources": sources or [], **(extra or {})}
+        # Drop the old meta.json first: bins renamed beside it would otherwise look like its run's.
+        (out / META).unlink(missing_ok=True)
+        for split in ("train", "val"):
+            os.replace(tmp[split], final[split])
+        meta_tmp = out / (META + ".tmp")
+        meta_tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(meta_tmp, out / META)
+        return meta
+    finally:
+        for p in list(tmp.values()) + [out / (META + ".tmp")]:
+            p.unlink(missing_ok=True)
+
+
+def prepare_from_sources(out_dir: str | Path, *, files: list[str] | None = None, hf: str | None = None,
+                         hf_config: str | None = None, hf_disk: str | None = None, hf_revision: str | None = None,
+                         split: str = "train", val_split: str | None = None, text_field: str = "text",
+                         **kw) -> dict:
+    """:func:`prepare_tokens` from local text files/folders (each file one document) or a Hugging Face
+    data set (each row's ``text_field`` one document), which ``scripts/prepare_tokens.py`` names."""
+    if sum(x is not None for x in (files, hf, hf_disk)) != 1:
+        raise ConfigError("give exactly one input: --files, --hf or --hf-disk")
+    if files is not None:
+        if val_split is not None:
+            raise ConfigError("--val-split applies to --hf/--hf-disk; local files split by --val-fraction")
+        paths, skipped = text_files(files), []
+        # skipped fills while the documents are read, before meta.json is written: it lands there
+        return prepare_tokens(out_dir, _utf8_contents(paths, skipped), total=len(paths),
+                              sources=[str(Path(f).resolve()) for f in files], extra={"skipped_files": skipped},
+                              **kw)
+    source = ({"hf": hf, "config": hf_config, "revision": hf_revision} if hf is not None
+              else {"hf_disk": str(Path(hf_disk).resolve())})
+    train = hf_dataset(hf, hf_config, split, hf_disk, text_field, hf_revision)
+    val = None if val_split is None else hf_dataset(hf, hf_config, val_split, hf_disk, text_field, hf_revision)
+    return prepare_tokens(out_dir, hf_texts(train, text_field),
+                          val_docs=None if val is None else hf_texts(val, text_field),
+                          total=len(train) + (0 if val is None else len(val)),
+                          sources=[{**source, "split": split, "val_split": val_split, "text_field": text_field}],
+                          **kw)

@@ -1,0 +1,208 @@
+"""Token files: text -> train.bin + val.bin + meta.json (scripts/prepare_tokens.py), read by data=tokens.
+
+Nothing here touches the network: Hugging Face data sets are built in memory and saved to
+disk, the offline failure of a hub name is simulated, and gpt2 uses a stand-in encoding.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stabletrain.config import ConfigError
+from stabletrain.data import Shard, build_data
+from stabletrain.data.token_files import prepare_from_sources, prepare_tokens, token_dtype
+from tests.helpers import make_cfg, train
+
+DOCS = {"a.txt": "Hello, wörld!\nline two\n", "sub/b.txt": "ünïcode ✓ and more text " * 3,
+        "sub/c.txt": "the third document."}
+
+
+def write_docs(root) -> list[bytes]:
+    for name, text in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / ".hidden").write_text("never read")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "a.pyc").write_bytes(b"\x00\xff\xfe binary")  # not UTF-8: skipped
+    return [DOCS[k].encode("utf-8") for k in sorted(DOCS)]  # a folder's files, in sorted order
+
+
+def bins(out):
+    meta = json.loads((out / "meta.json").read_text())
+    return [np.fromfile(out / f, dtype=meta["dtype"]) for f in ("train.bin", "val.bin")] + [meta]
+
+
+def test_byte_tokens_are_the_exact_bytes_with_separators(tmp_path):
+    docs = write_docs(tmp_path)
+    meta = prepare_from_sources(tmp_path / "out", files=[str(tmp_path)], tokenizer="byte", val_fraction=0.0,
+                                block_size=8)
+    tr, va, m = bins(tmp_path / "out")
+    stream = b"".join(d + b"\xff" for d in docs)
+    assert bytes(np.concatenate([tr, va]).astype(np.uint8)) == stream
+    assert tr.dtype == np.uint16 and len(va) == 10  # no document drawn: one window (8 + 2) from the end
+    assert m == meta and m["tokenizer"] == "byte" and m["vocab_size"] == 256 and m["dtype"] == "uint16"
+    assert m["eot"] == 255 and m["train_tokens"] == len(tr) and m["val_tokens"] == len(va)
+    assert m["train_documents"] == 3 and m["val_tail_tokens"] == 10 and m["sources"] == [str(tmp_path.resolve())]
+    assert m["skipped_files"] == [str(tmp_path / "__pycache__" / "a.pyc")]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_val_is_whole_documents_drawn_at_random(tmp_path):
+    docs = [f"document {i}\n".encode() for i in range(400)]
+
+    def split(seed):
+        m = prepare_tokens(tmp_path / str(seed), docs, val_fraction=0.1, block_size=8, seed=seed)
+        tr, va, _ = bins(tmp_path / str(seed))
+        return m, [bytes(a.astype(np.uint8)).split(b"\xff")[:-1] for a in (tr, va)]  # documents, each whole
+
+    m, (train_docs, val_docs) = split(0)
+    assert sorted(train_docs + val_docs) == sorted(docs) and 20 < len(val_docs) < 60
+    assert train_docs == [d for d in docs if d in train_docs]  # order kept
+    assert m["val_documents"] == len(val_docs) and m["val_tail_tokens"] == 0
+    assert split(0)[1] == [train_docs, val_docs] and split(1)[1][1] != val_docs  # seeded
+
+
+def test_val_gets_at_least_one_window(tmp_path):
+    prepare_tokens(tmp_path, [b"x" * 199], val_fraction=0.0005, block_size=16)
+    tr, va, _ = bins(tmp_path)
+    assert len(va) == 18 and len(tr) == 200 - 18  # block_size + 2: data=tokens needs len > block_size + 1
+    with pytest.raises(ConfigError, match="train would hold 12 tokens, fewer than 18"):
+        prepare_tokens(tmp_path / "small", [b"x" * 29], block_size=16)
+
+
+def test_no_eot_concatenates_documents_and_val_is_the_tail(tmp_path):
+    prepare_tokens(tmp_path, ["line one\n", "", "line two\n" * 3], eot=False, val_fraction=0.5, block_size=4)
+    tr, va, m = bins(tmp_path)
+    assert bytes(np.concatenate([tr, va]).astype(np.uint8)) == b"line one\n" + b"line two\n" * 3
+    assert len(va) == 18 and m["eot"] is None
+
+
+def test_dtype_follows_the_vocabulary():
+    assert token_dtype(256) == np.uint16 and token_dtype(65536) == np.uint16
+    assert token_dtype(65537) == np.uint32 and token_dtype(100_277) == np.uint32
+
+
+def test_gpt2_documents_end_with_token_50256(tmp_path, monkeypatch):
+    import tiktoken
+
+    class Stand_in:  # what tiktoken's gpt2 Encoding offers, with one id per character
+        eot_token = 50256
+
+        def encode_ordinary_batch(self, texts):
+            return [[ord(c) for c in t] for t in texts]
+
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: Stand_in())
+    prepare_tokens(tmp_path, ["ab", b"c\xc3\xa9"], tokenizer="gpt2", block_size=1, val_fraction=0.0)
+    tr, va, m = bins(tmp_path)
+    assert np.concatenate([tr, va]).tolist() == [97, 98, 50256, 99, 233, 50256]
+    assert m["tokenizer"] == "gpt2" and m["vocab_size"] == 50257 and m["dtype"] == "uint16"
+
+
+def test_gpt2_offline_is_a_clear_error(tmp_path, monkeypatch):
+    import tiktoken
+
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
+    with pytest.raises(ConfigError, match="TIKTOKEN_CACHE_DIR.*--tokenizer byte"):
+        prepare_tokens(tmp_path, ["text"], tokenizer="gpt2")
+
+
+def test_hf_dataset_from_disk_with_its_own_validation_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"body": ["first doc", "second doc " * 5], "id": [1, 2]}),
+        "validation": datasets.Dataset.from_dict({"body": ["held-out text " * 3], "id": [3]}),
+    }).save_to_disk(str(tmp_path / "hf"))
+    m = prepare_from_sources(tmp_path / "out", hf_disk=str(tmp_path / "hf"), text_field="body",
+                             val_split="validation", block_size=8)
+    tr, va, _ = bins(tmp_path / "out")
+    assert bytes(tr.astype(np.uint8)) == b"first doc\xff" + b"second doc " * 5 + b"\xff"
+    assert bytes(va.astype(np.uint8)) == b"held-out text " * 3 + b"\xff"
+    assert m["val_documents"] == 1 and m["sources"][0]["val_split"] == "validation"
+    with pytest.raises(ConfigError, match="--text-field 'text' is not a column.*'body'"):
+        prepare_from_sources(tmp_path / "x", hf_disk=str(tmp_path / "hf"))
+
+
+def test_hf_name_offline_says_network_or_local_copy(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    from scripts.prepare_tokens import main
+
+    calls = []
+
+    def offline(*args, **kw):  # what datasets raises for an uncached name without network
+        calls.append(args)
+        raise ConnectionError("Couldn't reach 'wikitext' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    rc = main(["--out", str(tmp_path), "--hf", "wikitext", "--hf-config", "wikitext-2-raw-v1", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and calls == [("wikitext", "wikitext-2-raw-v1")]
+    assert err.count("\n") == 1 and err.startswith("error: cannot load the Hugging Face data set 'wikitext ")
+    assert "ConnectionError" in err and "needs network" in err and "--hf-disk" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_interrupted_run_keeps_the_previous_files(tmp_path):
+    prepare_tokens(tmp_path, ["old text " * 10], block_size=4)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def docs():
+        yield "new text " * 10
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare_tokens(tmp_path, docs(), block_size=4)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # and no .tmp files left
+
+
+def test_data_tokens_reads_vocab_and_dtype_from_meta(tmp_path):
+    ids = np.arange(70_000, 70_000 + 3000, dtype=np.uint32)  # ids that need uint32
+    ids.tofile(tmp_path / "train.bin")
+    ids[:500].tofile(tmp_path / "val.bin")
+    meta = {"vocab_size": 80_000, "dtype": "uint32", "train_tokens": 3000, "val_tokens": 500}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    cfg = make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}", "model.vocab_size=80000")
+    d = build_data(cfg)
+    x, y = next(d.train_iter(0, Shard(4)))[0]
+    assert d.vocab_size == 80_000 and x.min() >= 70_000 and torch.equal(x[:, 1:], y[:, :-1])
+
+    with pytest.raises(ConfigError, match="model.vocab_size=256 is smaller than the data's vocabulary 80000: "
+                                          "set model.vocab_size=80000"):
+        build_data(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}"))
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "train_tokens": 2999}))
+    with pytest.raises(ConfigError, match="holds 3000 tokens but .*meta.json says 2999"):
+        build_data(cfg)
+
+
+def test_bins_without_meta_are_gpt2_uint16(tmp_path):
+    np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(500, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    path = f"data.path={tmp_path / 'train.bin'}"
+    assert build_data(make_cfg("model=gpt_test", "data=tokens", path, "model.vocab_size=50304")).vocab_size == 50257
+    with pytest.raises(ConfigError, match="set model.vocab_size=50304"):
+        build_data(make_cfg("model=gpt_test", "data=tokens", path))
+
+
+def test_prepared_text_trains(tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text("".join(f"Sentence number {i} of a small book.\n" for i in range(200)))
+    from scripts.prepare_tokens import main
+
+    assert main(["--out", str(tmp_path / "tok"), "--files", str(text), "--block-size", "32", "--quiet"]) == 0
+    s = train(tmp_path / "run", "model=gpt_test", "data=tokens", f"data.path={tmp_path / 'tok' / 'train.bin'}",
+              "steps=2", "batch_size=4", "eval_every=2", "eval_batches=1")
+    assert s["status"] == "completed" and math.isfinite(s["final"]["val/loss"])
+
+
+def test_inputs_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one input"):
+        prepare_from_sources(tmp_path, files=["a.txt"], hf="wikitext")
+    with pytest.raises(ConfigError, match="--files .*nope.txt: no such file"):
+        prepare_from_sources(tmp_path, files=[str(tmp_path / "nope.txt")])
+    with pytest.raises(ConfigError, match="--val-split applies to --hf"):
+        prepare_from_sources(tmp_path, files=[str(tmp_path)], val_split="validation")
