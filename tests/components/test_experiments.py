@@ -16,7 +16,8 @@ from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
 from tests.components.helpers import compose_cfg, model_input
 
-NAMES = ["stable_gpt2_s", "stable_vit_l", "sigma_vit_b", "deesc_vit_cifar", "locater_1layer"]
+NAMES = ["stable_gpt2_s", "stable_vit_l", "sigma_vit_b", "deesc_vit_cifar", "locater_1layer", "vit_s_cifar100",
+         "stable_vit_s_cifar100"]
 
 
 def _v(node):
@@ -61,6 +62,22 @@ def test_stable_vit_l():
     with torch.device("meta"):
         model = build_model(cfg)
     assert model.blocks[0].attn.scale == pytest.approx(1.618 * math.log2(197) * 64 ** -0.5)
+
+
+def test_cifar100_pair_differs_only_in_the_stable_transformer():
+    base, ours = compose_cfg("experiment=vit_s_cifar100"), compose_cfg("experiment=stable_vit_s_cifar100")
+    for cfg in (base, ours):  # App. O's protocol
+        o = cfg.optim
+        assert (cfg.epochs, cfg.batch_size, _v(o.name), o.lr, o.weight_decay) == (200, 512, "adamw", 1e-3, 1e-4)
+    changed = {k for k in OmegaConf.to_container(base) if OmegaConf.to_container(base)[k] !=
+               OmegaConf.to_container(ours)[k]}
+    assert changed == {"norm", "attention", "init", "name"}
+    assert (_v(ours.norm.name), ours.norm.alpha, _v(ours.attention.name), _v(ours.init.name)) == \
+        ("stablenorm", 0.25, "stable", "stable")
+    with torch.device("meta"):
+        model = build_model(ours)
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(21.3e6, rel=0.01)  # ViT-S, 100 classes
+    assert model.blocks[0].attn.scale == pytest.approx(1.618 * math.log2(65) * 64 ** -0.5)  # 64 patches + cls
 
 
 def test_sigma_vit_b_builds_a_normless_fully_reparametrised_vit():
