@@ -345,17 +345,36 @@ def _required(key: str):
     raise ConfigError(f"{key} is required by this recipe (the paper does not give it): set {key}=VALUE")
 
 
-def register() -> None:
-    """The schema for ``configs/train.yaml`` and the ``${required:KEY}`` resolver.
+def _rank_zero_only(value: Any) -> Any:
+    """``value`` in rank 0 of a distributed job (or a plain process), ``None`` in the others."""
+    from stabletrain.engine.distributed import detect
+
+    return value if detect().rank == 0 else None
+
+
+def _register_resolvers() -> None:
+    """``${required:KEY}`` and ``${rank_zero_only:VALUE}``.
 
     A recipe marks a value the papers leave open as ``${required:optim.lr}``: resolving it
     without a command-line value fails with one line naming the key. (A ``???`` cannot do
     this in a group file: merging it over an existing value keeps the old value.)
+    ``hydra.output_subdir: ${rank_zero_only:.hydra}`` lets only rank 0 of a multi-task
+    submitit job write ``.hydra/``; Hydra resolves it inside each task, which imports this
+    module when it unpickles the task function, so the resolvers are registered on import.
     """
     from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     OmegaConf.register_new_resolver("required", _required, replace=True)
+    OmegaConf.register_new_resolver("rank_zero_only", _rank_zero_only, replace=True)
+
+
+def register() -> None:
+    """The schema for ``configs/train.yaml`` (and the resolvers)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    _register_resolvers()
+
+
+_register_resolvers()
 
 
 # --- validation ------------------------------------------------------------------------

@@ -99,6 +99,7 @@ def test_preempted_slurm_job_checkpoints_requeues_and_resumes_identically(sweep,
     k = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"]
     assert 3 <= k < 30, f"stopped at step {k}: the warning came too late to test a resume"
     assert '"interrupted"' in (run_dir / "summary.json").read_text()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()  # rank_zero_only resolved inside the task
 
     log = tmp_path / "attempt2.log"
     wait_ok(start(cmd, cwd=ROOT, env=env, log=log), log)  # SLURM starts the requeued job afresh
@@ -169,3 +170,18 @@ def test_srun_environment_gives_ranks_and_rendezvous(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert D.detect() == D.DistInfo(rank=1, world=2, local_rank=1)
+
+
+@pytest.mark.parametrize("env, subdir", [({}, ".hydra"), ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0"}, ".hydra"),
+                                         ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, None)])
+def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env, subdir):
+    from hydra import compose, initialize_config_dir
+
+    for k in list(os.environ):
+        if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    assert cfg.hydra.output_subdir == subdir  # Hydra writes .hydra/ only when this is not None
