@@ -1,0 +1,61 @@
+"""The benchmark and reproduction scripts still run (tiny CPU settings); timings are not judged."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+def script(name: str, *args: str, timeout: int = 300) -> str:
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def rows(out: str, first: str) -> list[list[str]]:
+    """Cells of the markdown table rows whose first cell starts with ``first``."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith(f"| {first}")]
+
+
+def positive(cell: str) -> bool:
+    return float(cell) > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--optimizer-only", "--skip-power"]])
+def test_bench_optim(mode):
+    out = script("bench_optim.py", "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1", *mode)
+    for model in ("ViT-tiny", "GPT-tiny"):
+        table = {r[1]: r for r in rows(out, model)}
+        assert set(table) == {"adamw", "adamw2"}
+        assert all(positive(table[v][2]) for v in table)
+    if not mode:
+        assert positive(rows(out, "batched by shape")[0][1])
+        assert re.search(r"bound \d\.\d\d", out)  # AdamW²'s telemetry reached the table
+
+
+def test_bench_train(tmp_path):
+    out = script("bench_train.py", "--models", "vit_test,gpt_test", "--device", "cpu", "--batch", "4", "--seq",
+                 "32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
+    for model in ("vit_test", "gpt_test"):
+        (row,) = rows(out, model)
+        assert positive(row[1]) and positive(row[2]) and row[3].endswith("%")
+
+
+def test_bench_monitors(tmp_path):
+    out = script("bench_monitors.py", "--model", "vit_test", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                 "--out", str(tmp_path))
+    assert "warm weight pass times (ms)" in out
+
+
+def test_repro_warmup(tmp_path):
+    script("repro_warmup.py", "--out", str(tmp_path), "--steps", "4", "--warmup", "2", "--lrs", "1e-2",
+           "--batch", "4", "--extra", "model.depth=1", "model.block_size=32", "eval_every=4", "eval_batches=1")
+    results = (tmp_path / "results.md").read_text()
+    for variant in ("adamw_nowarmup", "adamw_warmup", "adamw2_nowarmup"):
+        assert variant in results or variant.replace("_", " ") in results, results
