@@ -102,7 +102,7 @@ def build_optimizer(
 
     betas = tuple(float(b) for b in optim_cfg.betas)
     if name == "adamw":
-        # torch's fused kernel exists for CUDA and CPU; on a CPU it is 4x faster than foreach
+        # torch's fused kernel exists for CUDA and CPU; on a CPU it is ~6x faster than foreach (ViT-B, GPT-2 S)
         fusable = all(p.device.type in ("cuda", "cpu") for g in groups for p in g["params"])
         fused = fusable if optim_cfg.fused is None else bool(optim_cfg.fused)
         opt = torch.optim.AdamW(
