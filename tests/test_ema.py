@@ -113,3 +113,12 @@ def test_bad_ema_settings_are_one_line_errors(bad, msg):
 
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         validate(make_cfg("model=vit_test", bad))
+
+
+def test_sigma_reparam_recipe_trains_and_scores_its_average(tmp_path):
+    s = train(tmp_path, "experiment=sigma_vit_b", "model=vit_test", "steps=2", "batch_size=8", "eval_every=2",
+              "eval_batches=1", "precision=fp32")
+    assert s["status"] == "completed"
+    final = s["final"]
+    assert 0 <= final["val_ema/acc"] <= 1 and final["val_ema/loss"] > 0
+    assert final["val_ema/loss"] != final["val/loss"]  # decay 0.99996 after 2 steps: nearly the initial model
