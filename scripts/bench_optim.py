@@ -2,15 +2,18 @@
 
     python scripts/bench_optim.py                       # ViT-B/16 batch 256, GPT-2 S 16x1024, H100
     python scripts/bench_optim.py --compile --steps 30
-    python scripts/bench_optim.py --optims adamw,adamw2,adamw2-foreach,adamw2-cold
+    python scripts/bench_optim.py --optims adamw,adamw2,adamw2-overlap
+    python scripts/bench_optim.py --models gpt --accum 4   # 4 micro-batches per optimizer step
     python scripts/bench_optim.py --device cpu --tiny   # smoke test of this script
     python scripts/bench_optim.py --device cpu --optimizer-only --skip-power   # step() alone
 
-A step is forward + backward under bf16 autocast (fp32 master weights) + optimizer step +
+A step is forward + backward under bf16 autocast (fp32 master weights), ``--accum`` times
+(gradient accumulation, as a recipe batch larger than one micro-batch runs), + optimizer step +
 zero_grad. Times are medians of per-step CUDA events after warm-up; "optimizer" is the
 ``step()`` call alone on the main stream. Variants: ``adamw`` (torch fused),
 ``adamw-foreach``, ``adamw2`` (fused direction), ``adamw2-foreach`` (fused=False),
-``adamw2-cold`` (warm_start=False).
+``adamw2-cold`` (warm_start=False), ``adamw2-overlap`` (overlap_sigma_w=True: sigma1(W) on a
+side stream during the next forward and backward).
 Prints a markdown table; the target is AdamW² within 3% of fused AdamW on ViT-B.
 """
 
@@ -39,6 +42,7 @@ VARIANTS = {
     "adamw2": {"name": "adamw2", "fused": None},
     "adamw2-foreach": {"name": "adamw2", "fused": False},
     "adamw2-cold": {"name": "adamw2", "fused": None, "warm_start": False},
+    "adamw2-overlap": {"name": "adamw2", "fused": None, "overlap_sigma_w": True},
 }
 
 
@@ -60,6 +64,7 @@ def optim_cfg(**over) -> SimpleNamespace:
         "trust_coef": 0.001,
         "lr_scale_by_batch": False,
         "fused": None,
+        "overlap_sigma_w": False,
     }
     base.update(over)
     return SimpleNamespace(**base)
@@ -194,9 +199,10 @@ def time_training(kind, variant, args, device):
     step_marks, opt_marks = [], []
     for i in range(args.warmup + args.steps):
         t0 = timer.start()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_fn(run)
-        loss.backward()
+        for _ in range(args.accum):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = loss_fn(run) / args.accum
+            loss.backward()
         t1 = timer.start()
         opt.step()
         t2 = timer.stop(t1)
@@ -301,6 +307,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=None, help="ViT batch (default 256, tiny 4)")
     ap.add_argument("--gpt-batch", type=int, default=None, help="GPT sequences per step (default 16, tiny 2)")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches (forward + backward) per optimizer step")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (not the optimizer)")
     ap.add_argument("--models", default="vit,gpt")
@@ -357,7 +364,8 @@ def main(argv=None):
         for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
             profile_optimizer(kind, args.profile, args, device)
     print()
-    print(f"compile={args.compile} steps={args.steps} warmup={args.warmup} power_iters={args.power_iters}")
+    print(f"compile={args.compile} steps={args.steps} warmup={args.warmup} power_iters={args.power_iters} "
+          f"accum={args.accum}")
     print("\n".join(lines))
 
 

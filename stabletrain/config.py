@@ -231,6 +231,7 @@ class OptimConfig:
     eps_inside_sqrt: bool = False
     power_iters: int = 3
     warm_start: bool = True
+    overlap_sigma_w: bool = False  # iterate sigma1(W_{t-1}) on a side CUDA stream during step t (same numbers)
     bound_norm_gains: bool = True  # trainer grouping: bound matrices and norm gains
     # sgd / lars
     momentum: float = 0.9
@@ -397,6 +398,8 @@ def validate(cfg: Any) -> None:
     _need(o.eps > 0, f"optim.eps={o.eps} must be > 0")
     _need(o.tau > 0, f"optim.tau={o.tau} must be > 0 (the AdamW² papers use 0.004 for ViT, 0.01 for GPT)")
     _need(o.power_iters >= 1, f"optim.power_iters={o.power_iters} must be >= 1")
+    _need(o.warm_start or not o.overlap_sigma_w,
+          "optim.overlap_sigma_w=true needs optim.warm_start=true (or set overlap_sigma_w=false)")
     _need(0 <= cfg.norm.alpha <= 0.5, f"norm.alpha={cfg.norm.alpha} must be in [0, 0.5] (0.5 is RMSNorm)")
     a = cfg.attention.alpha
     _need(a is None or 0 <= a <= 0.5, f"attention.alpha={a} must be in [0, 0.5] or null")

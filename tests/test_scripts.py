@@ -27,12 +27,14 @@ def positive(cell: str) -> bool:
     return float(cell) > 0
 
 
-@pytest.mark.parametrize("mode", [[], ["--optimizer-only", "--skip-power"]])
+@pytest.mark.parametrize("mode", [[], ["--optimizer-only", "--skip-power"],
+                                  ["--optims", "adamw,adamw2-overlap", "--accum", "2", "--skip-power"]])
 def test_bench_optim(mode):
     out = script("bench_optim.py", "--device", "cpu", "--tiny", "--steps", "2", "--warmup", "1", *mode)
+    variants = mode[mode.index("--optims") + 1].split(",") if "--optims" in mode else ["adamw", "adamw2"]
     for model in ("ViT-tiny", "GPT-tiny"):
         table = {r[1]: r for r in rows(out, model)}
-        assert set(table) == {"adamw", "adamw2"}
+        assert set(table) == set(variants)
         assert all(positive(table[v][2]) for v in table)
     if not mode:
         assert positive(rows(out, "batched by shape")[0][1])

@@ -124,6 +124,7 @@ def build_optimizer(
             warm_start=bool(optim_cfg.warm_start),
             eps_inside_sqrt=bool(optim_cfg.eps_inside_sqrt),
             fused=optim_cfg.fused,
+            overlap_sigma_w=bool(getattr(optim_cfg, "overlap_sigma_w", False)),
         )
     elif name == "lars":
         opt = LARS(

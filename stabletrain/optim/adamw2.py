@@ -37,6 +37,19 @@ global RNG); ``s_w == 0`` takes ``lr`` so zero-initialised tensors learn. Param 
 ``True``/``False`` force it (the trainer's grouping sets it, bounding norm gains too). Optional
 group key ``names`` (or torch's ``param_names``) labels telemetry.
 
+``overlap_sigma_w=True`` moves ``sigma1(W_{t-1})``'s half of the power iteration off step
+``t``'s critical path without changing a number: ``W_{t-1}`` is final once step ``t-1`` has
+written it, so right after that write the optimizer stacks each bucket's weights and iterates
+them, on a side CUDA stream that runs beside step ``t``'s forward and backward (on other
+devices, at once). Step ``t`` uses the result only if every tensor of the bucket still has the
+version it had then (``Tensor._version``: any in-place write to a parameter, such as
+``load_state_dict``, invalidates it, and the bucket is iterated inline as usual). Writes
+through ``p.data`` bypass that counter, so with this option weights must be changed between
+steps in place under ``torch.no_grad()``, not through ``.data``. The iteration's start vectors
+and result are those of the inline path and reach ``self.state`` only when step ``t`` runs,
+so checkpoints and resumes are unchanged. Needs ``warm_start`` (fresh vectors would draw from
+the RNG at another time); costs one stacked copy of the bounded weights while step ``t`` runs.
+
 Parameters must be whole tensors on each rank (DDP, single device); FSDP shards would give
 the sigma1 of a shard.
 """
@@ -46,6 +59,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +84,30 @@ class BoundRecord:
     sigma_u: Tensor  # (B,) sigma1(U)
 
 
+@dataclass
+class _SigmaAhead:
+    """sigma1(W) of one bucket, iterated right after the step that wrote W (overlap_sigma_w)."""
+
+    params: list[Tensor]
+    versions: list[int]  # each tensor's _version when its weights were read
+    iters: int
+    sigma: Tensor
+    u: Tensor
+    v: Tensor
+    ready: Any = None  # torch.cuda.Event recorded on the side stream, or None (computed in line)
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            torch.cuda.current_stream(self.sigma.device).wait_event(self.ready)
+
+    def still_valid(self, params: list[Tensor], iters: int) -> bool:
+        return (
+            iters == self.iters
+            and len(params) == len(self.params)
+            and all(p is q and p._version == ver for p, q, ver in zip(params, self.params, self.versions))
+        )
+
+
 W_KEYS = ("w_u", "w_v")  # warm-start vectors of sigma1(W) in self.state[p]
 U_KEYS = ("upd_u", "upd_v")  # and of sigma1(U)
 
@@ -86,6 +124,9 @@ class AdamW2(Optimizer):
             ``sqrt(v_hat) + eps`` (SPEC decision: default False).
         fused: compute the Adam direction with torch's fused Adam kernel. ``None`` uses it
             where it applies (eps outside the root, fp32/fp64 parameters on CPU or CUDA).
+        overlap_sigma_w: iterate ``sigma1(W)`` for the next step as soon as this step has
+            written ``W``, on a side CUDA stream (module docstring). Same numbers; needs
+            ``warm_start``.
 
     After :meth:`step`, :meth:`bound_stats` (nested) and :meth:`telemetry` (flat metric keys)
     report the bound per tensor, with one host sync only when called; :attr:`last_bound`
@@ -105,6 +146,7 @@ class AdamW2(Optimizer):
         eps_inside_sqrt: bool = False,
         *,
         fused: bool | None = None,
+        overlap_sigma_w: bool = False,
     ):
         if not 0.0 <= lr:
             raise ValueError(f"AdamW2: lr={lr} must be >= 0")
@@ -118,6 +160,8 @@ class AdamW2(Optimizer):
             raise ValueError(f"AdamW2: tau={tau} must be > 0")
         if power_iters < 1:
             raise ValueError(f"AdamW2: power_iters={power_iters} must be >= 1")
+        if overlap_sigma_w and not warm_start:
+            raise ValueError("AdamW2: overlap_sigma_w=True needs warm_start=True (set one of them differently)")
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -136,6 +180,9 @@ class AdamW2(Optimizer):
         # page-faulted in every step (a third of a CPU step on GPT-2 S). CUDA's allocator
         # reuses freed blocks and lends them to activations between steps, so it allocates.
         self._cpu_buffers: dict[tuple, Tensor] = {}
+        self.overlap_sigma_w = overlap_sigma_w
+        self._ahead: dict[tuple, _SigmaAhead] = {}  # bucket key -> sigma1(W) iterated after the last step
+        self._side_streams: dict[torch.device, Any] = {}
 
     # --- the step -----------------------------------------------------------------------
 
@@ -145,7 +192,10 @@ class AdamW2(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for ahead in self._ahead.values():
+            ahead.wait()  # the side stream's reads of W precede this step's writes
         records: list[BoundRecord] = []
+        buckets: list[tuple[dict, tuple, list[Tensor]]] = []
         for gi, group in enumerate(self.param_groups):
             bounded: dict[tuple, list[tuple[str, Tensor]]] = defaultdict(list)
             free: list[Tensor] = []
@@ -164,8 +214,14 @@ class AdamW2(Optimizer):
                 self._step_free(group, free)
             for key, members in bounded.items():
                 records.append(self._step_bucket(group, key, members))
+                buckets.append((group, key, [p for _, p in members]))
         self.last_bound = records
+        self._ahead = self._iterate_ahead(buckets) if self.overlap_sigma_w else {}
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ahead = {}  # iterated from vectors the loaded state replaces
+        super().load_state_dict(state_dict)
 
     def _init_state(self, p: Tensor) -> None:
         state = self.state[p]
@@ -277,17 +333,28 @@ class AdamW2(Optimizer):
         # decay too) is lerp(W, -U/wd, lr_eff*wd): one pass over W and the direction. So the
         # direction holds -U/wd (or -U without decay), and its sigma1 is rescaled below.
         scale = -1.0 / wd if wd != 0 else -1.0
-        buf = self._bucket_buffer(key, (2 * n, *shape))
-        _stack_matrices(params, out=buf[:n])
-        direction = buf[n:]
+        ahead = self._ahead.get(key)
+        if ahead is not None and not ahead.still_valid(params, group["power_iters"]):
+            ahead = None
+        n_w = 0 if ahead is not None else n  # rows of the buffer that hold weights
+        buf = self._bucket_buffer(key, (n_w + n, *shape))
+        if ahead is None:
+            _stack_matrices(params, out=buf[:n])
+        direction = buf[n_w:]
         direction.zero_()
         self._adam_direction(group, params, [direction[i].view(p.shape) for i, p in enumerate(params)], scale)
 
         if len(shape) == 1:
             sigma = buf.norm(dim=-1)
+            sigma_w, sigma_u = sigma[:n], sigma[n:]
+        elif ahead is not None:
+            sigma_u = self._sigma1_matrices(group, params, direction, (U_KEYS,))
+            self._keep_vectors(group, params, (W_KEYS,), ahead.u, ahead.v)
+            sigma_w = ahead.sigma
         else:
-            sigma = self._sigma1_matrices(group, params, buf)
-        sigma_w, sigma_u = sigma[:n], sigma[n:] * abs(1.0 / scale)
+            sigma = self._sigma1_matrices(group, params, buf, (W_KEYS, U_KEYS))
+            sigma_w, sigma_u = sigma[:n], sigma[n:]
+        sigma_u = sigma_u * abs(1.0 / scale)
 
         hit = (sigma_w > 0) & (sigma_u * lr > sigma_w * tau)
         lr_eff = torch.where(hit, tau * sigma_w / sigma_u.clamp_min(_TINY), lr)
@@ -313,24 +380,65 @@ class AdamW2(Optimizer):
             buf = self._cpu_buffers[key] = torch.empty(size, dtype=dtype, device=device)
         return buf
 
-    def _sigma1_matrices(self, group: dict, params: list[Tensor], buf: Tensor) -> Tensor:
-        """sigma1 of every matrix in ``buf`` = [W_1..W_B, U_1..U_B], one batched iteration."""
-        n = len(params)
-        two_n, rows, cols = buf.shape
+    def _sigma1_matrices(self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple) -> Tensor:
+        """sigma1 of ``mats`` = one block of B matrices per ``blocks`` entry (``W_KEYS``:
+        the weights, ``U_KEYS``: the directions), in one batched iteration; keeps the vectors."""
+        sigma, u, v = self._iterate(group, params, mats, blocks)
+        self._keep_vectors(group, params, blocks, u, v)
+        return sigma
+
+    def _iterate(self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple) -> tuple[Tensor, Tensor, Tensor]:
+        _, rows, cols = mats.shape
         if group["warm_start"]:
             states = [self.state[p] for p in params]
-            keys = (W_KEYS, U_KEYS)
-            u0 = torch.stack([_vector(s, ku, rows, buf) for ku, _ in keys for s in states])
-            v0 = torch.stack([_vector(s, kv, cols, buf) for _, kv in keys for s in states])
+            u0 = torch.stack([_vector(s, ku, rows, mats) for ku, _ in blocks for s in states])
+            v0 = torch.stack([_vector(s, kv, cols, mats) for _, kv in blocks for s in states])
         else:
-            u0 = random_unit(two_n, rows, device=buf.device, dtype=buf.dtype)
-            v0 = random_unit(two_n, cols, device=buf.device, dtype=buf.dtype)
-        sigma, u, v = power_iteration(buf, u0, v0, group["power_iters"])
-        if group["warm_start"]:
-            for block, (ku, kv) in enumerate(keys):
-                for i, state in enumerate(states):
-                    state[ku], state[kv] = u[block * n + i], v[block * n + i]
-        return sigma
+            u0 = random_unit(len(mats), rows, device=mats.device, dtype=mats.dtype)
+            v0 = random_unit(len(mats), cols, device=mats.device, dtype=mats.dtype)
+        return power_iteration(mats, u0, v0, group["power_iters"])
+
+    def _keep_vectors(self, group: dict, params: list[Tensor], blocks: tuple, u: Tensor, v: Tensor) -> None:
+        if not group["warm_start"]:
+            return
+        n = len(params)
+        for block, (ku, kv) in enumerate(blocks):
+            for i, p in enumerate(params):
+                self.state[p][ku], self.state[p][kv] = u[block * n + i], v[block * n + i]
+
+    def _iterate_ahead(self, buckets: list[tuple[dict, tuple, list[Tensor]]]) -> dict[tuple, _SigmaAhead]:
+        """sigma1 of the weights this step wrote, for the next step (``overlap_sigma_w``)."""
+        ahead: dict[tuple, _SigmaAhead] = {}
+        waited: set[torch.device] = set()
+        for group, key, params in buckets:
+            _, shape, device, dtype = key
+            if len(shape) < 2 or not group["warm_start"]:
+                continue
+            stream = self._side_stream(device)
+            main = torch.cuda.current_stream(device) if stream is not None else None
+            if stream is not None and device not in waited:
+                stream.wait_stream(main)  # start after this step's writes to W and the vectors
+                waited.add(device)
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                mats = torch.empty((len(params), *shape), dtype=dtype, device=device)
+                _stack_matrices(params, out=mats)
+                sigma, u, v = self._iterate(group, params, mats, (W_KEYS,))
+            ready = None
+            if stream is not None:
+                for t in (sigma, u, v):  # allocated on the side stream, read on the main one
+                    t.record_stream(main)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            versions = [p._version for p in params]
+            ahead[key] = _SigmaAhead(params, versions, group["power_iters"], sigma, u, v, ready)
+        return ahead
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if device.type != "cuda":
+            return None
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        return self._side_streams[device]
 
     # --- telemetry ----------------------------------------------------------------------
 

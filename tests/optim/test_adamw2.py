@@ -363,3 +363,230 @@ def test_bf16_parameters_follow_the_fp32_run():
     for p, q in zip(m16.parameters(), m32.parameters()):
         assert p.dtype == torch.bfloat16
         torch.testing.assert_close(p.float(), q, rtol=0, atol=0.03)
+
+
+# --- overlap_sigma_w: sigma1(W_{t-1}) iterated right after step t-1, used by step t ---------
+
+
+def train_steps(model, opt, data, between=None):
+    torch.manual_seed(5)  # the first step draws the start vectors from the global RNG
+    for i, (x, y) in enumerate(data):
+        model.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+        if between is not None:
+            between(i, model)
+
+
+def make_adamw2(model, **kw):
+    args = {"lr": 0.05, "betas": (0.9, 0.95), "weight_decay": 0.1, "tau": 0.01, "power_iters": 2}
+    return AdamW2(groups_of(model), **(args | kw))
+
+
+def assert_same_run(model_a, opt_a, model_b, opt_b):
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(p, q), name
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        for k, v in opt_a.state[p].items():
+            assert torch.equal(v, opt_b.state[q][k]), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlap_gives_the_numbers_of_the_inline_step(device, monkeypatch):
+    data = batches(12, device=device)
+    inline_model, ahead_model = make_model(device), make_model(device)
+    inline = make_adamw2(inline_model)
+    ahead = make_adamw2(ahead_model, overlap_sigma_w=True)
+    train_steps(inline_model, inline, data)
+
+    # count the weight-stacking copies inside step(): with the result ready, none
+    import stabletrain.optim.adamw2 as mod
+
+    stacked_in_step = []
+    real_stack, real_ahead = mod._stack_matrices, AdamW2._iterate_ahead
+    in_ahead = [False]
+
+    def counting_stack(params, out):
+        if not in_ahead[0]:
+            stacked_in_step.append(len(params))
+        return real_stack(params, out)
+
+    def flagged_ahead(self, buckets):
+        in_ahead[0] = True
+        try:
+            return real_ahead(self, buckets)
+        finally:
+            in_ahead[0] = False
+
+    monkeypatch.setattr(mod, "_stack_matrices", counting_stack)
+    monkeypatch.setattr(AdamW2, "_iterate_ahead", flagged_ahead)
+    train_steps(ahead_model, ahead, data)
+    monkeypatch.undo()
+
+    # step 1 has nothing iterated ahead (2 matrix buckets + the 1-D gain); later steps stack only the gain
+    assert stacked_in_step[:3] == [2, 2, 1]
+    assert stacked_in_step[3:] == [1] * 11
+    assert sorted(len(shape) for _, shape, _, _ in ahead._ahead) == [2, 2]  # matrices only
+    assert ahead.bound_stats()["bound_fraction"] > 0.5  # the bound binds, so sigma_w matters
+    assert_same_run(ahead_model, ahead, inline_model, inline)
+    assert ahead.bound_stats() == inline.bound_stats()
+
+
+def test_overlap_recomputes_after_weights_change_between_steps():
+    """An in-place write between steps (here a no_grad rescale, like a load) invalidates the
+    result iterated ahead; the run then equals an inline run with the same write."""
+    data = batches(8)
+
+    def rescale(i, model):
+        if i == 3:
+            with torch.no_grad():
+                model.w1.mul_(3.0)
+
+    runs = []
+    for overlap in (False, True):
+        model = make_model()
+        opt = make_adamw2(model, overlap_sigma_w=overlap)
+        train_steps(model, opt, data, between=rescale)
+        runs.append((model, opt))
+    assert_same_run(*runs[1], *runs[0])
+    assert runs[1][1].bound_stats()["sigma_w"]["w1"] == runs[0][1].bound_stats()["sigma_w"]["w1"]
+
+
+def test_overlap_drops_a_bucket_whose_members_change():
+    """w1 and w2 share a bucket; a step where w2 has no gradient iterates w1 alone."""
+    data = batches(6)
+
+    def run(overlap):
+        model = make_model()
+        opt = make_adamw2(model, overlap_sigma_w=overlap)
+        torch.manual_seed(5)
+        for i, (x, y) in enumerate(data):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model, x, y).backward()
+            if i == 2:
+                model.w2.grad = None
+            opt.step()
+        return model, opt
+
+    assert_same_run(*run(True), *run(False))
+
+
+def test_overlap_resumes_from_a_checkpoint_identically():
+    data = batches(10)
+    model = make_model()
+    opt = make_adamw2(model, overlap_sigma_w=True)
+    train_steps(model, opt, data[:5])
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    resumed = make_model(seed=9)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = make_adamw2(resumed, overlap_sigma_w=True)
+    opt2.load_state_dict(ckpt["optim"])
+    train_steps(model, opt, data[5:])
+    train_steps(resumed, opt2, data[5:])
+    assert_same_run(resumed, opt2, model, opt)
+
+
+def test_overlap_needs_warm_start():
+    with pytest.raises(ValueError, match="overlap_sigma_w=True needs warm_start=True"):
+        AdamW2([nn.Parameter(torch.ones(2, 2))], overlap_sigma_w=True, warm_start=False)
+
+
+def test_overlap_is_a_config_option_with_a_clear_error():
+    from stabletrain.config import ConfigError, validate
+    from stabletrain.optim import build_optimizer
+    from tests.helpers import make_cfg
+
+    cfg = make_cfg("model=vit_test", "optim=adamw2", "optim.overlap_sigma_w=true")
+    validate(cfg)
+    opt, _ = build_optimizer(make_model(), cfg.optim, "vit")
+    assert isinstance(opt, AdamW2) and opt.overlap_sigma_w
+    bad = make_cfg("model=vit_test", "optim=adamw2", "optim.overlap_sigma_w=true", "optim.warm_start=false")
+    with pytest.raises(ConfigError, match="optim.overlap_sigma_w=true needs optim.warm_start=true"):
+        validate(bad)
+
+
+def test_overlap_stream_protocol(monkeypatch):
+    """The CUDA ordering, with recording stand-ins for streams and events on the CPU: the side
+    stream starts after the main stream's writes, the results are marked as used by the main
+    stream, and the next step waits for the side stream before it reads sigma1(W) or writes W."""
+    import contextlib
+
+    import stabletrain.optim.adamw2 as mod
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name}.wait_stream({other.name})")
+
+        def wait_event(self, event):
+            log.append(f"{self.name}.wait_event({event.name})")
+
+    main, side = FakeStream("main"), FakeStream("side")
+    events = []
+
+    class FakeEvent:
+        def __init__(self):
+            self.name = f"ev{len(events)}"
+            events.append(self)
+
+        def record(self, stream):
+            log.append(f"{self.name}.record({stream.name})")
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        log.append(f"enter {stream.name}")
+        yield
+        log.append(f"exit {stream.name}")
+
+    real_stack = mod._stack_matrices
+
+    def stack(params, out):
+        log.append("stack")
+        return real_stack(params, out)
+
+    monkeypatch.setattr(AdamW2, "_side_stream", lambda self, device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(f"record_stream({s.name})"))
+    monkeypatch.setattr(mod, "_stack_matrices", stack)
+    for name in ("_foreach_lerp_", "_foreach_addcmul_"):  # the bounded update, with and without decay
+        real = getattr(torch, name)
+
+        def logged(tensors, *args, _real=real):
+            if isinstance(tensors[0], nn.Parameter):
+                log.append("write W")
+            return _real(tensors, *args)
+
+        monkeypatch.setattr(torch, name, logged)
+
+    model = make_model()
+    opt = make_adamw2(model, overlap_sigma_w=True)
+    data = batches(3)
+    for x, y in data:
+        model.zero_grad()
+        loss_fn(model, x, y).backward()
+        log.append("step")
+        opt.step()
+
+    ahead = ["enter side", "stack", "exit side", *["record_stream(main)"] * 3]
+    first = log.index("step", 1)
+    step1, later = log[:first], log[first:]
+    # step 1: every bucket (two of matrices, the 1-D gain) iterated in line and written, then
+    # the side stream waits for those writes and iterates the two matrix buckets ahead
+    assert step1.count("write W") == 3
+    last_write = max(i for i, e in enumerate(step1) if e == "write W")
+    assert step1[last_write + 1:] == ["side.wait_stream(main)", *ahead, "ev0.record(side)", *ahead, "ev1.record(side)"]
+    # step 2 waits on both events before anything else and stacks only the gain in line
+    second = later[: later.index("step", 1)]
+    assert second[1:3] == ["main.wait_event(ev0)", "main.wait_event(ev1)"]
+    last_write = max(i for i, e in enumerate(second) if e == "write W")
+    assert second[:last_write].count("stack") == 1
+    assert second[last_write + 1:] == ["side.wait_stream(main)", *ahead, "ev2.record(side)", *ahead, "ev3.record(side)"]
