@@ -33,7 +33,8 @@ def test_same_seed_same_curve(tmp_path, family):
 
 
 @pytest.mark.parametrize("extra", [
-    ["optim=adamw2"], ["optim=adamw", "model.drop_path=0.1"], ["optim=sgd", "grad_clip=1.0"],
+    ["optim=adamw2"], ["optim=adamw2", "optim.overlap_sigma_w=true"], ["optim=adamw", "model.drop_path=0.1"],
+    ["optim=sgd", "grad_clip=1.0"],
 ])
 def test_resume_continues_identically(tmp_path, extra):
     args = FAST + extra
@@ -51,6 +52,20 @@ def test_resume_continues_identically(tmp_path, extra):
     assert sorted(half) == sorted(full)
     for k in full:
         assert half[k] == pytest.approx(full[k], rel=1e-6, abs=1e-7), k
+
+
+def test_adamw2_overlap_trains_the_inline_run(tmp_path):
+    """sigma1(W) iterated right after each step (overlap_sigma_w) changes no number of a run
+    with clipping, a weight average and evaluation between steps."""
+    args = [*GPT, "optim=adamw2", "optim.tau=0.002", "grad_clip=1.0", "ema.decay=0.9", "eval_every=3",
+            "steps=6", "precision=fp32"]
+    a = train(tmp_path / "inline", *args)
+    b = train(tmp_path / "overlap", *args, "optim.overlap_sigma_w=true")
+    assert losses(tmp_path / "inline") == losses(tmp_path / "overlap")
+    assert a["final"] == b["final"]
+    wa = torch.load(tmp_path / "inline/checkpoints/last.pt", weights_only=True)["model"]
+    wb = torch.load(tmp_path / "overlap/checkpoints/last.pt", weights_only=True)["model"]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def _run_until(trainer, n):
