@@ -346,11 +346,11 @@ def _required(key: str):
     raise ConfigError(f"{key} is required by this recipe (the paper does not give it): set {key}=VALUE")
 
 
-def _rank_zero_only(value: Any) -> Any:
-    """``value`` in rank 0 of a distributed job (or a plain process), ``None`` in the others."""
+def _rank_zero_only(value: Any, others: Any = None) -> Any:
+    """``value`` in rank 0 of a distributed job (or a plain process), ``others`` in the rest."""
     from stabletrain.engine.distributed import detect
 
-    return value if detect().rank == 0 else None
+    return value if detect().rank == 0 else others
 
 
 def _register_resolvers() -> None:
@@ -360,8 +360,10 @@ def _register_resolvers() -> None:
     without a command-line value fails with one line naming the key. (A ``???`` cannot do
     this in a group file: merging it over an existing value keeps the old value.)
     ``hydra.output_subdir: ${rank_zero_only:.hydra}`` lets only rank 0 of a multi-task
-    submitit job write ``.hydra/``; Hydra resolves it inside each task, which imports this
-    module when it unpickles the task function, so the resolvers are registered on import.
+    submitit job write ``.hydra/``, and the job log's root handlers
+    ``${rank_zero_only:[console,file],[console]}`` let only rank 0 write ``<job>.log``. Hydra
+    resolves them inside each task, which imports this module when it unpickles the task
+    function, so the resolvers are registered on import.
     """
     from omegaconf import OmegaConf
 

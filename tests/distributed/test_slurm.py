@@ -174,7 +174,15 @@ def test_srun_environment_gives_ranks_and_rendezvous(monkeypatch):
 
 @pytest.mark.parametrize("env, subdir", [({}, ".hydra"), ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "0"}, ".hydra"),
                                          ({"SLURM_STEP_NUM_TASKS": "8", "SLURM_PROCID": "3"}, None)])
-def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env, subdir):
+def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env, subdir, tmp_path):
+    import logging
+
+    from hydra.core.utils import configure_log
+
+    from stabletrain.config import register
+
+    register()  # the structured schema, as train.py registers it
+
     from hydra import compose, initialize_config_dir
 
     for k in list(os.environ):
@@ -185,3 +193,24 @@ def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env,
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", return_hydra_config=True)
     assert cfg.hydra.output_subdir == subdir  # Hydra writes .hydra/ only when this is not None
+    # the job log: what Hydra's job setup does with it, in a run dir of our own
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        configure_log(cfg.hydra.job_logging)
+        logging.getLogger("stabletrain.test").info("hello")
+        files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+        assert len(files) == (1 if subdir else 0)
+        for h in files:
+            h.close()
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    log = tmp_path / f"{cfg.hydra.job.name}.log"
+    assert log.is_file() == bool(subdir)
+    if subdir:
+        assert "hello" in log.read_text()
