@@ -372,7 +372,7 @@ class AdamW2(Optimizer):
         return BoundRecord(names, lr, lr_eff, hit, sigma_w, sigma_u)
 
     def _bucket_buffer(self, key: tuple, size: tuple) -> Tensor:
-        _, _, device, dtype = key
+        device, dtype = key[-2:]
         if device.type != "cpu":
             return torch.empty(size, dtype=dtype, device=device)
         buf = self._cpu_buffers.get(key)
@@ -420,7 +420,7 @@ class AdamW2(Optimizer):
                 stream.wait_stream(main)  # start after this step's writes to W and the vectors
                 waited.add(device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                mats = torch.empty((len(params), *shape), dtype=dtype, device=device)
+                mats = self._bucket_buffer(("ahead", *key), (len(params), *shape))
                 _stack_matrices(params, out=mats)
                 sigma, u, v = self._iterate(group, params, mats, (W_KEYS,))
             ready = None
