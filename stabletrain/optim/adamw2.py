@@ -50,8 +50,8 @@ and result are those of the inline path and reach ``self.state`` only when step 
 so checkpoints and resumes are unchanged. Needs ``warm_start`` (fresh vectors would draw from
 the RNG at another time); costs one stacked copy of the bounded weights while step ``t`` runs.
 
-Parameters must be whole tensors on each rank (DDP, single device); FSDP shards would give
-the sigma1 of a shard.
+Parameters must be whole tensors on each rank (DDP, single device): a shard's sigma1 is not
+the matrix's, so DTensor parameters (FSDP2, tensor parallelism) are refused at construction.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class AdamW2(Optimizer):
             "bound": None,
         }
         super().__init__(params, defaults)
+        _reject_sharded([p for g in self.param_groups for p in g["params"]])
         self.fused = fused
         self.last_bound: list[BoundRecord] = []
         # CPU bucket buffers kept between steps: without a caching allocator a fresh one is
@@ -495,6 +496,20 @@ def _group_names(group: dict, index: int) -> list[str]:
     if len(names) != len(group["params"]):
         raise ValueError(f"param group {index}: {len(names)} names for {len(group['params'])} params")
     return list(names)
+
+
+def _reject_sharded(params: list[Tensor]) -> None:
+    """sigma1 of a shard is not sigma1 of the matrix: refuse DTensor (FSDP2 / tensor-parallel)
+    parameters with one line instead of bounding each rank's piece."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    if any(isinstance(p, DTensor) for p in params):
+        raise TypeError(
+            "AdamW2 bounds whole matrices and got sharded (DTensor) parameters, as FSDP2 or tensor "
+            "parallelism make them; replicate the model instead (DDP, as torchrun train.py does)"
+        )
 
 
 def _is_bounded(flag: bool | None, p: Tensor) -> bool:
