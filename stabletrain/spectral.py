@@ -12,13 +12,27 @@ from :func:`pair_power_iteration`, which never forms the product.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+from typing import Any
+
 import torch
+import torch.distributed
 from torch import Tensor
 
 _EPS = 1e-12
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape :func:`as_matrix` gives a tensor of ``shape`` (no tensor needed)."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    if len(shape) > 2:
+        shape = (shape[0], math.prod(shape[1:]))
+    return shape
 
 
 def as_matrix(t: Tensor) -> Tensor:
@@ -28,11 +42,7 @@ def as_matrix(t: Tensor) -> Tensor:
     -> vector); tensors with more than two dims are flattened to ``(shape[0], -1)`` (conv
     kernels). A 1-D result stays 1-D: its sigma1 is its L2 norm.
     """
-    while t.dim() > 1 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() > 2:
-        t = t.reshape(t.shape[0], -1)
-    return t
+    return t.reshape(matrix_shape(t.shape))
 
 
 def normalize(x: Tensor, dim: int = -1) -> Tensor:
@@ -44,11 +54,18 @@ def random_unit(*shape: int, device=None, dtype=torch.float32, generator=None) -
 
 
 @torch.no_grad()
-def power_iteration(w: Tensor, u: Tensor, v: Tensor, iters: int) -> tuple[Tensor, Tensor, Tensor]:
+def power_iteration(
+    w: Tensor, u: Tensor, v: Tensor, iters: int, group: Any = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Batched power iteration on ``w`` of shape ``(B, m, n)`` (or ``(m, n)``).
 
     ``u`` is ``(B, m)``, ``v`` is ``(B, n)``. Returns ``(sigma, u, v)`` with ``sigma = ||W v||``
     for the final ``v``; ``u, v`` are the updated unit vectors (new tensors). ``iters >= 1``.
+
+    With a process ``group``, each rank holds a block of rows of every matrix (FSDP's dim-0
+    shards; a rank may hold none) and the matching rows of ``u``; ``v`` is the same on every
+    rank. ``W^T u`` is then a sum over ranks and ``||W v||^2`` too: two all-reduces per
+    iteration, of ``B * n`` and ``B`` numbers, and the result is the whole matrices' sigma1.
     """
     squeeze = w.dim() == 2
     if squeeze:
@@ -56,13 +73,30 @@ def power_iteration(w: Tensor, u: Tensor, v: Tensor, iters: int) -> tuple[Tensor
     for _ in range(iters):
         # W^T u and W v as row vectors times a matrix: the same numbers, but the CPU's batched
         # gemm runs this form 4-20x faster than a matrix times a column
-        v = normalize(torch.bmm(u.unsqueeze(1), w).squeeze(1))
+        wtu = torch.bmm(u.unsqueeze(1), w).squeeze(1)
+        if group is not None:
+            torch.distributed.all_reduce(wtu, group=group)
+        v = normalize(wtu)
         wv = torch.bmm(v.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
-        u = normalize(wv)
-    sigma = wv.norm(dim=-1)
+        if group is None:
+            u = normalize(wv)
+        else:
+            sigma = row_norms(wv, group)
+            u = wv / sigma.clamp_min(_EPS).unsqueeze(-1)
+    if group is None:
+        sigma = wv.norm(dim=-1)
     if squeeze:
         return sigma[0], u[0], v[0]
     return sigma, u, v
+
+
+def row_norms(x: Tensor, group: Any = None) -> Tensor:
+    """L2 norms along the last dim; with a process ``group``, of rows split across its ranks."""
+    if group is None:
+        return x.norm(dim=-1)
+    sq = (x * x).sum(-1)
+    torch.distributed.all_reduce(sq, group=group)
+    return sq.sqrt()
 
 
 @torch.no_grad()

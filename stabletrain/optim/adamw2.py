@@ -50,8 +50,16 @@ and result are those of the inline path and reach ``self.state`` only when step 
 so checkpoints and resumes are unchanged. Needs ``warm_start`` (fresh vectors would draw from
 the RNG at another time); costs one stacked copy of the bounded weights while step ``t`` runs.
 
-Parameters must be whole tensors on each rank (DDP, single device): a shard's sigma1 is not
-the matrix's, so DTensor parameters (FSDP2, tensor parallelism) are refused at construction.
+Sharded parameters: under FSDP2 or HSDP (``fully_shard``; DTensor parameters split on dim 0)
+each rank steps its own rows, and the power iteration reassembles the whole matrices' sigma1
+with two all-reduces per iteration over the shard group (``spectral.power_iteration``), so
+the steps are those of the unsharded optimizer (tests/distributed/fsdp_adamw2.py). Fresh
+start vectors are drawn at full length on every rank (the RNG streams stay alike) and ``v``
+is broadcast once. The warm-start ``u`` is each rank's own rows, a plain tensor in the state:
+a per-rank state dict resumes exactly; torch.distributed.checkpoint takes plain tensors for
+replicated ones, so after such a load a rank whose ``u`` does not fit draws a fresh one. Sharded
+buckets are iterated in line even with ``overlap_sigma_w``. Other shardings (tensor
+parallelism's ``Shard(1)``) are refused at construction.
 """
 
 from __future__ import annotations
@@ -67,7 +75,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from stabletrain.spectral import as_matrix, power_iteration, random_unit
+from stabletrain.spectral import matrix_shape, power_iteration, random_unit, row_norms
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
 
 _TINY = 1e-30  # keeps tau*s_w/s_u finite where s_u == 0; torch.where discards that branch then
 
@@ -174,7 +187,8 @@ class AdamW2(Optimizer):
             "bound": None,
         }
         super().__init__(params, defaults)
-        _reject_sharded([p for g in self.param_groups for p in g["params"]])
+        for p in (p for g in self.param_groups for p in g["params"]):
+            _shard_group(p)  # refuses shardings whose matrices it cannot reassemble
         self.fused = fused
         self.last_bound: list[BoundRecord] = []
         # CPU bucket buffers kept between steps: without a caching allocator a fresh one is
@@ -207,8 +221,11 @@ class AdamW2(Optimizer):
                     raise RuntimeError("AdamW2 does not support sparse gradients")
                 self._init_state(p)
                 if _is_bounded(group["bound"], p):
-                    shape = tuple(_as_bounded_matrix(p).shape)
-                    bounded[(gi, shape, p.device, _compute_dtype(p))].append((name, p))
+                    shape = _bounded_shape(p)  # of the whole tensor, also when p is a DTensor
+                    shards = _shard_group(p)
+                    # a sharded (1, N, d) table sits whole on one rank: its rows split otherwise
+                    split = None if shards is None else (shards, p.shape[0] == 1)
+                    bounded[(gi, shape, split, p.device, _compute_dtype(p))].append((name, p))
                 else:
                     free.append(p)
             if free:
@@ -252,9 +269,9 @@ class AdamW2(Optimizer):
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        grads = [_local(p.grad) for p in params]
+        exp_avgs = [_local(s["exp_avg"]) for s in states]
+        exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         if self._use_fused(group, params):
@@ -302,10 +319,10 @@ class AdamW2(Optimizer):
             steps = [self.state[p]["step"] for p in params]
             torch._foreach_add_(steps, 1.0)
             torch._fused_adamw_(
-                params,
-                [p.grad for p in params],
-                [self.state[p]["exp_avg"] for p in params],
-                [self.state[p]["exp_avg_sq"] for p in params],
+                [_local(p) for p in params],
+                [_local(p.grad) for p in params],
+                [_local(self.state[p]["exp_avg"]) for p in params],
+                [_local(self.state[p]["exp_avg_sq"]) for p in params],
                 [],
                 steps,
                 lr=lr,
@@ -317,17 +334,21 @@ class AdamW2(Optimizer):
                 maximize=False,
             )
             return
-        updates = [torch.zeros_like(p, dtype=_compute_dtype(p)) for p in params]
+        updates = [torch.zeros_like(_local(p), dtype=_compute_dtype(p)) for p in params]
         self._adam_direction(group, params, updates)
+        local = [_local(p) for p in params]
         if wd != 0:
-            torch._foreach_mul_(params, 1.0 - lr * wd)
-        torch._foreach_add_(params, updates, alpha=-lr)
+            torch._foreach_mul_(local, 1.0 - lr * wd)
+        torch._foreach_add_(local, updates, alpha=-lr)
 
     def _step_bucket(self, group: dict, key: tuple, members: list[tuple[str, Tensor]]) -> BoundRecord:
-        """Bounded step for B tensors whose matrices share ``shape`` (see module docstring)."""
-        _, shape, device, dtype = key
+        """Bounded step for B tensors whose matrices share a shape (see module docstring)."""
+        _, _, split, _, dtype = key
+        shards = split[0] if split else None
         names = [n for n, _ in members]
         params = [p for _, p in members]
+        local = [_local(p) for p in params]  # the tensors themselves unless sharded
+        shape = tuple(_local_matrix(params[0]).shape)
         n = len(params)
         lr, tau, wd = group["lr"], group["tau"], group["weight_decay"]
         # The step W - lr_eff*U - lr_eff*wd*W (Alg. 1 line 11: the bounded rate scales the
@@ -343,33 +364,33 @@ class AdamW2(Optimizer):
             _stack_matrices(params, out=buf[:n])
         direction = buf[n_w:]
         direction.zero_()
-        self._adam_direction(group, params, [direction[i].view(p.shape) for i, p in enumerate(params)], scale)
+        steps = [direction[i].view(t.shape) for i, t in enumerate(local)]
+        self._adam_direction(group, params, steps, scale)
 
         if len(shape) == 1:
-            sigma = buf.norm(dim=-1)
+            sigma = row_norms(buf, shards)
             sigma_w, sigma_u = sigma[:n], sigma[n:]
         elif ahead is not None:
-            sigma_u = self._sigma1_matrices(group, params, direction, (U_KEYS,))
+            sigma_u = self._sigma1_matrices(group, params, direction, (U_KEYS,), shards)
             self._keep_vectors(group, params, (W_KEYS,), ahead.u, ahead.v)
             sigma_w = ahead.sigma
         else:
-            sigma = self._sigma1_matrices(group, params, buf, (W_KEYS, U_KEYS))
+            sigma = self._sigma1_matrices(group, params, buf, (W_KEYS, U_KEYS), shards)
             sigma_w, sigma_u = sigma[:n], sigma[n:]
         sigma_u = sigma_u * abs(1.0 / scale)
 
         hit = (sigma_w > 0) & (sigma_u * lr > sigma_w * tau)
         lr_eff = torch.where(hit, tau * sigma_w / sigma_u.clamp_min(_TINY), lr)
 
-        steps = [direction[i].view(p.shape) for i, p in enumerate(params)]
         if wd != 0:
             rates = list((lr_eff * wd).unbind(0))
             if all(p.dtype == dtype for p in params):
-                torch._foreach_lerp_(params, steps, rates)
+                torch._foreach_lerp_(local, steps, rates)
             else:  # low-precision parameters: step in the compute dtype, round once
-                for p, d, a in zip(params, steps, rates):
+                for p, d, a in zip(local, steps, rates):
                     p.copy_(torch.lerp(p.to(dtype), d, a))
         else:
-            torch._foreach_addcmul_(params, steps, list(lr_eff.unbind(0)))
+            torch._foreach_addcmul_(local, steps, list(lr_eff.unbind(0)))
         return BoundRecord(names, lr, lr_eff, hit, sigma_w, sigma_u)
 
     def _bucket_buffer(self, key: tuple, size: tuple) -> Tensor:
@@ -381,23 +402,37 @@ class AdamW2(Optimizer):
             buf = self._cpu_buffers[key] = torch.empty(size, dtype=dtype, device=device)
         return buf
 
-    def _sigma1_matrices(self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple) -> Tensor:
+    def _sigma1_matrices(
+        self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None
+    ) -> Tensor:
         """sigma1 of ``mats`` = one block of B matrices per ``blocks`` entry (``W_KEYS``:
-        the weights, ``U_KEYS``: the directions), in one batched iteration; keeps the vectors."""
-        sigma, u, v = self._iterate(group, params, mats, blocks)
+        the weights, ``U_KEYS``: the directions), in one batched iteration; keeps the vectors.
+        ``shards``: the process group over which the matrices' rows are split, or None."""
+        sigma, u, v = self._iterate(group, params, mats, blocks, shards)
         self._keep_vectors(group, params, blocks, u, v)
         return sigma
 
-    def _iterate(self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    def _iterate(
+        self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         _, rows, cols = mats.shape
+        # fresh u's are drawn for all rows of the whole matrix and cut to this rank's rows: every
+        # rank draws as many numbers, so a sharded run's RNG streams stay alike across ranks
+        total = _bounded_shape(params[0])[0]
+        fresh_v = not group["warm_start"]
         if group["warm_start"]:
             states = [self.state[p] for p in params]
-            u0 = torch.stack([_vector(s, ku, rows, mats) for ku, _ in blocks for s in states])
+            u0 = torch.stack([_vector(s, ku, rows, mats, total) for ku, _ in blocks for s in states])
             v0 = torch.stack([_vector(s, kv, cols, mats) for _, kv in blocks for s in states])
+            fresh_v = any(_stale(s, kv, cols) for _, kv in blocks for s in states)
         else:
-            u0 = random_unit(len(mats), rows, device=mats.device, dtype=mats.dtype)
+            u0 = random_unit(len(mats), total, device=mats.device, dtype=mats.dtype)[:, :rows]
             v0 = random_unit(len(mats), cols, device=mats.device, dtype=mats.dtype)
-        return power_iteration(mats, u0, v0, group["power_iters"])
+        if shards is not None and fresh_v:
+            # v is one vector on every rank (a kept one already is: it comes from all-reduced
+            # sums); u's rows are each rank's own, so its start needs no agreement
+            torch.distributed.broadcast(v0, group_src=0, group=shards)
+        return power_iteration(mats, u0, v0, group["power_iters"], shards)
 
     def _keep_vectors(self, group: dict, params: list[Tensor], blocks: tuple, u: Tensor, v: Tensor) -> None:
         if not group["warm_start"]:
@@ -412,16 +447,16 @@ class AdamW2(Optimizer):
         ahead: dict[tuple, _SigmaAhead] = {}
         waited: set[torch.device] = set()
         for group, key, params in buckets:
-            _, shape, device, dtype = key
-            if len(shape) < 2 or not group["warm_start"]:
-                continue
+            _, shape, split, device, dtype = key
+            if len(shape) < 2 or not group["warm_start"] or split is not None:
+                continue  # sharded matrices are iterated in line (collectives stay on one stream)
             stream = self._side_stream(device)
             main = torch.cuda.current_stream(device) if stream is not None else None
             if stream is not None and device not in waited:
                 stream.wait_stream(main)  # start after this step's writes to W and the vectors
                 waited.add(device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                mats = self._bucket_buffer(("ahead", *key), (len(params), *shape))
+                mats = self._bucket_buffer(("ahead", *key), (len(params), *_local_matrix(params[0]).shape))
                 _stack_matrices(params, out=mats)
                 sigma, u, v = self._iterate(group, params, mats, (W_KEYS,))
             ready = None
@@ -498,38 +533,57 @@ def _group_names(group: dict, index: int) -> list[str]:
     return list(names)
 
 
-def _reject_sharded(params: list[Tensor]) -> None:
-    """sigma1 of a shard is not sigma1 of the matrix: refuse DTensor (FSDP2 / tensor-parallel)
-    parameters with one line instead of bounding each rank's piece."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return
-    if any(isinstance(p, DTensor) for p in params):
+def _is_dtensor(t: Tensor) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (its FSDP shard), else ``t`` itself."""
+    return t._local_tensor if _is_dtensor(t) else t
+
+
+def _shard_group(p: Tensor) -> Any:
+    """The process group across which ``p``'s matrix rows are split, or None.
+
+    FSDP2 (and HSDP) shard a parameter on dim 0, so each rank holds a block of rows of
+    ``as_matrix(p)`` (when dim 0 has size 1, ``as_matrix`` drops it and one rank holds all
+    rows, the others none): the power iteration sums over that group. Other shardings
+    (tensor parallelism) are refused."""
+    if not _is_dtensor(p):
+        return None
+    placements = tuple(p.placements)
+    sharded = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
+    if len(sharded) != 1 or not placements[sharded[0]].is_shard(dim=0):
         raise TypeError(
-            "AdamW2 bounds whole matrices and got sharded (DTensor) parameters, as FSDP2 or tensor "
-            "parallelism make them; replicate the model instead (DDP, as torchrun train.py does)"
+            f"AdamW2 bounds whole matrices and can reassemble them only from dim-0 shards (FSDP2, HSDP); "
+            f"got a DTensor parameter placed {placements}: shard it with fully_shard or replicate it (DDP)"
         )
+    return p.device_mesh.get_group(sharded[0])
 
 
 def _is_bounded(flag: bool | None, p: Tensor) -> bool:
     if flag is None:
-        return as_matrix(p).dim() >= 2
+        return len(matrix_shape(p.shape)) >= 2
     return bool(flag)
 
 
 def _stack_matrices(params: list[Tensor], out: Tensor) -> Tensor:
-    """Copy the parameters' bounded matrices into ``out`` (B, ...), casting if needed."""
-    mats = [_as_bounded_matrix(p) for p in params]
+    """Copy the parameters' (local) bounded matrices into ``out`` (B, ...), casting if needed."""
+    mats = [_local_matrix(p) for p in params]
     if all(m.dtype == out.dtype for m in mats):
         return torch.stack(mats, out=out)
     return out.copy_(torch.stack(mats))
 
 
-def _as_bounded_matrix(p: Tensor) -> Tensor:
-    """``as_matrix``, with a scalar seen as a 1-vector so that its sigma1 is |x|."""
-    m = as_matrix(p)
-    return m.reshape(1) if m.dim() == 0 else m
+def _bounded_shape(p: Tensor) -> tuple[int, ...]:
+    """``matrix_shape``, with a scalar seen as a 1-vector so that its sigma1 is |x|."""
+    return matrix_shape(p.shape) or (1,)
+
+
+def _local_matrix(p: Tensor) -> Tensor:
+    """This rank's rows of ``p``'s bounded matrix (all of it unless ``p`` is sharded)."""
+    shape = _bounded_shape(p)
+    return _local(p).reshape(-1, *shape[1:])
 
 
 def _compute_dtype(p: Tensor) -> torch.dtype:
@@ -543,9 +597,15 @@ def _one_minus_pow(beta: float, steps: list[Tensor]) -> list[Tensor]:
     return powers
 
 
-def _vector(state: dict, key: str, size: int, like: Tensor) -> Tensor:
-    """A warm-start vector from ``state`` (cast to the compute dtype), or a fresh one."""
+def _stale(state: dict, key: str, size: int) -> bool:
     vec = state.get(key)
-    if vec is None or vec.shape != (size,):
-        return random_unit(size, device=like.device, dtype=like.dtype)
+    return vec is None or vec.shape != (size,)
+
+
+def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = None) -> Tensor:
+    """A warm-start vector from ``state`` (cast to the compute dtype), or a fresh one: the
+    first ``size`` entries of a random unit vector of ``draw`` (default ``size``) entries."""
+    vec = state.get(key)
+    if _stale(state, key, size):
+        return random_unit(draw or size, device=like.device, dtype=like.dtype)[:size]
     return vec.to(device=like.device, dtype=like.dtype)

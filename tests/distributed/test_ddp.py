@@ -83,23 +83,3 @@ def test_srun_ranks_stop_together_on_one_signal_and_torchrun_resumes_identically
     assert _weights(ddp)["step"] == total
     train(tmp_path / "one", *args, f"steps={total}")
     assert_same_training(ddp, tmp_path / "one")
-
-
-def test_adamw2_refuses_sharded_parameters_in_one_line():
-    """FSDP2 and tensor parallelism give DTensor parameters; sigma1 of a shard is not the
-    matrix's, so AdamW2 says so instead of bounding the wrong thing."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    from stabletrain.optim import AdamW2
-
-    store = dist.HashStore()
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        w = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
-        with pytest.raises(TypeError, match=r"sharded \(DTensor\) parameters.*replicate the model instead \(DDP"):
-            AdamW2([w])
-    finally:
-        dist.destroy_process_group()

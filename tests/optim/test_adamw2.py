@@ -418,7 +418,7 @@ def test_overlap_gives_the_numbers_of_the_inline_step(device, monkeypatch):
     # step 1 has nothing iterated ahead (2 matrix buckets + the 1-D gain); later steps stack only the gain
     assert stacked_in_step[:3] == [2, 2, 1]
     assert stacked_in_step[3:] == [1] * 11
-    assert sorted(len(shape) for _, shape, _, _ in ahead._ahead) == [2, 2]  # matrices only
+    assert sorted(len(key[1]) for key in ahead._ahead) == [2, 2]  # matrices only
     assert ahead.bound_stats()["bound_fraction"] > 0.5  # the bound binds, so sigma_w matters
     assert_same_run(ahead_model, ahead, inline_model, inline)
     assert ahead.bound_stats() == inline.bound_stats()

@@ -1,0 +1,132 @@
+"""AdamW² on FSDP2-sharded parameters against AdamW² on the whole model, step by step.
+
+Run by tests/distributed/test_fsdp.py as ``torchrun --nproc_per_node=2 fsdp_adamw2.py``
+(gloo, CPU, float64), on a 1-D mesh (FSDP2) and a (1, 2) mesh (HSDP's placements). Every
+rank sees the same batches, so FSDP's averaged, reduce-scattered gradients are the whole
+model's; with converged power iterations both optimizers must take the same steps although
+each rank holds only some rows of each matrix (uneven ones among them) and one matrix lives
+on rank 0 alone. A resume from a per-rank state dict continues bit for bit. Prints
+"fsdp adamw2 ok" on success.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from stabletrain.optim import AdamW2
+
+
+class Mixed(nn.Module):
+    """Matrices that FSDP splits evenly (8 rows), unevenly (5 rows: 3 + 2), a conv kernel, a
+    (1, 5, 6) table that as_matrix squeezes (dim 0 has size 1: rank 0 holds all of it), a
+    bounded gain and a free bias."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+
+        def spiked(rows, cols):
+            a, b = torch.randn(rows, 1, generator=g), torch.randn(1, cols, generator=g)
+            return torch.randn(rows, cols, generator=g) / 3 + 2 * (a / a.norm()) @ (b / b.norm())
+
+        self.w1 = nn.Parameter(spiked(8, 6))
+        self.w2 = nn.Parameter(spiked(8, 6))
+        self.w3 = nn.Parameter(spiked(5, 8))
+        self.conv = nn.Parameter(spiked(4, 8).reshape(4, 2, 2, 2))
+        self.table = nn.Parameter(spiked(5, 6)[None])
+        self.gain = nn.Parameter(1 + torch.randn(5, generator=g) / 10)
+        self.bias = nn.Parameter(torch.randn(8, generator=g) / 3)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w1.T + self.bias) * torch.sigmoid(x @ self.w2.T)
+        h = torch.cat([h @ self.w3.T, h @ self.conv.reshape(4, 8).T], -1)  # 9
+        return (h[:, :5] * self.gain + (x @ self.table[0].T) + h[:, 5:].sum(-1, keepdim=True)).sin()
+
+
+def groups(model):
+    named = dict(model.named_parameters())
+    mats = ["w1", "w2", "w3", "conv", "table"]
+    return [
+        {"params": [named[n] for n in mats], "names": mats},
+        {"params": [named["gain"]], "names": ["gain"], "bound": True, "weight_decay": 0.0},
+        {"params": [named["bias"]], "names": ["bias"], "weight_decay": 0.0},
+    ]
+
+
+def check(mesh_shape):
+    """FSDP2 on a 1-D mesh, or HSDP on a (replicate, shard) mesh, against the whole model."""
+    rank = dist.get_rank()
+
+    def mesh():
+        names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+        return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+
+    torch.manual_seed(0)  # the same global RNG on every rank, as a seeded job has
+    whole = Mixed().double()
+    sharded = copy.deepcopy(whole)
+    fully_shard(sharded, mesh=mesh())
+    for p in sharded.parameters():
+        assert isinstance(p, DTensor) and len(p.placements) == len(mesh_shape) and p.placements[-1].is_shard(0)
+    local_rows = {n: p.to_local().shape[0] for n, p in sharded.named_parameters()}
+    assert local_rows["w3"] == (3 if rank == 0 else 2) and local_rows["table"] == 1 - rank
+
+    kw = {"lr": 0.05, "betas": (0.9, 0.95), "weight_decay": 0.1, "tau": 0.01, "power_iters": 60}
+    ref, opt = AdamW2(groups(whole), **kw), AdamW2(groups(sharded), **kw)
+    g = torch.Generator().manual_seed(1)
+    mean = torch.randn(1, 6, generator=g, dtype=torch.float64)
+    data = [(0.3 * torch.randn(16, 6, generator=g, dtype=torch.float64) + mean,
+             torch.randn(16, 5, generator=g, dtype=torch.float64)) for _ in range(12)]
+
+    def train(model, o, x, y):
+        model.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        o.step()
+
+    hit = []
+    for step, (x, y) in enumerate(data):
+        if step == 6:  # what each rank would save in a checkpoint of its own
+            saved = copy.deepcopy((sharded.state_dict(), opt.state_dict()))
+        train(whole, ref, x, y)
+        train(sharded, opt, x, y)
+        got, want = opt.bound_stats(), ref.bound_stats()
+        hit.append(want["bound_fraction"])
+        assert got["bound_fraction"] == want["bound_fraction"], (step, got, want)
+        for name, lr_eff in want["lr_eff"].items():
+            assert abs(got["lr_eff"][name] - lr_eff) <= 1e-9 * lr_eff, (step, name, got["lr_eff"][name], lr_eff)
+        for (name, p), q in zip(sharded.named_parameters(), whole.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-9, atol=1e-12, msg=f"step {step} {name}")
+    assert min(hit) > 0.5, hit  # the bound binds: the sharded sigma1 really decides the steps
+    state = opt.state[dict(sharded.named_parameters())["w3"]]
+    assert isinstance(state["exp_avg"], DTensor) and state["w_u"].shape == (local_rows["w3"],)
+
+    # resume from step 6 on a fresh sharded model: the same numbers, bit for bit
+    resumed = Mixed().double()
+    fully_shard(resumed, mesh=mesh())
+    resumed.load_state_dict(saved[0])
+    opt2 = AdamW2(groups(resumed), **kw)
+    opt2.load_state_dict(saved[1])
+    for x, y in data[6:]:
+        train(resumed, opt2, x, y)
+    for (name, p), q in zip(resumed.named_parameters(), sharded.parameters()):
+        assert torch.equal(p.to_local(), q.to_local()), name
+
+
+def main():
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    check((world,))  # FSDP2
+    check((1, world))  # HSDP: the rows are split along the mesh's second dim
+    if dist.get_rank() == 0:
+        print("fsdp adamw2 ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
