@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from stabletrain.spectral import as_matrix
+from stabletrain.spectral import matrix_shape
 
 FAMILIES = ("vit", "swin", "gpt")
 VISION_NO_DECAY = frozenset(
@@ -65,7 +65,7 @@ def _norm_gain_ids(model: nn.Module) -> set[int]:
     for module in model.modules():
         if is_norm_module(module):
             for local, p in module.named_parameters(recurse=False):
-                if local.endswith("weight") and as_matrix(p).dim() <= 1:
+                if local.endswith("weight") and len(matrix_shape(p.shape)) <= 1:
                     ids.add(id(p))
     return ids
 
@@ -83,7 +83,7 @@ def classify(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        is_matrix = as_matrix(p).dim() >= 2
+        is_matrix = len(matrix_shape(p.shape)) >= 2
         if is_reparam_gamma(name, p):
             role = ParamRole("gamma", decay=False, bound=False, lars_exclude=True, lr_mult=gamma_lr_mult)
         elif id(p) in norm_gains:
