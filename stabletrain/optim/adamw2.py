@@ -55,10 +55,10 @@ each rank steps its own rows, and the power iteration reassembles the whole matr
 with two all-reduces per iteration over the shard group (``spectral.power_iteration``), so
 the steps are those of the unsharded optimizer (tests/distributed/fsdp_adamw2.py). Fresh
 start vectors are drawn at full length on every rank (the RNG streams stay alike) and ``v``
-is broadcast once. The warm-start ``u`` is each rank's own rows, a plain tensor in the state:
-a per-rank state dict resumes exactly; torch.distributed.checkpoint takes plain tensors for
-replicated ones, so after such a load a rank whose ``u`` does not fit draws a fresh one. Sharded
-buckets are iterated in line even with ``overlap_sigma_w``. Other shardings (tensor
+is broadcast once. The warm-start ``u`` holds each rank's own rows, kept as a DTensor laid out
+like the parameter's dim 0 (``v`` is the same on every rank), so both per-rank state dicts and
+torch.distributed.checkpoint resume exactly. Sharded buckets are iterated in line even with
+``overlap_sigma_w``. Other shardings (tensor
 parallelism's ``Shard(1)``) are refused at construction.
 """
 
@@ -440,7 +440,9 @@ class AdamW2(Optimizer):
         n = len(params)
         for block, (ku, kv) in enumerate(blocks):
             for i, p in enumerate(params):
-                self.state[p][ku], self.state[p][kv] = u[block * n + i], v[block * n + i]
+                uu = u[block * n + i]
+                self.state[p][ku] = _sharded_rows(uu, p) if _is_dtensor(p) else uu
+                self.state[p][kv] = v[block * n + i]
 
     def _iterate_ahead(self, buckets: list[tuple[dict, tuple, list[Tensor]]]) -> dict[tuple, _SigmaAhead]:
         """sigma1 of the weights this step wrote, for the next step (``overlap_sigma_w``)."""
@@ -599,7 +601,7 @@ def _one_minus_pow(beta: float, steps: list[Tensor]) -> list[Tensor]:
 
 def _stale(state: dict, key: str, size: int) -> bool:
     vec = state.get(key)
-    return vec is None or vec.shape != (size,)
+    return vec is None or _local(vec).numel() != size
 
 
 def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = None) -> Tensor:
@@ -608,4 +610,22 @@ def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = N
     vec = state.get(key)
     if _stale(state, key, size):
         return random_unit(draw or size, device=like.device, dtype=like.dtype)[:size]
-    return vec.to(device=like.device, dtype=like.dtype)
+    return _local(vec).reshape(size).to(device=like.device, dtype=like.dtype)
+
+
+def _sharded_rows(u: Tensor, p: Tensor) -> Tensor:
+    """This rank's rows ``u`` of a sharded matrix's left vector, as a DTensor laid out like
+    ``p``'s dim 0, so that torch.distributed.checkpoint saves and reloads every rank's part.
+
+    Its global shape is ``(p.shape[0], rows / p.shape[0])``: ``(rows, 1)`` for a matrix split
+    by rows, ``(1, N)`` for a ``(1, N, d)`` table that one rank holds whole."""
+    rows = _bounded_shape(p)[0]
+    width = rows // p.shape[0]
+    return _DTensor.from_local(
+        u.reshape(-1, width).clone(),  # its own storage: a view into the batch does not deep-copy
+        device_mesh=p.device_mesh,
+        placements=p.placements,
+        run_check=False,
+        shape=torch.Size((p.shape[0], width)),
+        stride=(width, 1),
+    )

@@ -5,7 +5,8 @@ Run by tests/distributed/test_fsdp.py as ``torchrun --nproc_per_node=2 fsdp_adam
 rank sees the same batches, so FSDP's averaged, reduce-scattered gradients are the whole
 model's; with converged power iterations both optimizers must take the same steps although
 each rank holds only some rows of each matrix (uneven ones among them) and one matrix lives
-on rank 0 alone. A resume from a per-rank state dict continues bit for bit. Prints
+on rank 0 alone. A resume from per-rank state dicts, or through torch.distributed.checkpoint,
+continues bit for bit. Prints
 "fsdp adamw2 ok" on success.
 """
 
@@ -16,6 +17,13 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -104,18 +112,44 @@ def check(mesh_shape):
             torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-9, atol=1e-12, msg=f"step {step} {name}")
     assert min(hit) > 0.5, hit  # the bound binds: the sharded sigma1 really decides the steps
     state = opt.state[dict(sharded.named_parameters())["w3"]]
-    assert isinstance(state["exp_avg"], DTensor) and state["w_u"].shape == (local_rows["w3"],)
+    assert isinstance(state["exp_avg"], DTensor) and isinstance(state["w_u"], DTensor)
+    assert state["w_u"].shape == (5, 1) and state["w_u"].to_local().shape == (local_rows["w3"], 1)
+    table = opt.state[dict(sharded.named_parameters())["table"]]["w_u"]  # rank 0 holds all 5 rows
+    assert table.shape == (1, 5) and table.to_local().shape == (1 - rank, 5)
 
-    # resume from step 6 on a fresh sharded model: the same numbers, bit for bit
-    resumed = Mixed().double()
-    fully_shard(resumed, mesh=mesh())
-    resumed.load_state_dict(saved[0])
-    opt2 = AdamW2(groups(resumed), **kw)
-    opt2.load_state_dict(saved[1])
-    for x, y in data[6:]:
-        train(resumed, opt2, x, y)
-    for (name, p), q in zip(resumed.named_parameters(), sharded.parameters()):
-        assert torch.equal(p.to_local(), q.to_local()), name
+    # resume from step 6 on a fresh sharded model, from the per-rank state dicts and through
+    # torch.distributed.checkpoint (saved from them): the same numbers, bit for bit
+    ckpt = f"dcp_{len(mesh_shape)}d"
+    dcp.save({"model": saved[0], "optim": _fqn_optim_state(sharded, saved[1])}, checkpoint_id=ckpt)
+    for source in ("per-rank", "dcp"):
+        resumed = Mixed().double()
+        fully_shard(resumed, mesh=mesh())
+        opt2 = AdamW2(groups(resumed), **kw)
+        if source == "per-rank":
+            resumed.load_state_dict(saved[0])
+            opt2.load_state_dict(saved[1])
+        else:
+            lr = [g["lr"] for g in opt2.param_groups]
+            for g in opt2.param_groups:
+                g["lr"] = 0.0
+            train(resumed, opt2, *data[0])  # creates the state that DCP loads into (lr 0: no change)
+            for g, r in zip(opt2.param_groups, lr):
+                g["lr"] = r
+            state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt2)}
+            dcp.load(state, checkpoint_id=ckpt)
+            set_model_state_dict(resumed, state["model"])
+            set_optimizer_state_dict(resumed, opt2, state["optim"])
+        for x, y in data[6:]:
+            train(resumed, opt2, x, y)
+        for (name, p), q in zip(resumed.named_parameters(), sharded.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), (source, name)
+
+
+def _fqn_optim_state(model, state_dict):
+    """A per-rank optimizer state dict in the FQN-keyed form torch.distributed.checkpoint uses."""
+    probe = AdamW2(groups(model))
+    probe.load_state_dict(state_dict)
+    return get_optimizer_state_dict(model, probe)
 
 
 def main():
