@@ -564,3 +564,25 @@ def test_overlap_stream_protocol(monkeypatch):
     last_write = max(i for i, e in enumerate(second) if e == "write W")
     assert second[:last_write].count("stack") == 1
     assert second[last_write + 1:] == ["side.wait_stream(main)", *ahead, "ev2.record(side)", *ahead, "ev3.record(side)"]
+
+
+def test_readme_example_runs_and_reports_per_tensor_rates():
+    """The README's "AdamW² in your own loop" block, executed on a small timm ViT."""
+    import re
+
+    import timm
+
+    from tests.helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## AdamW² in your own loop"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10)
+    loader = [(torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))) for _ in range(2)]
+    scope = {"model": model, "loader": loader, "loss_fn": nn.functional.cross_entropy}
+    exec(code, scope)
+    stats = scope["stats"]
+    assert 0.0 <= stats["adamw2/frac_bounded"] <= 1.0
+    assert "adamw2/lr_eff/blocks.0.attn.qkv.weight" in stats  # named per tensor
+    assert "adamw2/lr_eff/blocks.0.attn.qkv.bias" not in stats  # vectors are not bounded
