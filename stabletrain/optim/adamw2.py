@@ -58,8 +58,8 @@ start vectors are drawn at full length on every rank (the RNG streams stay alike
 is broadcast once. The warm-start ``u`` holds each rank's own rows, kept as a DTensor laid out
 like the parameter's dim 0 (``v`` is the same on every rank), so both per-rank state dicts and
 torch.distributed.checkpoint resume exactly. Sharded buckets are iterated in line even with
-``overlap_sigma_w``. Other shardings (tensor
-parallelism's ``Shard(1)``) are refused at construction.
+``overlap_sigma_w``. Other shardings (tensor parallelism's ``Shard(1)``) are refused at
+construction.
 """
 
 from __future__ import annotations
