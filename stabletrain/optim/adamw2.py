@@ -52,10 +52,10 @@ the RNG at another time); costs one stacked copy of the bounded weights while st
 
 Sharded parameters: under FSDP2 or HSDP (``fully_shard``; DTensor parameters split on dim 0)
 each rank steps its own rows, and the power iteration reassembles the whole matrices' sigma1
-with two all-reduces per iteration over the shard group (``spectral.power_iteration``), so
-the steps are those of the unsharded optimizer (tests/distributed/fsdp_adamw2.py). Fresh
-start vectors are drawn at full length on every rank (the RNG streams stay alike) and ``v``
-is broadcast once. The warm-start ``u`` holds each rank's own rows, kept as a DTensor laid out
+with two all-reduces per iteration over the shard group (``spectral.power_iteration``). Fresh
+start vectors are drawn at full length on every rank and cut to its rows, and ``v`` is
+broadcast once, so the steps are those of the unsharded optimizer up to summation order
+(tests/distributed/fsdp_adamw2.py). The warm-start ``u`` holds each rank's own rows, kept as a DTensor laid out
 like the parameter's dim 0 (``v`` is the same on every rank), so both per-rank state dicts and
 torch.distributed.checkpoint resume exactly. Sharded buckets are iterated in line even with
 ``overlap_sigma_w``. Other shardings (tensor parallelism's ``Shard(1)``) are refused at
@@ -416,17 +416,18 @@ class AdamW2(Optimizer):
         self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         _, rows, cols = mats.shape
-        # fresh u's are drawn for all rows of the whole matrix and cut to this rank's rows: every
-        # rank draws as many numbers, so a sharded run's RNG streams stay alike across ranks
-        total = _bounded_shape(params[0])[0]
+        # Fresh u's are drawn for all rows of the whole matrix and cut to this rank's rows: the
+        # start vectors, and so every number, are those of the unsharded optimizer with the same
+        # RNG state, and every rank draws as many numbers (its RNG stream stays in step).
+        total, first = _bounded_shape(params[0])[0], _first_row(params[0], shards)
         fresh_v = not group["warm_start"]
         if group["warm_start"]:
             states = [self.state[p] for p in params]
-            u0 = torch.stack([_vector(s, ku, rows, mats, total) for ku, _ in blocks for s in states])
+            u0 = torch.stack([_vector(s, ku, rows, mats, total, first) for ku, _ in blocks for s in states])
             v0 = torch.stack([_vector(s, kv, cols, mats) for _, kv in blocks for s in states])
             fresh_v = any(_stale(s, kv, cols) for _, kv in blocks for s in states)
         else:
-            u0 = random_unit(len(mats), total, device=mats.device, dtype=mats.dtype)[:, :rows]
+            u0 = random_unit(len(mats), total, device=mats.device, dtype=mats.dtype)[:, first:first + rows]
             v0 = random_unit(len(mats), cols, device=mats.device, dtype=mats.dtype)
         if shards is not None and fresh_v:
             # v is one vector on every rank (a kept one already is: it comes from all-reduced
@@ -604,13 +605,24 @@ def _stale(state: dict, key: str, size: int) -> bool:
     return vec is None or _local(vec).numel() != size
 
 
-def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = None) -> Tensor:
-    """A warm-start vector from ``state`` (cast to the compute dtype), or a fresh one: the
-    first ``size`` entries of a random unit vector of ``draw`` (default ``size``) entries."""
+def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = None, first: int = 0) -> Tensor:
+    """A warm-start vector from ``state`` (cast to the compute dtype), or a fresh one: entries
+    ``first:first + size`` of a random unit vector of ``draw`` (default ``size``) entries."""
     vec = state.get(key)
     if _stale(state, key, size):
-        return random_unit(draw or size, device=like.device, dtype=like.dtype)[:size]
+        return random_unit(draw or size, device=like.device, dtype=like.dtype)[first:first + size]
     return _local(vec).reshape(size).to(device=like.device, dtype=like.dtype)
+
+
+def _first_row(p: Tensor, shards: Any) -> int:
+    """Where this rank's rows start in ``p``'s bounded matrix: FSDP splits dim 0 as
+    ``torch.chunk`` does (ceil-sized pieces; the last ranks may hold fewer or none)."""
+    if shards is None:
+        return 0
+    dim0 = p.shape[0]
+    piece = -(-dim0 // torch.distributed.get_world_size(shards))
+    start = min(torch.distributed.get_rank(shards) * piece, dim0)
+    return start * (_bounded_shape(p)[0] // dim0)
 
 
 def _sharded_rows(u: Tensor, p: Tensor) -> Tensor:

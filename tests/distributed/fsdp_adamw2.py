@@ -3,11 +3,11 @@
 Run by tests/distributed/test_fsdp.py as ``torchrun --nproc_per_node=2 fsdp_adamw2.py``
 (gloo, CPU, float64), on a 1-D mesh (FSDP2) and a (1, 2) mesh (HSDP's placements). Every
 rank sees the same batches, so FSDP's averaged, reduce-scattered gradients are the whole
-model's; with converged power iterations both optimizers must take the same steps although
-each rank holds only some rows of each matrix (uneven ones among them) and one matrix lives
-on rank 0 alone. A resume from per-rank state dicts, or through torch.distributed.checkpoint,
-continues bit for bit. Prints
-"fsdp adamw2 ok" on success.
+model's; from the same RNG state both optimizers start their power iterations from the same
+vectors, so with the default three iterations they must take the same steps up to summation
+order, although each rank holds only some rows of each matrix (uneven ones among them) and
+one matrix lives on rank 0 alone. A resume from per-rank state dicts, or through
+torch.distributed.checkpoint, continues bit for bit. Prints "fsdp adamw2 ok" on success.
 """
 
 from __future__ import annotations
@@ -85,12 +85,12 @@ def check(mesh_shape):
     local_rows = {n: p.to_local().shape[0] for n, p in sharded.named_parameters()}
     assert local_rows["w3"] == (3 if rank == 0 else 2) and local_rows["table"] == 1 - rank
 
-    kw = {"lr": 0.05, "betas": (0.9, 0.95), "weight_decay": 0.1, "tau": 0.01, "power_iters": 25}
+    kw = {"lr": 0.05, "betas": (0.9, 0.95), "weight_decay": 0.1, "tau": 0.01}  # power_iters 3
     ref, opt = AdamW2(groups(whole), **kw), AdamW2(groups(sharded), **kw)
     g = torch.Generator().manual_seed(1)
     mean = torch.randn(1, 6, generator=g, dtype=torch.float64)
     data = [(0.3 * torch.randn(16, 6, generator=g, dtype=torch.float64) + mean,
-             torch.randn(16, 5, generator=g, dtype=torch.float64)) for _ in range(12)]
+             torch.randn(16, 5, generator=g, dtype=torch.float64)) for _ in range(8)]
 
     def train(model, o, x, y):
         model.zero_grad()
@@ -99,17 +99,19 @@ def check(mesh_shape):
 
     hit = []
     for step, (x, y) in enumerate(data):
-        if step == 6:  # what each rank would save in a checkpoint of its own
+        if step == 4:  # what each rank would save in a checkpoint of its own
             saved = copy.deepcopy((sharded.state_dict(), opt.state_dict()))
+        torch.manual_seed(step)  # the same RNG state for both: the same fresh start vectors
         train(whole, ref, x, y)
+        torch.manual_seed(step)
         train(sharded, opt, x, y)
         got, want = opt.bound_stats(), ref.bound_stats()
         hit.append(want["bound_fraction"])
         assert got["bound_fraction"] == want["bound_fraction"], (step, got, want)
         for name, lr_eff in want["lr_eff"].items():
-            assert abs(got["lr_eff"][name] - lr_eff) <= 1e-9 * lr_eff, (step, name, got["lr_eff"][name], lr_eff)
+            assert abs(got["lr_eff"][name] - lr_eff) <= 1e-12 * lr_eff, (step, name, got["lr_eff"][name], lr_eff)
         for (name, p), q in zip(sharded.named_parameters(), whole.parameters()):
-            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-9, atol=1e-12, msg=f"step {step} {name}")
+            torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-12, atol=1e-14, msg=f"step {step} {name}")
     assert min(hit) > 0.5, hit  # the bound binds: the sharded sigma1 really decides the steps
     state = opt.state[dict(sharded.named_parameters())["w3"]]
     assert isinstance(state["exp_avg"], DTensor) and isinstance(state["w_u"], DTensor)
@@ -117,7 +119,7 @@ def check(mesh_shape):
     table = opt.state[dict(sharded.named_parameters())["table"]]["w_u"]  # rank 0 holds all 5 rows
     assert table.shape == (1, 5) and table.to_local().shape == (1 - rank, 5)
 
-    # resume from step 6 on a fresh sharded model, from the per-rank state dicts and through
+    # resume from step 4 on a fresh sharded model, from the per-rank state dicts and through
     # torch.distributed.checkpoint (saved from them): the same numbers, bit for bit
     ckpt = f"dcp_{len(mesh_shape)}d"
     dcp.save({"model": saved[0], "optim": _fqn_optim_state(sharded, saved[1])}, checkpoint_id=ckpt)
@@ -139,7 +141,7 @@ def check(mesh_shape):
             dcp.load(state, checkpoint_id=ckpt)
             set_model_state_dict(resumed, state["model"])
             set_optimizer_state_dict(resumed, opt2, state["optim"])
-        for x, y in data[6:]:
+        for x, y in data[4:]:
             train(resumed, opt2, x, y)
         for (name, p), q in zip(resumed.named_parameters(), sharded.parameters()):
             assert torch.equal(p.to_local(), q.to_local()), (source, name)
