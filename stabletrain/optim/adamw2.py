@@ -420,18 +420,18 @@ class AdamW2(Optimizer):
         # start vectors, and so every number, are those of the unsharded optimizer with the same
         # RNG state, and every rank draws as many numbers (its RNG stream stays in step).
         total, first = _bounded_shape(params[0])[0], _first_row(params[0], shards)
-        fresh_v = not group["warm_start"]
+        states = [self.state[p] for p in params]
         if group["warm_start"]:
-            states = [self.state[p] for p in params]
             u0 = torch.stack([_vector(s, ku, rows, mats, total, first) for ku, _ in blocks for s in states])
             v0 = torch.stack([_vector(s, kv, cols, mats) for _, kv in blocks for s in states])
-            fresh_v = any(_stale(s, kv, cols) for _, kv in blocks for s in states)
         else:
             u0 = random_unit(len(mats), total, device=mats.device, dtype=mats.dtype)[:, first:first + rows]
             v0 = random_unit(len(mats), cols, device=mats.device, dtype=mats.dtype)
-        if shards is not None and fresh_v:
-            # v is one vector on every rank (a kept one already is: it comes from all-reduced
-            # sums); u's rows are each rank's own, so its start needs no agreement
+        # v is one vector on every rank (a kept one already is: it comes from all-reduced sums);
+        # u's rows are each rank's own, so its start needs no agreement
+        if shards is not None and (
+            not group["warm_start"] or any(_stale(s, kv, cols) for _, kv in blocks for s in states)
+        ):
             torch.distributed.broadcast(v0, group_src=0, group=shards)
         return power_iteration(mats, u0, v0, group["power_iters"], shards)
 
