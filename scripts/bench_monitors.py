@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.cli import compose_config  # noqa: E402
-from stabletrain.engine.loop import Trainer  # noqa: E402
+from stabletrain.build import build_trainer  # noqa: E402
 from stabletrain.monitor import quantities as Q  # noqa: E402
 
 SYNC_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
@@ -147,7 +147,7 @@ def main() -> None:
     if args.probe_batch:
         over.append(f"monitor.probe_batch_size={args.probe_batch}")
     cfg = compose_config(over + list(args.overrides))
-    t = Trainer(cfg, Path(args.out) / args.model)
+    t = build_trainer(cfg, Path(args.out) / args.model)
     mon = t.monitor
     sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
     nparams = sum(p.numel() for p in t.model.parameters())

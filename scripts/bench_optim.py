@@ -112,9 +112,7 @@ class LocalGPT(nn.Module):
 
 def build_gpt(vocab, ctx, depth, d, heads):
     try:
-        from omegaconf import OmegaConf
-
-        from stabletrain.config import ModelConfig, TrainConfig
+        from stabletrain.config import ModelConfig
         from stabletrain.models.gpt import GPT
 
         model_cfg = ModelConfig(
@@ -126,7 +124,7 @@ def build_gpt(vocab, ctx, depth, d, heads):
             embed_dim=d,
             num_heads=heads,
         )
-        return GPT(OmegaConf.structured(TrainConfig(model=model_cfg))), "stabletrain.models.gpt"
+        return GPT(model_cfg), "stabletrain.models.gpt"
     except ImportError as err:  # omegaconf/Hydra may be absent on a bench machine
         print(f"(stabletrain GPT unavailable: {type(err).__name__}: {err}; using the local GPT)")
         return LocalGPT(vocab, ctx, depth, d, heads), "local"

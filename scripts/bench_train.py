@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_monitors import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from stabletrain.config import MonitorConfig  # noqa: E402
-from stabletrain.engine.loop import Trainer  # noqa: E402
+from stabletrain.build import build_trainer  # noqa: E402
 from stabletrain.cli import compose_config as make_cfg  # noqa: E402
 
 
@@ -39,12 +39,12 @@ def bench(model: str, args) -> dict:
     else:
         over += ["data=digits", "data.img_size=224"] if "test" not in model else []
     cfg = make_cfg(over)
-    t = Trainer(cfg, Path(args.out) / model)
+    t = build_trainer(cfg, Path(args.out) / model)
     sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
     batch = next(t.data.train_iter(0, t.shard))
     resident = [t._to_device(x, y) for x, y in batch]
 
-    trainer_s, _ = timed(lambda: t.train_step(resident, 1e-4, False), args.steps, args.warmup, sync)
+    trainer_s, _ = timed(lambda: t.train_step(resident, False), args.steps, args.warmup, sync)
 
     model_ = t.train_model
     opt = torch.optim.AdamW(t.model.parameters(), lr=1e-4, fused=t.device.type == "cuda")

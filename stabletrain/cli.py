@@ -52,7 +52,7 @@ def explain(err: Exception, overrides: list[str]) -> str:
             key, _, val = ov.lstrip("+~").partition("=")
             if "." not in key and (CONFIG_DIR / key).is_dir() and val not in group_options(key):
                 return f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(group_options(key))}"
-    from stabletrain.config import ConfigError
+    from stabletrain.errors import ConfigError
 
     link = err
     while link is not None:  # a ConfigError raised inside composition (a recipe's ${required:})
@@ -94,7 +94,8 @@ def check_overrides(argv: list[str]) -> None:
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --help, --cfg, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
-    from stabletrain.config import ConfigError, validate
+    from stabletrain.build import validate
+    from stabletrain.errors import ConfigError
 
     try:
         points = _sweep_points(overrides)

@@ -17,25 +17,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-class ConfigError(ValueError):
-    """A config value that cannot run; the message is one line naming the key and the fix."""
+from stabletrain.errors import ConfigError
 
 
 # --- enums: allowed values of the choice-like keys -------------------------------------
-
-
-class Family(str, Enum):
-    vit = "vit"
-    swin = "swin"
-    gpt = "gpt"
-
-
-class NormName(str, Enum):
-    layernorm = "layernorm"
-    rmsnorm = "rmsnorm"
-    stablenorm = "stablenorm"
-    none = "none"
 
 
 class Placement(str, Enum):
@@ -46,17 +31,6 @@ class Placement(str, Enum):
 class EpsMode(str, Enum):
     sqrt = "sqrt"  # x / sqrt(||x||^2 + eps), the StableNorm text (004 l.200)
     add = "add"  # x / (||x|| + eps), the StableNorm demo (004 l.997-1005)
-
-
-class AttentionName(str, Enum):
-    softmax = "softmax"
-    qknorm = "qknorm"
-    stable = "stable"
-
-
-class ReparamName(str, Enum):
-    none = "none"
-    sigma = "sigma"
 
 
 class ApplyTo(str, Enum):
@@ -75,13 +49,6 @@ class QKVSplit(str, Enum):
     q_k_v = "q_k_v"
 
 
-class InitName(str, Enum):
-    family = "family"
-    xavier = "xavier"
-    trunc_xavier = "trunc_xavier"
-    stable = "stable"
-
-
 class QKVInit(str, Enum):
     slices = "slices"
     matrix = "matrix"
@@ -97,37 +64,9 @@ class DeescPlacement(str, Enum):
     ffn = "ffn"  # at each FFN input (002 l.176)
 
 
-class RegName(str, Enum):
-    none = "none"
-    locater = "locater"
-
-
-class OptimName(str, Enum):
-    adamw = "adamw"
-    adamw2 = "adamw2"
-    lars = "lars"
-    sgd = "sgd"
-
-
-class ScheduleName(str, Enum):
-    cosine = "cosine"
-    step = "step"
-    constant = "constant"
-
-
 class Unit(str, Enum):
     steps = "steps"
     epochs = "epochs"
-
-
-class DataName(str, Enum):
-    auto = "auto"  # digits for vision models, pytext for GPT
-    digits = "digits"
-    pytext = "pytext"
-    imagefolder = "imagefolder"
-    cifar10 = "cifar10"  # torchvision's python files in data.root; never downloaded
-    cifar100 = "cifar100"
-    tokens = "tokens"
 
 
 class MonitorName(str, Enum):
@@ -154,7 +93,7 @@ class WandbMode(str, Enum):
 @dataclass
 class ModelConfig:
     name: str = MISSING
-    family: Family = MISSING
+    family: str = MISSING  # vit | swin | gpt: a builder registered in stabletrain.models
     # vit / swin
     img_size: int = 224
     in_chans: int = 3
@@ -185,7 +124,7 @@ class ModelConfig:
 
 @dataclass
 class NormConfig:
-    name: NormName = NormName.layernorm
+    name: str = "layernorm"  # a norm registered in stabletrain.layers.norm
     placement: Placement = Placement.pre
     alpha: float = 0.5  # StableNorm exponent in [0, 0.5]; 0.5 is RMSNorm (004 Eq. 2)
     eps: Optional[float] = None  # None: 1e-5 (eps_mode sqrt, and rmsnorm), 1e-8 (eps_mode add, the demo)
@@ -194,7 +133,7 @@ class NormConfig:
 
 @dataclass
 class AttentionConfig:
-    name: AttentionName = AttentionName.softmax
+    name: str = "softmax"  # registered in stabletrain.layers.attention
     c: float = 1.618  # StableAtten tau = c * log2(N) (004 Eq. 3)
     seq_len: Optional[int] = None  # N; None = the model's sequence length (tokens incl. cls)
     alpha: Optional[float] = None  # StableAtten q/k norm exponent; None = norm.alpha
@@ -203,7 +142,7 @@ class AttentionConfig:
 
 @dataclass
 class ReparamConfig:
-    name: ReparamName = ReparamName.none
+    name: str = "none"  # registered in stabletrain.layers.reparam
     apply_to: ApplyTo = ApplyTo.all  # every linear layer, or the query/key rows only (reparam=sigma_qk)
     gamma_init: GammaInit = GammaInit.one  # svd: the vision recipe; diverged outside vision (001 l.747)
     power_iters: int = 1
@@ -214,7 +153,7 @@ class ReparamConfig:
 
 @dataclass
 class InitConfig:
-    name: InitName = InitName.family
+    name: str = "family"  # registered in stabletrain.layers.init
     gain: float = 1.0  # StableInit: E[sigma_max(W)] <= gain (004 Eq. 1)
     fused_qkv: QKVInit = QKVInit.slices  # a fused qkv as three d x d slices, or as one 3d x d matrix (the demo)
 
@@ -229,15 +168,25 @@ class DeescConfig:
 
 
 @dataclass
-class RegularizerConfig:
-    name: RegName = RegName.none
-    scale_coef: float = 100.0  # kappa1: weight of tr(W_QK^T W_QK), the eigenspectrum scale
-    mean_coef: float = 1.0  # kappa2: weight of (tr(W_QK) - 1)^2, the eigenspectrum mean
+class Components:
+    """What a model family asks for by name: its norm, attention, reparametrisation, init and
+    de-escalation (the model builders get this, never the training config)."""
+
+    norm: NormConfig = field(default_factory=NormConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    reparam: ReparamConfig = field(default_factory=ReparamConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    deescalate: DeescConfig = field(default_factory=DeescConfig)
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Components":
+        """The components of a composed training config."""
+        return cls(cfg.norm, cfg.attention, cfg.reparam, cfg.init, cfg.deescalate)
 
 
 @dataclass
 class OptimConfig:
-    name: OptimName = OptimName.adamw2
+    name: str = "adamw2"  # registered in stabletrain.optim
     lr: float = 1e-3
     weight_decay: float = 0.05
     weight_decay_end: Optional[float] = None  # None: constant; else a half cosine to it over the run
@@ -260,7 +209,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: ScheduleName = ScheduleName.cosine
+    name: str = "cosine"  # registered in stabletrain.optim.schedule
     unit: Unit = Unit.steps  # unit of warmup, milestones and epochs-based horizons
     min_lr: float = 0.0
     milestones: list[float] = field(default_factory=list)
@@ -270,7 +219,7 @@ class ScheduleConfig:
 
 @dataclass
 class DataConfig:
-    name: DataName = DataName.auto
+    name: str = "auto"  # auto (digits for vision, pytext for GPT) or one registered in stabletrain.data
     root: Optional[str] = None  # imagefolder: train/ and val/ class folders; cifar10/100: their python folder's parent
     path: Optional[str] = None  # tokens: a train .bin; val.bin and (optional) meta.json beside it
     img_size: Optional[int] = None  # None = the model's
@@ -337,7 +286,9 @@ class TrainConfig:
     reparam: ReparamConfig = field(default_factory=ReparamConfig)
     init: InitConfig = field(default_factory=InitConfig)
     deescalate: DeescConfig = field(default_factory=DeescConfig)
-    regularizer: RegularizerConfig = field(default_factory=RegularizerConfig)
+    # extra loss terms by name -> their parameters (``regularizer=[locater,zloss]``), each checked
+    # against the parameters its term registers in stabletrain.losses
+    regularizer: dict[str, Any] = field(default_factory=dict)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
@@ -366,7 +317,7 @@ def _required(key: str):
 
 def _rank_zero_only(value: Any, others: Any = None) -> Any:
     """``value`` in rank 0 of a distributed job (or a plain process), ``others`` in the rest."""
-    from stabletrain.engine.distributed import detect
+    from stabletrain.topology import detect
 
     return value if detect().rank == 0 else others
 
@@ -407,7 +358,10 @@ def _need(ok: bool, msg: str) -> None:
 
 
 def validate(cfg: Any) -> None:
-    """Range checks on a composed config; raises ConfigError with one line."""
+    """Range checks on a composed config; raises ConfigError with one line.
+
+    The checks that need to know the options (names, what a model family or data set allows)
+    are :func:`stabletrain.build.validate`'s, which runs these too."""
     o, m = cfg.optim, cfg.model
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0 (e.g. optim.lr=1e-3)")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
@@ -431,12 +385,8 @@ def validate(cfg: Any) -> None:
     _need(n is None or n >= 2, f"attention.seq_len={n} must be >= 2, or null for the model's own")
     _need(cfg.init.gain > 0, f"init.gain={cfg.init.gain} must be > 0")
     _need(cfg.reparam.gamma_lr_mult >= 0, f"reparam.gamma_lr_mult={cfg.reparam.gamma_lr_mult} must be >= 0")
-    _need(not (cfg.deescalate.causal and m.family == Family.swin),
-          "deescalate.causal=true does not apply to Swin (its windows have no token order); leave it null")
     _need(0 <= cfg.deescalate.lambda_ <= 1, f"deescalate.lambda_={cfg.deescalate.lambda_} must be in [0, 1]")
     _need(cfg.reparam.power_iters >= 1, f"reparam.power_iters={cfg.reparam.power_iters} must be >= 1")
-    _need(cfg.regularizer.scale_coef >= 0 and cfg.regularizer.mean_coef >= 0,
-          "regularizer.scale_coef and regularizer.mean_coef must be >= 0")
     _need(cfg.steps is None or cfg.steps > 0, f"steps={cfg.steps} must be > 0")
     _need(cfg.epochs is None or cfg.epochs > 0, f"epochs={cfg.epochs} must be > 0")
     _need(cfg.steps is not None or cfg.epochs is not None, "set steps=N or epochs=E")
@@ -464,8 +414,6 @@ def validate(cfg: Any) -> None:
           f"device={cfg.device} is not an option: use auto, cpu, cuda or cuda:N")
     _need(cfg.schedule.min_lr >= 0, f"schedule.min_lr={cfg.schedule.min_lr} must be >= 0")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
-    _need(m.embed_dim % m.num_heads == 0 or m.family == Family.swin,
-          f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
     d = cfg.data
@@ -473,17 +421,6 @@ def validate(cfg: Any) -> None:
     _need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _need(d.mixup >= 0 and d.cutmix >= 0, f"data.mixup={d.mixup} and data.cutmix={d.cutmix} must be >= 0 (0 is off)")
     _need(0 <= d.label_smoothing < 1, f"data.label_smoothing={d.label_smoothing} must be in [0, 1)")
-    if d.name == DataName.imagefolder:
-        _need(d.root is not None and _exists(d.root),
-              f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
-    if d.name in (DataName.cifar10, DataName.cifar100):
-        from stabletrain.data.vision import check_cifar_files
-
-        check_cifar_files(DataName(d.name).value, d.root)
-    if d.name == DataName.tokens:
-        _need(d.path is not None and _exists(d.path),
-              f"data.path={d.path} does not exist: point data=tokens at a train.bin "
-              "(scripts/prepare_tokens.py writes one)")
 
 
 def _exists(p: str) -> bool:

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from stabletrain.layers.norm import _enum
+from stabletrain.registry import option_value
 
 
 def _clean(v):
@@ -32,13 +32,16 @@ def write_json(path: Path, obj) -> None:
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, cfg, *, enabled: bool = True, resume_step: int | None = None,
-                 config_dict: dict | None = None):
+    """``logger`` is the ``logger`` config group; ``name`` the run's name in wandb; ``config_dict``
+    the resolved config wandb records."""
+
+    def __init__(self, run_dir: Path, logger, *, name: str = "run", enabled: bool = True,
+                 resume_step: int | None = None, config_dict: dict | None = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self.wandb = None
         self.tty = sys.stderr.isatty()
-        self.show_progress = bool(cfg.logger.progress)
+        self.show_progress = bool(logger.progress)
         self.last_print = 0.0
         if not enabled:
             return
@@ -50,24 +53,24 @@ class Metrics:
                 self.path.replace(old)
                 self.message(f"{self.path} held an earlier run's records: moved to {old.name}")
         self.file = open(self.path, "a", buffering=1)
-        mode = _enum(cfg.logger.wandb)
+        mode = option_value(logger.wandb)
         if mode != "disabled":
-            self._start_wandb(Path(run_dir), cfg, mode, config_dict)
+            self._start_wandb(Path(run_dir), logger, name, mode, config_dict)
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run redoes the steps after its checkpoint: drop their old records."""
         keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
         self.path.write_text("".join(ln + "\n" for ln in keep))
 
-    def _start_wandb(self, run_dir: Path, cfg, mode: str, config_dict: dict | None) -> None:
+    def _start_wandb(self, run_dir: Path, logger, name: str, mode: str, config_dict: dict | None) -> None:
         try:
             import wandb
 
             id_file = run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
-            self.wandb = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, mode=mode,
-                                    dir=str(run_dir), id=run_id, resume="allow", name=cfg.name,
+            self.wandb = wandb.init(project=logger.project, entity=logger.entity, mode=mode,
+                                    dir=str(run_dir), id=run_id, resume="allow", name=name,
                                     config=config_dict, settings=wandb.Settings(silent=True))
         except Exception as e:  # a tracking hiccup must not cost the run
             print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from stabletrain.config import ConfigError, validate
+from stabletrain.errors import ConfigError
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import last_checkpoint
 
@@ -22,22 +22,22 @@ def run(cfg, run_dir: str | Path) -> dict:
     In a DDP job every rank calls this; rank 0's ``run_dir`` is the run's, whatever the
     others were given, and only rank 0 writes into it.
     """
-    from stabletrain.engine.loop import Trainer, pick_device
+    from stabletrain.build import build_trainer, validate
 
     validate(cfg)
     info = D.detect()
     try:
-        D.init(info, pick_device(cfg.device, info))
+        D.init(info, D.pick_device(cfg.device, info))
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
+        trainer = build_trainer(cfg, run_dir, info)
         if info.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
             config = run_dir / "config.yaml"
-            # A requeued attempt keeps the first attempt's file: the loop refuses to resume
-            # a checkpoint of another config, and that file must still say which config it was.
+            # Written once the model is built, so it records what the data set (class count,
+            # channels). A requeued attempt keeps the first attempt's file: the loop refuses to
+            # resume a checkpoint of another config, and that file must still say which it was.
             requeued = cfg.resume is None and D.may_be_requeued() and last_checkpoint(run_dir) is not None
             if not (requeued and config.is_file()):
                 config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        trainer = Trainer(cfg, run_dir, info)
         summary = trainer.fit()
     finally:
         D.shutdown(info)

@@ -39,3 +39,11 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 30
     e = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=e,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def model_of(cfg):
+    """The model a composed training config builds (its components, init and reparametrisation)."""
+    from stabletrain.config import Components
+    from stabletrain.models.registry import build_model
+
+    return build_model(cfg.model, Components.of(cfg))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from stabletrain.config import ConfigError, validate
+from stabletrain.build import validate
+from stabletrain.config import ConfigError
 from tests.helpers import make_cfg
 
 
@@ -17,7 +18,7 @@ from tests.helpers import make_cfg
     (["reparam=sigma", "reparam.power_iters=0"], "reparam.power_iters=0 must be >= 1"),
     (["deescalate=block", "deescalate.lambda_=1.5"], "deescalate.lambda_=1.5 must be in [0, 1]"),
     (["model=swin_test", "deescalate=block", "deescalate.causal=true"], "does not apply to Swin"),
-    (["regularizer=locater", "regularizer.scale_coef=-1"], "must be >= 0"),
+    (["regularizer=locater", "regularizer.locater.scale_coef=-1"], "must be >= 0"),
     (["norm.eps=0"], "norm.eps=0.0 must be > 0"),
     (["optim.power_iters=0"], "optim.power_iters=0 must be >= 1"),
     (["optim.betas=[0.9,1.0]"], "optim.betas=[0.9, 1.0] must be two values in [0, 1)"),
@@ -53,8 +54,8 @@ def test_the_defaults_and_the_recipes_validate():
 @pytest.mark.parametrize("overrides,micro", [(["batch_size=5"], 5), (["batch_size=6", "micro_batch_size=3"], 3)])
 def test_mixup_needs_an_even_micro_batch(tmp_path, overrides, micro):
     """Checked where the micro-batch is known (it depends on the world size)."""
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET
 
     with pytest.raises(ConfigError, match=f"micro-batch {micro} must be even"):
-        Trainer(make_cfg(*QUIET, "model=vit_test", "data.mixup=0.8", *overrides), tmp_path)
+        build_trainer(make_cfg(*QUIET, "model=vit_test", "data.mixup=0.8", *overrides), tmp_path)

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from stabletrain.config import ConfigError
-from stabletrain.data import Shard, build_data, epoch_indices
+from stabletrain.build import data_from_config
+from stabletrain.data import Shard, epoch_indices
 from tests.helpers import cli, make_cfg
 
 
 def test_digits_are_real_and_split():
-    d = build_data(make_cfg("model=vit_test"))
+    d = data_from_config(make_cfg("model=vit_test"))
     assert d.kind == "vision" and d.num_classes == 10 and d.in_chans == 1
     x, y = next(d.val_batches(512, 1))
     assert x.shape[1:] == (1, 16, 16) and set(y.tolist()) == set(range(10))
@@ -18,7 +19,7 @@ def test_digits_are_real_and_split():
 
 
 def test_pytext_is_stdlib_bytes():
-    d = build_data(make_cfg("model=gpt_test"))
+    d = data_from_config(make_cfg("model=gpt_test"))
     assert d.kind == "text" and d.vocab_size == 256
     text = bytes(d.train[:20000].tolist()).decode("utf-8", errors="replace")
     assert "def " in text and "import" in text
@@ -32,7 +33,7 @@ def test_epoch_stream_is_a_permutation_per_epoch():
 
 
 def test_ranks_and_micro_batches_partition_the_global_batch():
-    d = build_data(make_cfg("model=gpt_test"))
+    d = data_from_config(make_cfg("model=gpt_test"))
     whole = next(d.train_iter(5, Shard(8)))
     assert len(whole) == 1 and whole[0][0].shape == (8, 32)
     parts = [next(d.train_iter(5, Shard(8, rank=r, world=2, accum=2))) for r in range(2)]
@@ -46,7 +47,7 @@ def test_tokens_bin(tmp_path):
     arr = (np.arange(5000) % 50000).astype(np.uint16)
     arr.tofile(tmp_path / "train.bin")
     arr[:1000].tofile(tmp_path / "val.bin")
-    d = build_data(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}",
+    d = data_from_config(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}",
                             "model.vocab_size=50304"))
     x, y = next(d.train_iter(0, Shard(4)))[0]
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
@@ -60,12 +61,12 @@ def test_gpt2_tokenizer_offline_gives_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(ConfigError, match="TIKTOKEN_CACHE_DIR|data.tokenizer=byte"):
-        build_data(make_cfg("model=gpt_test", "data.tokenizer=gpt2"))
+        data_from_config(make_cfg("model=gpt_test", "data.tokenizer=gpt2"))
 
 
 def test_data_must_fit_the_model():
     with pytest.raises(ConfigError, match="does not fit"):
-        build_data(make_cfg("model=gpt_test", "data=digits"))
+        data_from_config(make_cfg("model=gpt_test", "data=digits"))
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -101,7 +102,7 @@ def test_repeated_augmentation_stream():
     assert torch.equal(pairs[:, 0], pairs[:, 1]) and len(set(pairs[:, 0].tolist())) == 5
     plain = torch.randperm(10, generator=torch.Generator().manual_seed(100_003))
     assert torch.equal(epoch_indices(10, 1, 0, 10), plain)
-    d = build_data(make_cfg("model=vit_test", "data.repeated_aug=3"))
+    d = data_from_config(make_cfg("model=vit_test", "data.repeated_aug=3"))
     (x, y), = next(d.train_iter(0, Shard(6)))
     assert torch.equal(x[0], x[1]) and torch.equal(x[1], x[2]) and y[0] == y[2]
 

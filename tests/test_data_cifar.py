@@ -13,7 +13,8 @@ import torch
 import torchvision
 
 from stabletrain.config import ConfigError
-from stabletrain.data import Shard, build_data
+from stabletrain.build import data_from_config
+from stabletrain.data import Shard
 from tests.helpers import QUIET, cli, make_cfg, train
 
 # name: (folder, {file: images}, label key, meta file, meta key, classes, mean, std)
@@ -59,7 +60,7 @@ def test_eval_batch_is_the_pickled_pixels_normalised(tmp_path, no_md5, name):
     written = fake_cifar(tmp_path, name)
     *_, label_key, _, _, classes, mean, std = LAYOUT[name]
     test = written["test_batch" if name == "cifar10" else "test"]
-    d = build_data(cifar_cfg(name, tmp_path))
+    d = data_from_config(cifar_cfg(name, tmp_path))
     assert d.kind == "vision" and d.num_classes == classes and d.in_chans == 3
     assert d.n_train == sum(len(e[label_key]) for f, e in written.items() if "test" not in f)
 
@@ -75,10 +76,10 @@ def test_eval_batch_is_the_pickled_pixels_normalised(tmp_path, no_md5, name):
 
 
 def test_class_count_reaches_the_model(tmp_path, no_md5):
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
 
     fake_cifar(tmp_path / "data", "cifar100")
-    t = Trainer(make_cfg(*QUIET, "model=vit_test", "model.img_size=32", "data=cifar100",
+    t = build_trainer(make_cfg(*QUIET, "model=vit_test", "model.img_size=32", "data=cifar100",
                          f"data.root={tmp_path / 'data'}", "data.num_workers=0", "steps=1"), tmp_path / "run")
     assert t.model.head.out_features == 100 and t.model.patch_embed.img_size == (32, 32)
 
@@ -95,7 +96,7 @@ def test_cifar10_trains(tmp_path, no_md5):
                                                  ("cifar100", "cifar-100-python", "cifar-100-python.tar.gz")])
 def test_missing_files_name_the_folder_and_the_fix(tmp_path, name, folder, tarball):
     with pytest.raises(ConfigError) as e:
-        build_data(cifar_cfg(name, tmp_path))
+        data_from_config(cifar_cfg(name, tmp_path))
     msg = str(e.value)
     assert "\n" not in msg and f"{tmp_path / folder}/ is missing" in msg
     assert "download=True" in msg and tarball in msg
@@ -105,13 +106,13 @@ def test_incomplete_folder_lists_the_missing_files(tmp_path, no_md5):
     fake_cifar(tmp_path, "cifar10")
     (tmp_path / "cifar-10-batches-py" / "data_batch_3").unlink()
     with pytest.raises(ConfigError, match="lacks data_batch_3"):
-        build_data(cifar_cfg("cifar10", tmp_path))
+        data_from_config(cifar_cfg("cifar10", tmp_path))
 
 
 def test_files_failing_torchvisions_checksum_are_a_config_error(tmp_path):
     fake_cifar(tmp_path, "cifar10")  # right names, wrong md5 (no patch here)
     with pytest.raises(ConfigError, match="torchvision rejects"):
-        build_data(cifar_cfg("cifar10", tmp_path))
+        data_from_config(cifar_cfg("cifar10", tmp_path))
 
 
 def test_missing_root_is_one_line_before_training(tmp_path):
@@ -125,14 +126,14 @@ def test_missing_root_is_one_line_before_training(tmp_path):
 
 def test_unset_root_says_which_folder_to_point_at():
     with pytest.raises(ConfigError, match=r"data=cifar100 needs data.root=ROOT, the folder holding cifar-100-python/"):
-        build_data(make_cfg("model=vit_test", "data=cifar100"))
+        data_from_config(make_cfg("model=vit_test", "data=cifar100"))
 
 
 def test_augmented_runs_repeat_from_a_seed_and_resume_exactly(tmp_path, no_md5):
     """RandAugment, random erasing and mixup in two loader workers: the same seed gives the same
     run, and a run stopped and resumed gives the uninterrupted one (each sample's augmentation
     is seeded by its place in the stream, not by the worker that loads it)."""
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import losses
     from tests.test_engine import _run_until
 
@@ -142,7 +143,7 @@ def test_augmented_runs_repeat_from_a_seed_and_resume_exactly(tmp_path, no_md5):
             "model.drop_path=0.1", "steps=6", "batch_size=4", "eval_every=1000", "logger.log_every=1"]
     train(tmp_path / "a", *args)
     train(tmp_path / "b", *args)
-    t = Trainer(make_cfg(*QUIET, *args, "ckpt_every=3"), tmp_path / "half")
+    t = build_trainer(make_cfg(*QUIET, *args, "ckpt_every=3"), tmp_path / "half")
     _run_until(t, 3)
     train(tmp_path / "half", *args, "resume=auto")
     a = losses(tmp_path / "a")

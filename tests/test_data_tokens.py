@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stabletrain.config import ConfigError
-from stabletrain.data import Shard, build_data
+from stabletrain.build import data_from_config
+from stabletrain.data import Shard
 from stabletrain.data.token_files import prepare_from_sources, prepare_tokens, token_dtype
 from tests.helpers import make_cfg, train
 
@@ -167,25 +168,26 @@ def test_data_tokens_reads_vocab_and_dtype_from_meta(tmp_path):
     meta = {"vocab_size": 80_000, "dtype": "uint32", "train_tokens": 3000, "val_tokens": 500}
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     cfg = make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}", "model.vocab_size=80000")
-    d = build_data(cfg)
+    d = data_from_config(cfg)
     x, y = next(d.train_iter(0, Shard(4)))[0]
     assert d.vocab_size == 80_000 and x.min() >= 70_000 and torch.equal(x[:, 1:], y[:, :-1])
 
     with pytest.raises(ConfigError, match="model.vocab_size=256 is smaller than the data's vocabulary 80000: "
                                           "set model.vocab_size=80000"):
-        build_data(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}"))
+        data_from_config(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}"))
     (tmp_path / "meta.json").write_text(json.dumps({**meta, "train_tokens": 2999}))
     with pytest.raises(ConfigError, match="holds 3000 tokens but .*meta.json says 2999"):
-        build_data(cfg)
+        data_from_config(cfg)
 
 
 def test_bins_without_meta_are_gpt2_uint16(tmp_path):
     np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     np.arange(500, dtype=np.uint16).tofile(tmp_path / "val.bin")
     path = f"data.path={tmp_path / 'train.bin'}"
-    assert build_data(make_cfg("model=gpt_test", "data=tokens", path, "model.vocab_size=50304")).vocab_size == 50257
+    cfg = make_cfg("model=gpt_test", "data=tokens", path, "model.vocab_size=50304")
+    assert data_from_config(cfg).vocab_size == 50257
     with pytest.raises(ConfigError, match="set model.vocab_size=50304"):
-        build_data(make_cfg("model=gpt_test", "data=tokens", path))
+        data_from_config(make_cfg("model=gpt_test", "data=tokens", path))
 
 
 def test_prepared_text_trains(tmp_path):

@@ -8,7 +8,7 @@ from torch import nn
 
 from stabletrain.config import ConfigError
 from stabletrain.engine.ema import WeightEma
-from tests.helpers import make_cfg, train
+from tests.helpers import make_cfg, train, model_of
 
 FAST = ["model=vit_test", "batch_size=16", "logger.log_every=1", "ema.decay=0.9"]
 
@@ -56,11 +56,10 @@ def test_warmup_starts_with_a_copy_then_follows_timms_schedule():
 
 def test_eval_refits_sigma_reparam_to_the_averaged_weights():
     from stabletrain.layers.reparam import sigma_reparams
-    from stabletrain.models.registry import build_model
     from stabletrain.spectral import sigma1_exact
 
     torch.manual_seed(0)
-    model = build_model(make_cfg("model=vit_test", "reparam=sigma"))
+    model = model_of(make_cfg("model=vit_test", "reparam=sigma"))
     ema = WeightEma(model, 0.5)
     with torch.no_grad():  # a new leading direction, which the copied u, v do not know
         for w, _ in sigma_reparams(model):
@@ -82,11 +81,11 @@ def test_trainer_reports_the_average_and_resumes_it(tmp_path):
     full = torch.load(tmp_path / "full/checkpoints/last.pt", weights_only=True)["ema"]
     assert full["updates"] == 6
 
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET
     from tests.test_engine import _run_until
 
-    t = Trainer(make_cfg(*QUIET, *FAST, "steps=6", "eval_every=3", "ckpt_every=3"), tmp_path / "half")
+    t = build_trainer(make_cfg(*QUIET, *FAST, "steps=6", "eval_every=3", "ckpt_every=3"), tmp_path / "half")
     _run_until(t, 3)
     train(tmp_path / "half", *FAST, "steps=6", "eval_every=3", "resume=auto")
     half = torch.load(tmp_path / "half/checkpoints/last.pt", weights_only=True)["ema"]
@@ -97,10 +96,10 @@ def test_trainer_reports_the_average_and_resumes_it(tmp_path):
 
 def test_a_checkpoint_without_an_average_starts_it_from_its_weights(tmp_path):
     train(tmp_path, "model=vit_test", "batch_size=16", "steps=2", "eval_every=1000")
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET
 
-    t = Trainer(make_cfg(*QUIET, *FAST, "steps=4", "resume=auto", "eval_every=1000"), tmp_path)
+    t = build_trainer(make_cfg(*QUIET, *FAST, "steps=4", "resume=auto", "eval_every=1000"), tmp_path)
     assert t.maybe_resume() == 2
     for a, b in zip(t.ema.module.state_dict().values(), t.model.state_dict().values()):
         assert torch.equal(a, b)
@@ -109,7 +108,7 @@ def test_a_checkpoint_without_an_average_starts_it_from_its_weights(tmp_path):
 @pytest.mark.parametrize("bad, msg", [("ema.decay=1.0", "ema.decay=1.0 must be in (0, 1)"),
                                       ("ema.every=0", "ema.every=0 must be >= 1")])
 def test_bad_ema_settings_are_one_line_errors(bad, msg):
-    from stabletrain.config import validate
+    from stabletrain.build import validate
 
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")):
         validate(make_cfg("model=vit_test", bad))

@@ -40,11 +40,11 @@ def test_resume_continues_identically(tmp_path, extra):
     args = FAST + extra
     train(tmp_path / "full", *args, "steps=8")
     # Stop after 4 of 8 steps (same schedule horizon), then resume and finish.
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
     cfg = make_cfg(*QUIET, *args, "steps=8", "ckpt_every=4")
-    t = Trainer(cfg, tmp_path / "half")
+    t = build_trainer(cfg, tmp_path / "half")
     _run_until(t, 4)
     s = train(tmp_path / "half", *args, "steps=8", "resume=auto")
     assert s["status"] == "completed"
@@ -85,11 +85,11 @@ def _run_until(trainer, n):
 
 
 def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
     cfg = make_cfg(*QUIET, *GPT, "steps=1000")
-    t = Trainer(cfg, tmp_path)
+    t = build_trainer(cfg, tmp_path)
     orig = t.train_step
     calls = []
 
@@ -227,7 +227,7 @@ def test_data_img_size_sizes_the_model(tmp_path):
 
 
 def test_locater_penalty_is_logged_beside_the_loss(tmp_path):
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from stabletrain.layers.locater import locater_penalty
     from tests.helpers import QUIET, make_cfg
 
@@ -236,7 +236,7 @@ def test_locater_penalty_is_logged_beside_the_loss(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     rec = next(r for r in recs if "loss" in r)
     cfg = make_cfg(*QUIET, *args)
-    t = Trainer(cfg, tmp_path / "fresh")  # the same seed: the weights of step 1's forward
-    want = locater_penalty(t.model, cfg.regularizer).item()
+    t = build_trainer(cfg, tmp_path / "fresh")  # the same seed: the weights of step 1's forward
+    want = locater_penalty(t.model, cfg.regularizer.locater).item()
     assert rec["loss/penalty"] == pytest.approx(want, rel=1e-5) and rec["loss/penalty"] > 0
     assert rec["loss"] > rec["loss/penalty"]

@@ -26,7 +26,7 @@ def test_group_option_trains(tmp_path, group, option, family):
 
 
 def test_wandb_offline_by_default(tmp_path):
-    assert make_cfg().logger.wandb.value == "offline"
+    assert make_cfg().logger.wandb == "offline"
     train(tmp_path, "model=gpt_test", "logger=default", "steps=2", "batch_size=4", "eval_every=1000", quiet=False)
     assert list((tmp_path / "wandb").glob("offline-run-*")), "no offline wandb run written"
 

@@ -4,8 +4,9 @@ import pytest
 import timm
 import torch
 
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model, transformer_blocks
-from tests.helpers import make_cfg
+from tests.helpers import make_cfg, model_of
 
 
 @pytest.mark.parametrize("ours,timm_name,kw", [
@@ -16,7 +17,7 @@ from tests.helpers import make_cfg
 def test_default_vision_models_are_timms(ours, timm_name, kw):
     cfg = make_cfg(f"model={ours}", "model.drop_path=0.0")
     torch.manual_seed(0)
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     ref = timm.create_model(timm_name, pretrained=False, num_classes=1000, **kw).eval()
     assert list(model.state_dict()) == list(ref.state_dict())
     kinds = [type(m).__name__ for m in model.modules()]
@@ -31,7 +32,7 @@ def test_default_vision_models_are_timms(ours, timm_name, kw):
 def test_gpt2_s_has_gpt2_parameter_count():
     cfg = make_cfg("model=gpt2_s")
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg.model, Components.of(cfg))
     n = sum(p.numel() for p in model.parameters())  # tied lm_head counted once
     # GPT-2 124M: 12 x (12 d^2) + (50304 + 1024) d + norms; nanoGPT's bias=False variant
     d = 768
@@ -42,7 +43,7 @@ def test_gpt2_s_has_gpt2_parameter_count():
 
 def test_gpt_is_causal():
     cfg = make_cfg("model=gpt_test")
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     x = torch.randint(0, 256, (1, 16))
     y = x.clone()
     y[0, 10:] = (y[0, 10:] + 7) % 256
@@ -56,7 +57,7 @@ def test_gpt_is_causal():
 def test_transformer_blocks_found(name, count):
     cfg = make_cfg(f"model={name}")
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg.model, Components.of(cfg))
     blocks = transformer_blocks(model)
     assert len(blocks) == count
     for _, b in blocks:
@@ -66,7 +67,7 @@ def test_transformer_blocks_found(name, count):
 def test_vit_family_init_stds():
     cfg = make_cfg("model=vit_b", "model.init_std=0.01", "model.patch_embed_std=0.0025")
     torch.manual_seed(0)
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     w = model.blocks[0].mlp.fc1.weight
     assert abs(w.std().item() - 0.01) < 5e-4
     assert abs(model.patch_embed.proj.weight.std().item() - 0.0025) < 2e-4
@@ -74,7 +75,7 @@ def test_vit_family_init_stds():
 
 def _size(name: str) -> int:
     with torch.device("meta"):
-        return sum(p.numel() for p in build_model(make_cfg(f"model={name}")).parameters())
+        return sum(p.numel() for p in model_of(make_cfg(f"model={name}")).parameters())
 
 
 @pytest.mark.parametrize("name,width,depth,heads,mlp,patch,paper_m", [
@@ -105,7 +106,7 @@ def test_other_sizes_match_the_papers(name, paper_m):
 def test_gpt_family_init_is_nanogpts():
     """N(0, 0.02) everywhere, residual projections (attn.proj, mlp.fc2) 0.02 / sqrt(2 n_layer)."""
     torch.manual_seed(0)
-    model = build_model(make_cfg("model=gpt_test", "model.embed_dim=256", "model.depth=4"))
+    model = model_of(make_cfg("model=gpt_test", "model.embed_dim=256", "model.depth=4"))
     blk = model.blocks[1]
     for w in (model.wte.weight, blk.attn.qkv.weight, blk.mlp.fc1.weight):
         assert abs(w.std().item() / 0.02 - 1) < 0.03

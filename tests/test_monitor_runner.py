@@ -72,13 +72,14 @@ def test_probe_gradient_norm_is_each_samples_own(tmp_path, model):
     import torch
     import torch.nn.functional as F
 
-    from stabletrain.engine.loop import Trainer
-    from stabletrain.monitor.runner import MonitorRunner
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    t = Trainer(make_cfg(*QUIET, f"model={model}", "batch_size=8", "data.label_smoothing=0.1")
-                if model == "vit_test" else make_cfg(*QUIET, f"model={model}", "batch_size=8"), tmp_path)
-    runner = MonitorRunner(t)
+    t = build_trainer(make_cfg(*QUIET, "monitor=standard", f"model={model}", "batch_size=8",
+                               "data.label_smoothing=0.1")
+                      if model == "vit_test" else make_cfg(*QUIET, "monitor=standard", f"model={model}",
+                                                           "batch_size=8"), tmp_path)
+    runner = t.monitor
     got = runner.probe_metrics()["norm/blocks.0/grad_x"]
     t.model.eval()
     x, y = runner.probe_batch
@@ -108,13 +109,13 @@ def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_inpu
     attention input norm1(x) (SPEC section 7); absent where q/k are normalised."""
     import torch
 
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from stabletrain.monitor.quantities import entropy_lower_bound, split_heads
-    from stabletrain.monitor.runner import MonitorRunner
     from tests.helpers import QUIET, make_cfg
 
-    t = Trainer(make_cfg(*QUIET, "model=vit_test", "batch_size=8", f"attention={attention}"), tmp_path)
-    runner = MonitorRunner(t)
+    t = build_trainer(make_cfg(*QUIET, "monitor=standard", "model=vit_test", "batch_size=8",
+                               f"attention={attention}"), tmp_path)
+    runner = t.monitor
     got = runner.probe_metrics()
     if attention != "softmax":
         assert "entropy/blocks.0/bound_min" not in got
@@ -135,13 +136,13 @@ def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_inpu
 def test_a_resumed_run_logs_the_monitor_values_of_the_whole_run(tmp_path):
     """The weight pass warm-starts its power iterations from the last pass's vectors: those,
     the alert watch and the forensics history travel in the checkpoint."""
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
     from tests.test_engine import _run_until
 
     args = ["model=vit_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "steps=8", *MON]
     train(tmp_path / "full", *args)
-    t = Trainer(make_cfg(*QUIET, *args, "ckpt_every=4"), tmp_path / "half")
+    t = build_trainer(make_cfg(*QUIET, *args, "ckpt_every=4"), tmp_path / "half")
     _run_until(t, 4)
     train(tmp_path / "half", *args, "resume=auto")
 

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabletrain.config import validate
+from stabletrain.build import validate
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
-from tests.helpers import ROOT, make_cfg, train
+from tests.helpers import ROOT, make_cfg, train, model_of
 
 RECIPES = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 REQUIRED = {"deesc_vit_cifar": ["optim.lr=1e-3"]}
@@ -17,11 +18,11 @@ REQUIRED = {"deesc_vit_cifar": ["optim.lr=1e-3"]}
 def test_recipe_composes_and_builds(name):
     cfg = make_cfg(f"experiment={name}", *REQUIRED.get(name, []))
     validate(cfg)
-    if cfg.reparam.name.value == "none":
+    if cfg.reparam.name == "none":
         with torch.device("meta"):
-            build_model(cfg)
+            build_model(cfg.model, Components.of(cfg))
     else:  # sigmaReparam's SVD init needs real numbers: a shallow copy of the recipe
-        build_model(make_cfg(f"experiment={name}", *REQUIRED.get(name, []), "model.depth=1"))
+        model_of(make_cfg(f"experiment={name}", *REQUIRED.get(name, []), "model.depth=1"))
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -33,15 +34,15 @@ def test_recipe_length_is_the_papers(name):
 
 
 def test_an_epoch_recipe_sets_the_trainers_length_and_schedule_in_epochs(tmp_path):
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from stabletrain.optim import scaled_lr
 
     cfg = make_cfg("experiment=vit_s_cifar100", "model=vit_test", "data=digits", "logger=none", "monitor=off",
                    "batch_size=64", "epochs=3", "warmup=1")
-    t = Trainer(cfg, tmp_path)
+    t = build_trainer(cfg, tmp_path)
     spe = t.steps_per_epoch
     assert t.total_steps == round(3 * spe) and spe > 1
-    assert cfg.schedule.unit.value == "epochs"
+    assert cfg.schedule.unit == "epochs"
     assert t.lr_at(spe) == pytest.approx(scaled_lr(cfg.optim, cfg.batch_size))  # warmup: one epoch
     assert t.lr_at(spe // 2) < t.lr_at(spe)
 
@@ -49,9 +50,9 @@ def test_an_epoch_recipe_sets_the_trainers_length_and_schedule_in_epochs(tmp_pat
 def test_warmup_free_recipes_have_baselines():
     for model in ("vit_b", "gpt2_s", "swin_s"):
         ours, base = make_cfg(f"experiment=adamw2_{model}"), make_cfg(f"experiment=adamw_{model}")
-        assert ours.optim.name.value == "adamw2" and ours.warmup == 0
-        assert base.optim.name.value == "adamw" and base.warmup > 0
-        assert base.init.name.value == "family"  # the reference code's own AdamW run
+        assert ours.optim.name == "adamw2" and ours.warmup == 0
+        assert base.optim.name == "adamw" and base.warmup > 0
+        assert base.init.name == "family"  # the reference code's own AdamW run
     assert make_cfg("experiment=adamw_vit_b").warmup == 60
     assert make_cfg("experiment=adamw_gpt2_s").warmup == 2000
     assert make_cfg("experiment=adamw_swin_s").warmup == 20
@@ -71,11 +72,11 @@ def test_adamw2_recipes_train_on_embedded_data(tmp_path: Path, name, shrink):
 def _recipe_values(name: str) -> dict:
     c = make_cfg(f"experiment={name}")
     o, d = c.optim, c.data
-    return {"optim": o.name.value, "tau": o.tau, "betas": list(o.betas), "lr": o.lr, "wd": o.weight_decay,
-            "batch": c.batch_size, "epochs": c.epochs, "steps": c.steps, "init": c.init.name.value,
+    return {"optim": o.name, "tau": o.tau, "betas": list(o.betas), "lr": o.lr, "wd": o.weight_decay,
+            "batch": c.batch_size, "epochs": c.epochs, "steps": c.steps, "init": c.init.name,
             "mixup": d.mixup, "cutmix": d.cutmix, "smoothing": d.label_smoothing, "erasing": d.erasing,
             "randaug": d.randaug, "drop_path": c.model.drop_path, "clip": c.grad_clip, "ema": c.ema.decay,
-            "schedule": c.schedule.name.value, "min_lr": c.schedule.min_lr, "warmup": c.warmup,
+            "schedule": c.schedule.name, "min_lr": c.schedule.min_lr, "warmup": c.warmup,
             "context": c.model.block_size}
 
 

@@ -9,14 +9,15 @@ seeded permutation per epoch; text draws random windows per step.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from stabletrain.config import ConfigError
-from stabletrain.layers.norm import _enum
+from stabletrain.errors import ConfigError
+from stabletrain.registry import Registry, option_value
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -125,44 +126,112 @@ class TokenWindows(Data):
             yield self._windows(self.val, torch.randint(0, hi, (batch_size,), generator=g))
 
 
-def build_data(cfg) -> Data:
-    """The data set ``cfg.data.name`` shaped for ``cfg.model``."""
-    d, m = cfg.data, cfg.model
-    name = _enum(d.name)
-    family = _enum(m.family)
-    if name == "auto":
-        name = "pytext" if family == "gpt" else "digits"
-    text = name in ("pytext", "tokens")
-    if text != (family == "gpt"):
-        fits = "pytext or data=tokens" if family == "gpt" else "digits, cifar10, cifar100 or imagefolder"
-        raise ConfigError(f"data={name} does not fit model={m.name} (a {family} model); use data={fits}")
-    if name == "digits":
-        from stabletrain.data.embedded import digits_tensors
+# name -> ``(data_cfg, model_cfg, seed) -> Data``; info: ``kind`` (vision | text: which model
+# families it fits) and ``check`` (``data_cfg -> None``, raising ConfigError before any work)
+DATASETS = Registry("data", __name__)
 
-        return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, cfg.seed, d.repeated_aug)
-    if name == "imagefolder":
-        from stabletrain.data.vision import imagefolder_data
 
-        return imagefolder_data(cfg)
-    if name in ("cifar10", "cifar100"):
+def build_data(data_cfg, model_cfg, seed: int, default: str) -> Data:
+    """The data set ``data_cfg.name`` (``auto``: ``default``, the model family's) shaped for
+    ``model_cfg`` (image size, sequence length, vocabulary)."""
+    return DATASETS.get(resolve_name(data_cfg, default))(data_cfg, model_cfg, seed)
+
+
+def resolve_name(data_cfg, default: str) -> str:
+    name = option_value(data_cfg.name)
+    return default if name == "auto" else name
+
+
+class _Fields:
+    """The fields the image pipeline reads (``cfg.data``, ``cfg.model.img_size``, ``cfg.seed``)."""
+
+    def __init__(self, data_cfg, model_cfg, seed: int):
+        self.data, self.model, self.seed = data_cfg, model_cfg, seed
+
+
+def _exists(path: str | None, msg: str) -> None:
+    if path is None or not os.path.exists(path):
+        raise ConfigError(msg)
+
+
+@DATASETS.register("digits", kind="vision")
+def digits(d, m, seed: int) -> Data:
+    from stabletrain.data.embedded import digits_tensors
+
+    return TensorImages(digits_tensors(d.img_size or m.img_size, d.val_fraction), 10, seed, d.repeated_aug)
+
+
+def _check_imagefolder(d) -> None:
+    _exists(d.root, f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
+
+
+@DATASETS.register("imagefolder", kind="vision", check=_check_imagefolder)
+def imagefolder(d, m, seed: int) -> Data:
+    from stabletrain.data.vision import imagefolder_data
+
+    return imagefolder_data(_Fields(d, m, seed))
+
+
+def _cifar(name: str):
+    def check(d) -> None:
+        from stabletrain.data.vision import check_cifar_files
+
+        check_cifar_files(name, d.root)
+
+    @DATASETS.register(name, kind="vision", check=check)
+    def build(d, m, seed: int) -> Data:
         from stabletrain.data.vision import cifar_data
 
-        return cifar_data(cfg, name)
-    if name == "pytext":
-        from stabletrain.data.embedded import pytext_bytes
-        from stabletrain.data.tokenizer import encode
+        return cifar_data(_Fields(d, m, seed), name)
 
-        arr, vocab = encode(pytext_bytes(), d.tokenizer)
-        cut = int(len(arr) * (1 - d.val_fraction / 2))
-        train, val = arr[:cut], arr[cut:]
-    elif name == "tokens":
-        from stabletrain.data.token_files import load_token_files
 
-        train, val, vocab = load_token_files(d.path or "")
-    else:
-        raise ConfigError(f"data={name!r} is unknown; choose auto, digits, cifar10, cifar100, imagefolder, "
-                          "pytext or tokens")
+_cifar("cifar10")
+_cifar("cifar100")
+
+
+@DATASETS.register("pytext", kind="text")
+def pytext(d, m, seed: int) -> Data:
+    """The Python standard library's sources as bytes (or GPT-2 tokens): text on any machine."""
+    from stabletrain.data.embedded import pytext_bytes
+    from stabletrain.data.tokenizer import encode
+
+    arr, vocab = encode(pytext_bytes(), d.tokenizer)
+    cut = int(len(arr) * (1 - d.val_fraction / 2))
+    return _token_windows(arr[:cut], arr[cut:], vocab, m, seed)
+
+
+def _check_tokens(d) -> None:
+    _exists(d.path, f"data.path={d.path} does not exist: point data=tokens at a train.bin "
+                    "(scripts/prepare_tokens.py writes one)")
+
+
+@DATASETS.register("tokens", kind="text", check=_check_tokens)
+def tokens(d, m, seed: int) -> Data:
+    from stabletrain.data.token_files import load_token_files
+
+    train, val, vocab = load_token_files(d.path or "")
+    return _token_windows(train, val, vocab, m, seed)
+
+
+def _token_windows(train: np.ndarray, val: np.ndarray, vocab: int, m, seed: int) -> TokenWindows:
     if m.vocab_size < vocab:  # the embedding would index out of range on the first batch
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary {vocab}: "
                           f"set model.vocab_size={-(-vocab // 64) * 64} (or larger)")
-    return TokenWindows(train, val, vocab, m.block_size, cfg.seed)
+    return TokenWindows(train, val, vocab, m.block_size, seed)
+
+
+def task_loss(data: Data, data_cfg):
+    """``(mixup or None, criterion)`` for the data's task; ``criterion(logits, y)`` in fp32.
+
+    Text: next-token cross-entropy over every position. Vision: timm's, with mixup/cutmix's
+    soft targets and label smoothing per ``data_cfg``."""
+    if data.kind == "text":
+        return None, next_token_loss
+    from stabletrain.data.vision import vision_loss
+
+    mixup, loss = vision_loss(data_cfg, data.num_classes)
+    return mixup, lambda logits, y: loss(logits.float(), y)
+
+
+def next_token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())

@@ -193,9 +193,8 @@ def cifar_data(cfg, name: str) -> ImageData:
     return ImageData(cfg, train_set, val_set, len(train_set.classes))
 
 
-def vision_loss(cfg, num_classes: int) -> tuple[object | None, nn.Module]:
-    """(mixup_fn or None, train loss) from the data config (timm's Mixup and losses)."""
-    d = cfg.data
+def vision_loss(d, num_classes: int) -> tuple[object | None, nn.Module]:
+    """(mixup_fn or None, train loss) from the data config ``d`` (timm's Mixup and losses)."""
     if d.mixup > 0 or d.cutmix > 0:
         from timm.data import Mixup
         from timm.loss import SoftTargetCrossEntropy

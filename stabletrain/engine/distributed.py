@@ -13,41 +13,29 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from stabletrain.errors import ConfigError
+from stabletrain.topology import DistInfo, detect  # noqa: F401  (re-exported: the loop's view of the job)
+
 DEFAULT_PORT = 29500
 _cpu_group = None  # a gloo group for host-side flags when the main backend is NCCL
 
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def detect() -> DistInfo:
-    """This process's place in the job, from torchrun's or srun's environment."""
-    env = os.environ
-    if "WORLD_SIZE" in env:  # torchrun, including one torchrun per node started by srun
-        return DistInfo(int(env.get("RANK", 0)), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
-    # srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; a batch script also sees
-    # SLURM_NTASKS and SLURM_PROCID=0 but is one process, so it must not count as rank 0 of N.
-    tasks = int(env.get("SLURM_STEP_NUM_TASKS", "1"))
-    if tasks > 1 and "SLURM_PROCID" in env:
-        return DistInfo(int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", 0)))
-    return DistInfo()
+def pick_device(name: str, info: DistInfo) -> torch.device:
+    """The device this process trains on: ``auto`` is a CUDA GPU if one is visible, and
+    ``cuda`` is this rank's (its local rank modulo the visible GPUs)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        name = f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}"  # one GPU per task too
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+        torch.cuda.set_device(dev)
+    return dev
 
 
 def under_slurm() -> bool:

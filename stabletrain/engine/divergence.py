@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import math
 
+from stabletrain.config import DivergenceConfig
+
 
 class DivergenceWatch:
-    def __init__(self, cfg):
+    def __init__(self, cfg: DivergenceConfig | None = None):
+        cfg = cfg or DivergenceConfig()
         self.enabled, self.factor, self.window = cfg.enabled, cfg.spike_factor, cfg.window
         self.warmup, self.decay = cfg.warmup_steps, cfg.ema
         self.ema: float | None = None

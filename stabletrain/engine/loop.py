@@ -1,9 +1,12 @@
 """The training loop: one process on CPU or one GPU, or one rank of a DDP job.
 
 The hot path per optimizer step is: the step's micro-batches (no host sync), forward and
-backward under autocast, optional clipping, the optimizer, sigmaReparam's power iteration.
-Losses stay on the device and are read back every ``logger.log_every`` steps, where
-divergence is checked step by step, so a healthy run does not sync every step.
+backward under autocast, optional clipping, the optimizer, the step hooks (sigmaReparam's
+power iteration). Losses stay on the device and are read back every ``logger.log_every``
+steps, where divergence is checked step by step, so a healthy run does not sync every step.
+
+The trainer receives built objects (:mod:`stabletrain.build` turns a config into them) and
+imports nothing of models/, data/ or optim/.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import math
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,134 +24,72 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from stabletrain.config import ConfigError
-from stabletrain.data import Data, Shard, build_data
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import (
-    last_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    seed_all,
-    set_rng_state,
-)
+from stabletrain.engine.checkpoint import last_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from stabletrain.engine.divergence import DivergenceWatch
-from stabletrain.layers.norm import _enum
-from stabletrain.metrics import Metrics, write_json
-from stabletrain.models.registry import build_model
-from stabletrain.optim import build_optimizer, make_schedule, scaled_lr, set_lr, set_weight_decay, weight_decay_at
+from stabletrain.errors import ConfigError
+from stabletrain.metrics import write_json
+from stabletrain.monitor import names as N
 
 
-def pick_device(name: str, info: D.DistInfo) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        name = f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}"  # one GPU per task too
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
-        torch.cuda.set_device(dev)
-    return dev
+@dataclass
+class LoopSettings:
+    """The few values the loop itself reads; everything else arrives built."""
+
+    total_steps: int
+    batch_size: int  # global, per optimizer step
+    steps_per_epoch: int = 1
+    grad_clip: float | None = None
+    eval_every: int = 100
+    eval_batches: int = 20
+    ckpt_every: int = 500
+    log_every: int = 10
+    adamw2_every: int = 50  # AdamW²'s per-tensor curves at the log steps holding a multiple of this
+    resume: str | None = None  # auto | a checkpoint path
+    bf16: bool = False
+    compile: bool = False
+    config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
+    title: str = "model"  # the start line's name for the model
 
 
 class Trainer:
-    def __init__(self, cfg, run_dir: Path, info: D.DistInfo | None = None):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.info = info or D.DistInfo()
-        if self.info.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.device = pick_device(cfg.device, self.info)
-        D.init(self.info, self.device)
-        prec = _enum(cfg.precision)
-        self.bf16 = prec == "bf16" or (prec == "auto" and self.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+    """One process's training: on CPU or one GPU, or one rank of a DDP job.
 
-        seed_all(cfg.seed)
-        self.data: Data = build_data(cfg)
-        self._fit_model_to_data()
-        self.model: nn.Module = build_model(cfg).to(self.device)
-        self.family = _enum(cfg.model.family)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+    It receives the model, its optimizer and ``schedule`` (``schedule(optimizer, step)`` sets
+    the step's rates and returns the lr), the data and this rank's ``shard`` of each batch, the
+    task ``criterion`` (``(logits, y) -> loss``, after ``mixup`` when given), extra
+    ``loss_terms`` (``(model, logits, x, y) -> loss``, each with a ``name``), ``step_hooks``
+    called after every optimizer step (sigmaReparam's power iteration), a weight ``ema``, a
+    ``monitor``, and ``open_sink(resume_step)``, which opens the run's metrics sink.
+    """
 
-
-        self.optimizer, self.group_summary = build_optimizer(self.model, cfg.optim, self.family, cfg.reparam,
-                                                             batch_size=cfg.batch_size)
-        spe = self.data.steps_per_epoch(cfg.batch_size)
-        self.steps_per_epoch = spe
-        self.total_steps = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
-        self.lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), self.total_steps,
-                                   warmup=cfg.warmup, steps_per_epoch=spe)
-
-        world = self.info.world
-        micro = cfg.micro_batch_size or cfg.batch_size // world
-        if cfg.batch_size % (micro * world):
-            raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={micro} "
-                              f"x world size {world}")
-        if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
-            raise ConfigError(f"mixup/cutmix pair the samples of a micro-batch: micro-batch {micro} must be even "
-                              f"(set batch_size or micro_batch_size so that each rank's micro-batch is even)")
-        self.shard = Shard(cfg.batch_size, self.info.rank, world, cfg.batch_size // (micro * world))
-
-        self.reparam_step = None
-        if _enum(cfg.reparam.name) != "none":
-            from functools import partial
-
-            from stabletrain.layers.reparam import reparam_step, sigma_reparams
-
-            self.reparam_step = partial(reparam_step, reps=sigma_reparams(self.model))
-        self.penalty = None
-        if _enum(cfg.regularizer.name) == "locater":
-            from stabletrain.layers.locater import locater_penalty
-
-            self.penalty = lambda m: locater_penalty(m, cfg.regularizer)
-        # the regulariser's share of the logged loss, summed over a log interval (on the device)
-        self.penalty_sum = torch.zeros((), device=self.device)
-
-        self.ema = None
-        if cfg.ema.decay is not None:
-            from stabletrain.engine.ema import WeightEma
-
-            self.ema = WeightEma(self.model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
-
-        self.train_model: nn.Module = self.model
-        if cfg.compile:
-            self.train_model = torch.compile(self.model)
+    def __init__(self, *, model: nn.Module, optimizer, schedule, data, shard, criterion, settings: LoopSettings,
+                 device: torch.device, run_dir: Path, open_sink, info: D.DistInfo | None = None,
+                 loss_terms=(), step_hooks=(), mixup=None, ema=None, monitor=None,
+                 divergence: DivergenceWatch | None = None, messages=()):
+        self.model, self.optimizer, self.schedule, self.data, self.shard = model, optimizer, schedule, data, shard
+        self.criterion, self.mixup, self.loss_terms, self.step_hooks = criterion, mixup, list(loss_terms), step_hooks
+        self.ema, self.monitor, self.settings, self.device = ema, monitor, settings, device
+        self.run_dir, self.open_sink, self.info = Path(run_dir), open_sink, info or D.DistInfo()
+        self.divergence = divergence or DivergenceWatch()
+        self.lr_at = schedule.lr_at
+        self.total_steps, self.steps_per_epoch = settings.total_steps, settings.steps_per_epoch
+        self.bf16 = settings.bf16
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        # each loss term's share of the logged loss, summed over a log interval (on the device)
+        self.term_sums = torch.zeros(len(self.loss_terms), device=device)
+        self.train_model: nn.Module = model
+        if settings.compile:
+            self.train_model = torch.compile(model)
         if self.info.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            ids = [self.device.index] if self.device.type == "cuda" else None
+            ids = [device.index] if device.type == "cuda" else None
             self.train_model = DDP(self.train_model, device_ids=ids)
-        self.mixup, self.criterion = None, None
-        if self.data.kind == "vision":
-            from stabletrain.data.vision import vision_loss
-
-            self.mixup, self.criterion = vision_loss(cfg, self.data.num_classes)
-        self.divergence = DivergenceWatch(cfg.divergence)
-        self.monitor = None
-        if _enum(cfg.monitor.name) != "off":
-            try:
-                from stabletrain.monitor.runner import MonitorRunner
-            except ImportError:
-                MonitorRunner = None
-            if MonitorRunner is not None:
-                self.monitor = MonitorRunner(self)
         self.stop_signal: int | None = None
         self.step = 0
-        self.notes: list[str] = []  # said once the metrics sink exists
+        self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
-
-    def _fit_model_to_data(self) -> None:
-        """Class count, channels, image size (``data.img_size``) and vocabulary come from the data."""
-        m, d = self.cfg.model, self.data
-        with _writable(self.cfg):
-            if d.kind == "vision":
-                m.num_classes, m.in_chans = d.num_classes, d.in_chans
-                m.img_size = self.cfg.data.img_size or m.img_size
-            elif m.vocab_size < d.vocab_size:
-                raise ConfigError(f"model.vocab_size={m.vocab_size} < the data's vocabulary {d.vocab_size}")
 
     # --- the step -------------------------------------------------------------------
 
@@ -155,21 +97,22 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def loss_on(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The task loss plus every loss term; each term's share is added to ``term_sums``."""
         with self.autocast():
             out = model(x)
-        if self.data.kind == "text":
-            return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
-        return self.criterion(out.float(), y)
+        loss = self.criterion(out, y)
+        if self.loss_terms:
+            terms = torch.stack([term(self.model, out, x, y) for term in self.loss_terms])
+            self.term_sums += terms.detach() / self.shard.accum
+            loss = loss + terms.sum()
+        return loss
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def train_step(self, micro_batches, lr: float, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        set_lr(self.optimizer, lr)
-        o = self.cfg.optim
-        if o.weight_decay_end is not None:
-            set_weight_decay(self.optimizer, weight_decay_at(o.weight_decay, o.weight_decay_end, self.step,
-                                                             self.total_steps))
+    def train_step(self, micro_batches, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over this rank's micro-batches; the loss stays on the device."""
+        self.schedule(self.optimizer, self.step)
         self.train_model.train()
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
@@ -181,22 +124,18 @@ class Trainer:
             ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
             with ctx:
                 loss = self.loss_on(self.train_model, x, y)
-                if self.penalty is not None:
-                    pen = self.penalty(self.model)
-                    self.penalty_sum += pen.detach() / n
-                    loss = loss + pen
                 (loss / n).backward()
             total += loss.detach() / n
         grad_norm = None  # before clipping; computed only when clipping or logging needs it
-        if self.cfg.grad_clip is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip, foreach=True)
+        if self.settings.grad_clip is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip, foreach=True)
         elif want_grad_norm:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
                                                       foreach=True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.reparam_step is not None:
-            self.reparam_step(self.model)
+        for hook in self.step_hooks:
+            hook()
         if self.ema is not None:
             self.ema.after_step(self.model, self.step)
         return total, grad_norm
@@ -205,19 +144,19 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """``val/*`` of the live model, and ``val_ema/*`` of the weight average when ``ema.decay`` is set."""
-        out = self._score(self.model, "val")
+        out = self._score(self.model, N.VAL)
         if self.ema is not None:
-            out.update(self._score(self.ema.for_eval(), "val_ema"))
+            out.update(self._score(self.ema.for_eval(), N.VAL_EMA))
         return out
 
     @torch.no_grad()
     def _score(self, model: nn.Module, prefix: str) -> dict:
         model.eval()
         # The same global eval batches whatever the world size; each rank scores its slice.
-        bs = min(self.cfg.batch_size, 256)
+        bs = min(self.settings.batch_size, 256)
         r, w = self.info.rank, self.info.world
         loss_sum, correct, count = 0.0, 0, 0
-        for x, y in self.data.val_batches(bs, self.cfg.eval_batches):
+        for x, y in self.data.val_batches(bs, self.settings.eval_batches):
             x, y = self._to_device(x[r::w], y[r::w])
             if len(y) == 0:
                 continue
@@ -236,8 +175,8 @@ class Trainer:
         loss_sum, correct, count = stats.tolist()
         loss = loss_sum / max(count, 1)
         if self.data.kind == "text":
-            return {f"{prefix}/loss": loss, f"{prefix}/ppl": math.exp(min(loss, 50.0))}
-        return {f"{prefix}/loss": loss, f"{prefix}/acc": correct / max(count, 1)}
+            return {N.scored(prefix, "loss"): loss, N.scored(prefix, "ppl"): math.exp(min(loss, 50.0))}
+        return {N.scored(prefix, "loss"): loss, N.scored(prefix, "acc"): correct / max(count, 1)}
 
     # --- logging --------------------------------------------------------------------
 
@@ -247,12 +186,15 @@ class Trainer:
         shared, so every rank reaches the same verdict at the same step. Returns the reason to
         stop, or None."""
         stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
-        values = torch.stack([p[1] for p in pending] + [self.penalty_sum, torch.tensor(stop, device=self.device)])
-        self.penalty_sum = torch.zeros((), device=self.device)
+        k = len(self.loss_terms)
+        values = torch.cat([torch.stack([p[1] for p in pending]), self.term_sums,
+                            torch.tensor([stop], device=self.device)])
+        self.term_sums = torch.zeros(k, device=self.device)
         if self.info.enabled:
             torch.distributed.all_reduce(values)
             values[:-1] /= self.info.world
-        *losses, penalty, stop = values.tolist()
+        values = values.tolist()
+        losses, terms, stop = values[:len(pending)], values[len(pending):len(pending) + k], values[-1]
         reason = None
         for (s, _, _, _), value in zip(pending, losses):
             reason = self.divergence.update(s + 1, value)  # steps done, as everywhere else
@@ -263,28 +205,29 @@ class Trainer:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
         self.last_train_loss = sum(losses) / len(losses)
-        rec = {"loss": self.last_train_loss, "lr": lr, "time/step_s": dt / len(pending)}
-        if self.penalty is not None:  # "loss" is what is minimised: the task loss plus this
-            rec["loss/penalty"] = penalty / len(pending)
+        rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: dt / len(pending)}
+        if k:
+            rec[N.LOSS_PENALTY] = sum(terms) / len(pending)
+        if k > 1:
+            rec.update({N.loss_term(t.name): v / len(pending) for t, v in zip(self.loss_terms, terms)})
         unit = self.data.seq_len or 1
-        per_s = "tokens_per_s" if self.data.kind == "text" else "samples_per_s"
-        rec[f"throughput/{per_s}"] = samples * unit / dt
+        rec[N.throughput("tokens" if self.data.kind == "text" else "samples")] = samples * unit / dt
         gnorm = pending[-1][2]
         if gnorm is not None:
-            rec["grad_norm"] = float(gnorm)
+            rec[N.GRAD_NORM] = float(gnorm)
         if self.device.type == "cuda":
-            rec["memory/peak_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            rec[N.PEAK_MEMORY] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if hasattr(self.optimizer, "telemetry"):
             tel = self.optimizer.telemetry()
             # per-tensor curves every monitor.adamw2_every steps (App. M: one point per 50), at
             # the log step of the interval that holds such a step
-            every = self.cfg.monitor.adamw2_every
+            every = self.settings.adamw2_every
             if not any((s + 1) % every == 0 for s, *_ in pending) and self.step != self.total_steps:
-                tel = {k: v for k, v in tel.items() if k == "adamw2/frac_bounded"}
+                tel = {key: v for key, v in tel.items() if key == N.FRAC_BOUNDED}
             rec.update(tel)
         self.metrics.log(self.step, rec)
-        shown = {k: v for k, v in last_vals.items() if k.startswith(("val/", "val_ema/"))}
-        self.metrics.progress(self.step, self.total_steps, {"loss": self.last_train_loss, "lr": lr, **shown})
+        shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
+        self.metrics.progress(self.step, self.total_steps, {N.LOSS: self.last_train_loss, N.LR: lr, **shown})
         return reason
 
     # --- checkpoints ----------------------------------------------------------------
@@ -296,7 +239,7 @@ class Trainer:
             "step": self.step,
             "rng": rng_state(),
             "divergence": self.divergence.state_dict(),
-            "config": OmegaConf.to_yaml(self.cfg, resolve=True),
+            "config": self.settings.config_yaml,
             "monitor": self.monitor.state_dict() if self.monitor is not None else {},
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
@@ -312,7 +255,7 @@ class Trainer:
         Under SLURM or submitit a run resumes by itself when its run dir holds a checkpoint
         of the same config: that is how a requeued job continues (docs/distributed.md).
         """
-        r = self.cfg.resume
+        r = self.settings.resume
         requeued = r is None and D.may_be_requeued()
         if r is None and not requeued:
             return None
@@ -330,7 +273,7 @@ class Trainer:
                               f"pass a last.pt written by a run, or resume=auto") from None
         if requeued:
             saved, mine = (OmegaConf.to_container(OmegaConf.create(y))
-                           for y in (ck["config"], OmegaConf.to_yaml(self.cfg, resolve=True)))
+                           for y in (ck["config"], self.settings.config_yaml))
             if {**saved, "resume": None} != {**mine, "resume": None}:
                 raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
                                   f"continue it anyway, or give this run its own hydra.run.dir")
@@ -368,21 +311,19 @@ class Trainer:
         return old
 
     def fit(self) -> dict:
-        cfg = self.cfg
+        cfg = self.settings
         resumed = self.maybe_resume()
         main = self.info.is_main
-        self.metrics = Metrics(self.run_dir, cfg, enabled=main, resume_step=resumed,
-                               config_dict=OmegaConf.to_container(cfg, resolve=True))
+        self.metrics = self.open_sink(resumed)
+        if self.monitor is not None:
+            self.monitor.attach(self.metrics)
         m = self.metrics
         nparams = sum(p.numel() for p in self.model.parameters())
-        m.message(f"{cfg.model.name}: {nparams / 1e6:.2f}M params on {self.device}"
+        m.message(f"{cfg.title}: {nparams / 1e6:.2f}M params on {self.device}"
                   f"{' (bf16)' if self.bf16 else ''}, {self.total_steps} steps of {cfg.batch_size} "
                   f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
                   f"run dir {self.run_dir}")
-        m.message(self.group_summary)
-        if cfg.steps is not None and cfg.epochs is not None:
-            m.message(f"steps={cfg.steps} overrides epochs={cfg.epochs:g}; set steps=null to train by epochs")
-        warm = getattr(self.lr_at, "warmup_steps", 0)
+        warm = self.schedule.warmup_steps
         if warm >= self.total_steps:
             m.message(f"warning: the warmup ({warm} steps) is as long as the run ({self.total_steps} steps): the "
                       f"learning rate never reaches its peak; shorten warmup or train longer")
@@ -401,7 +342,7 @@ class Trainer:
         old_handlers = self._install_signals()
         status, reason = "completed", None
         stream = self.data.train_iter(self.step, self.shard)
-        log_every = max(1, cfg.logger.log_every)
+        log_every = max(1, cfg.log_every)
         pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
         t_last, samples = time.perf_counter(), 0
         last_vals: dict = {}
@@ -417,13 +358,13 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 step = self.step
-                lr = self.lr_at(step)
+                lr = self.lr_at(step)  # what the schedule sets in train_step, for the log line
                 save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
                 # a checkpoint is written only after its steps' losses were checked
                 log_now = (step + 1) % log_every == 0 or save_due
-                loss, gnorm = self.train_step(next(stream), lr, want_grad_norm=log_now)
+                loss, gnorm = self.train_step(next(stream), want_grad_norm=log_now)
                 pending.append((step, loss, gnorm, lr))
-                samples += self.cfg.batch_size
+                samples += cfg.batch_size
                 self.step = step + 1
                 if self.monitor is not None:
                     self.monitor.after_step(step)
@@ -473,14 +414,3 @@ class Trainer:
                       + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         m.close()
         return summary
-
-
-@contextlib.contextmanager
-def _writable(cfg):
-    from omegaconf import open_dict
-
-    if OmegaConf.is_config(cfg):
-        with open_dict(cfg):
-            yield
-    else:
-        yield

@@ -26,39 +26,52 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from timm.models.swin_transformer import WindowAttention
 
-from stabletrain.config import ConfigError
-from stabletrain.layers.norm import StableNorm, _enum, mode_eps
+from stabletrain.errors import ConfigError
+from stabletrain.layers.norm import StableNorm, mode_eps
+from stabletrain.registry import Registry, option_value
+
+
+ATTENTIONS = Registry("attention", __name__)
 
 
 def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:
     """``(q_norm, k_norm, scale)`` for the attention variant ``attn_cfg.name``.
 
-    Decisions (SPEC section 5): the q and k norms have gains of size ``d_h`` shared by all
-    heads, init 1. ``stable`` uses ``alpha = attn_cfg.alpha`` (null: ``norm_cfg.alpha``; the
-    logits do not depend on it, only where eps enters does), ``eps = attn_cfg.eps`` and
-    ``norm_cfg.eps_mode`` (``eps`` null: that mode's default, :func:`stabletrain.layers.norm.mode_eps`);
-    ``N = attn_cfg.seq_len`` or else ``seq_len``, the model's tokens per
-    attention fixed at construction: GPT block size (1024 -> tau 16.18), ViT token count
-    with the class token, Swin window area. ``qknorm`` is our added baseline (RMSNorm with
-    gains, eps ``attn_cfg.eps``, scale ``1/sqrt(d_h)``), not one of the paper's runs.
+    ``seq_len`` is the model's tokens per attention, fixed at construction: GPT block size,
+    ViT token count with the class token, Swin window area (what StableAtten's ``N`` defaults to).
     """
-    name = _enum(attn_cfg.name)
-    if name == "softmax":
-        return nn.Identity(), nn.Identity(), head_dim**-0.5
-    if name == "qknorm":
-        eps = mode_eps(attn_cfg.eps)
-        return nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps), head_dim**-0.5
-    if name == "stable":
-        alpha = attn_cfg.alpha if attn_cfg.alpha is not None else norm_cfg.alpha
-        n = attn_cfg.seq_len if attn_cfg.seq_len is not None else seq_len
-        if n < 2:
-            raise ConfigError(f"attention=stable needs a sequence length N >= 2, got {n}")
-        tau = attn_cfg.c * math.log2(n)
-        mode = _enum(norm_cfg.eps_mode)
-        qn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
-        kn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
-        return qn, kn, tau * head_dim ** (-2 * alpha)
-    raise ConfigError(f"attention={name!r} is unknown; choose softmax, qknorm or stable")
+    return ATTENTIONS.get(attn_cfg.name)(attn_cfg, norm_cfg, head_dim, seq_len)
+
+
+@ATTENTIONS.register("softmax")
+def softmax(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
+    return nn.Identity(), nn.Identity(), head_dim**-0.5
+
+
+@ATTENTIONS.register("qknorm")
+def qknorm(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
+    """Our added baseline, not one of the papers' runs: RMSNorm with gains on q and k (eps
+    ``attn_cfg.eps``), scale ``1/sqrt(d_h)``."""
+    eps = mode_eps(attn_cfg.eps)
+    return nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps), head_dim**-0.5
+
+
+@ATTENTIONS.register("stable")
+def stable(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
+    """StableAtten (004 Eq. 3). Decisions (docs/methods.md §5): the q and k norms have gains of
+    size ``d_h`` shared by all heads, init 1; ``alpha = attn_cfg.alpha`` (null: ``norm_cfg.alpha``;
+    the logits do not depend on it, only where eps enters does), ``eps = attn_cfg.eps`` and
+    ``norm_cfg.eps_mode``; ``N = attn_cfg.seq_len`` or else the model's ``seq_len``
+    (GPT block 1024 -> tau 16.18)."""
+    alpha = attn_cfg.alpha if attn_cfg.alpha is not None else norm_cfg.alpha
+    n = attn_cfg.seq_len if attn_cfg.seq_len is not None else seq_len
+    if n < 2:
+        raise ConfigError(f"attention=stable needs a sequence length N >= 2, got {n}")
+    tau = attn_cfg.c * math.log2(n)
+    mode = option_value(norm_cfg.eps_mode)
+    qn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
+    kn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)
+    return qn, kn, tau * head_dim ** (-2 * alpha)
 
 
 def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tensor], causal: bool) -> Tensor:

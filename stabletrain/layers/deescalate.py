@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from stabletrain.layers.norm import _enum
+from stabletrain.registry import option_value
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -76,9 +76,9 @@ def make_deescalate(cfg, model_causal: bool) -> tuple[str, nn.Module | None]:
     """``(placement, module)`` for ``cfg`` (``deescalate`` group): ``("none", None)`` when
     ``cfg.name`` is none, else ``cfg.placement``, ``block`` (end of block) or ``ffn`` (FFN
     input). ``cfg.causal`` null follows the model."""
-    if _enum(cfg.name) == "none":
+    if option_value(cfg.name) == "none":
         return "none", None
-    placement = _enum(cfg.placement)
+    placement = option_value(cfg.placement)
     if placement not in ("block", "ffn"):
         raise ValueError(f"deescalate.placement={placement!r} must be block or ffn")
     causal = model_causal if cfg.causal is None else bool(cfg.causal)

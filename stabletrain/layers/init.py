@@ -36,41 +36,69 @@ import math
 import torch
 from torch import Tensor, nn
 
-from stabletrain.config import ConfigError
-from stabletrain.layers.norm import _enum
+from stabletrain.errors import ConfigError
+from stabletrain.registry import Registry, option_value
 from stabletrain.layers.reparam import fused_qkv_layers, raw_weight
 
 TRUNC_STDS = 2.0  # trunc_xavier cuts at +-2 std (our reading)
 
+# name -> the matrix init ``(w, gain) -> w``, drawn in place; ``std=`` declares the untruncated
+# std ``(n_in, n_out, gain) -> float`` it draws with. ``family`` keeps the model's own init.
+INITS = Registry("init", __name__)
+
+
+def _xavier_std(n_in: int, n_out: int, gain: float) -> float:
+    return gain * math.sqrt(2.0 / (n_in + n_out))
+
+
+def _stable_std(n_in: int, n_out: int, gain: float) -> float:
+    return gain / (math.sqrt(n_in) + math.sqrt(n_out))
+
+
+@INITS.register("family")
+def family(w: Tensor, gain: float = 1.0) -> Tensor:
+    return w
+
+
+@INITS.register("xavier", std=_xavier_std)
+def xavier(w: Tensor, gain: float = 1.0) -> Tensor:
+    return nn.init.normal_(w, std=_xavier_std(w.shape[1], w.shape[0], gain))
+
+
+@INITS.register("trunc_xavier", std=_xavier_std)
+def trunc_xavier(w: Tensor, gain: float = 1.0) -> Tensor:
+    std = _xavier_std(w.shape[1], w.shape[0], gain)
+    return nn.init.trunc_normal_(w, std=std, a=-TRUNC_STDS * std, b=TRUNC_STDS * std)
+
+
+@INITS.register("stable", std=_stable_std)
+def stable(w: Tensor, gain: float = 1.0) -> Tensor:
+    return nn.init.normal_(w, std=_stable_std(w.shape[1], w.shape[0], gain))
+
 
 def init_std(name: str, n_in: int, n_out: int, gain: float = 1.0) -> float:
     """The (untruncated) std that init ``name`` draws an ``n_out x n_in`` matrix with."""
-    if name in ("xavier", "trunc_xavier"):
-        return gain * math.sqrt(2.0 / (n_in + n_out))
-    if name == "stable":
-        return gain / (math.sqrt(n_in) + math.sqrt(n_out))
-    raise ConfigError(f"init={name!r} has no std; choose xavier, trunc_xavier or stable")
+    std = INITS.entry(name).info.get("std")
+    if std is None:
+        raise ConfigError(f"init={option_value(name)} has no std; choose one of: "
+                          f"{', '.join(e.name for e in INITS.entries() if 'std' in e.info)}")
+    return std(n_in, n_out, gain)
 
 
 @torch.no_grad()
 def init_matrix_(w: Tensor, name: str, gain: float = 1.0) -> Tensor:
     """Re-draw the matrix ``w`` (``n_out x n_in``, may be a view) in place with init ``name``."""
-    n_out, n_in = w.shape
-    std = init_std(name, n_in, n_out, gain)
-    if name == "trunc_xavier":
-        return nn.init.trunc_normal_(w, std=std, a=-TRUNC_STDS * std, b=TRUNC_STDS * std)
-    return nn.init.normal_(w, std=std)
+    return INITS.get(name)(w, gain)
 
 
 @torch.no_grad()
 def apply_init(model: nn.Module, init_cfg) -> nn.Module:
     """Re-initialise ``model``'s linear layers per ``init_cfg`` (``name``, ``gain``); returns it."""
-    name = _enum(init_cfg.name)
-    if name == "family":
+    name = option_value(init_cfg.name)
+    if INITS.get(name) is family:
         return model
-    init_std(name, 1, 1)  # refuses an unknown name before touching anything
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    fused = fused_qkv_layers(model) if _enum(getattr(init_cfg, "fused_qkv", "slices")) == "slices" else set()
+    fused = fused_qkv_layers(model) if option_value(getattr(init_cfg, "fused_qkv", "slices")) == "slices" else set()
     for mod in model.modules():
         if not isinstance(mod, nn.Linear):
             continue

@@ -7,7 +7,8 @@ Per attention head ``h`` with ``d_h x d`` slices ``W_Q^h, W_K^h`` of the (effect
               scale_coef * tr(W_QK^T W_QK)  +  mean_coef * (tr(W_QK) - 1)^2
 
 ``scale_coef`` is kappa1 (eigenspectrum scale), ``mean_coef`` kappa2 (eigenspectrum mean).
-The trainer adds it to every micro-batch loss when ``regularizer=locater``.
+The trainer adds it to every micro-batch loss when ``regularizer=locater``
+(:mod:`stabletrain.losses.locater`).
 
 Decisions (SPEC section 4): never forming a ``d x d`` matrix,
 ``tr(W_QK) = <W_Q, W_K>`` (elementwise) and
@@ -23,7 +24,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from stabletrain.layers.norm import _enum
 
 
 def attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -71,9 +71,8 @@ def layer_penalty(qkv_weight: Tensor, num_heads: int, scale_coef: float, mean_co
 
 
 def locater_penalty(model: nn.Module, reg_cfg) -> Tensor:
-    """The LocAteR loss term of ``model`` (a 0-dim fp32 tensor with grad; 0 if no attention)."""
-    if _enum(getattr(reg_cfg, "name", "locater")) == "none":
-        return torch.zeros((), device=next(model.parameters()).device)
+    """The LocAteR loss term of ``model`` (a 0-dim fp32 tensor with grad; 0 if no attention);
+    ``reg_cfg`` has ``scale_coef`` and ``mean_coef``."""
     terms = [layer_penalty(attn.qkv.weight, attn.num_heads, reg_cfg.scale_coef, reg_cfg.mean_coef)
              for _, attn in attention_layers(model)]
     if not terms:

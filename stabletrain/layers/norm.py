@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from stabletrain.config import ConfigError
+from stabletrain.errors import ConfigError
+from stabletrain.registry import Registry, option_value
 
 
 class StableNorm(nn.Module):
@@ -59,31 +60,46 @@ def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     return EPS_BY_MODE[eps_mode] if eps is None else eps
 
 
-def _enum(v) -> str:
-    """The string value of a config enum (or of a plain string)."""
-    return str(getattr(v, "value", v))
+NORMS = Registry("norm", __name__)
 
 
 def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5, **_factory_kwargs) -> nn.Module:
-    """The norm ``cfg.name`` of width ``dim`` (``norm`` config group, SPEC section 5).
-
-    ``layernorm`` (torch), ``rmsnorm`` (torch ``nn.RMSNorm``, eps ``cfg.eps``), ``stablenorm``
-    (:class:`StableNorm`, ``cfg.alpha``, ``cfg.eps``, ``cfg.eps_mode``) or ``none`` (identity;
-    only sensible with ``reparam=sigma``, which allows removing LN, 001 l.395).
+    """The norm ``cfg.name`` of width ``dim`` (``norm`` config group, docs/methods.md §5).
 
     ``ln_eps`` is the model family's LayerNorm eps (timm ViT 1e-6, Swin and nanoGPT 1e-5), kept
     so the default models stay identical to their reference; ``cfg.eps`` applies to rmsnorm and
     stablenorm (null: :func:`mode_eps`). ``bias=False`` drops the additive term (nanoGPT's LayerNorm).
     """
-    name = _enum(cfg.name)
-    if name == "layernorm":
-        return nn.LayerNorm(dim, eps=ln_eps, bias=bias)
-    if name == "rmsnorm":
-        return nn.RMSNorm(dim, eps=mode_eps(cfg.eps))
-    if name == "stablenorm":
-        return StableNorm(dim, alpha=cfg.alpha, eps=cfg.eps, eps_mode=_enum(cfg.eps_mode))
-    if name == "none":
-        return nn.Identity()
-    raise ConfigError(f"norm={name!r} is unknown; choose layernorm, rmsnorm, stablenorm or none")
+    return NORMS.get(cfg.name)(cfg, dim, bias=bias, ln_eps=ln_eps)
 
 
+def is_norm_layer(module: nn.Module) -> bool:
+    """A normalisation layer: any registered norm's type or torch's own. Its vector ``weight``
+    is a gain (no decay; AdamW² bounds it), whatever the layer is called."""
+    return isinstance(module, _norm_types())
+
+
+def _norm_types() -> tuple[type, ...]:
+    own = tuple(e.info["layer"] for e in NORMS.entries() if e.info.get("layer") is not None)
+    return own + (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)
+
+
+@NORMS.register("layernorm", layer=nn.LayerNorm)
+def layernorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    return nn.LayerNorm(dim, eps=ln_eps, bias=bias)
+
+
+@NORMS.register("rmsnorm", layer=nn.RMSNorm)
+def rmsnorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    return nn.RMSNorm(dim, eps=mode_eps(cfg.eps))
+
+
+@NORMS.register("stablenorm", layer=StableNorm)
+def stablenorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    return StableNorm(dim, alpha=cfg.alpha, eps=cfg.eps, eps_mode=option_value(cfg.eps_mode))
+
+
+@NORMS.register("none")
+def no_norm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    """Identity: only sensible with ``reparam=sigma``, which allows removing LayerNorm (001 App. C)."""
+    return nn.Identity()

@@ -45,8 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from stabletrain.config import ConfigError
-from stabletrain.layers.norm import _enum
+from stabletrain.errors import ConfigError
+from stabletrain.registry import Registry, option_value
 from stabletrain.spectral import batched_sigma1, random_unit
 
 QKV_LAYOUTS = {
@@ -161,16 +161,15 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
     ``cfg.name`` is ``sigma``; ``cfg.apply_to``: ``all`` (every linear layer and conv) or ``qk``
     (query/key rows only; the ``reparam=sigma_qk`` preset). Then one :func:`reparam_step`.
     """
-    name = _enum(cfg.name)
-    if name != "sigma":
-        raise ConfigError(f"reparam={name!r}: apply_reparam needs reparam.name=sigma")
-    apply_to = _enum(cfg.apply_to)
+    if REPARAMS.get(cfg.name) is not sigma_reparam:
+        raise ConfigError(f"reparam={option_value(cfg.name)}: apply_reparam needs reparam.name=sigma")
+    apply_to = option_value(cfg.apply_to)
     if apply_to not in ("all", "qk"):
         raise ConfigError(f"reparam.apply_to={apply_to!r} must be all or qk")
-    split = _enum(cfg.qkv_split)
+    split = option_value(cfg.qkv_split)
     if (apply_to, split) not in QKV_LAYOUTS:
         raise ConfigError(f"reparam.qkv_split={split!r} must be joint, qk_v or q_k_v")
-    gamma_init = _enum(cfg.gamma_init)
+    gamma_init = option_value(cfg.gamma_init)
     tied, fused = _tied_to_embedding(model), fused_qkv_layers(model)
     targets = []
     for mod in model.modules():
@@ -191,6 +190,24 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
             mod, "weight", SigmaReparam(mod.weight, layout, gamma_init, cfg.power_iters))
     reparam_step(model)
     return model
+
+
+# name -> ``(model, cfg) -> step hook | None``: installs the reparametrisation in place and
+# returns what the trainer calls after every optimizer step
+REPARAMS = Registry("reparam", __name__)
+
+
+@REPARAMS.register("none")
+def no_reparam(model: nn.Module, cfg) -> None:
+    return None
+
+
+@REPARAMS.register("sigma")
+def sigma_reparam(model: nn.Module, cfg):
+    """sigmaReparam per ``cfg``; its hook advances every ``u, v`` once per optimizer step."""
+    apply_reparam(model, cfg)
+    reps = sigma_reparams(model)
+    return lambda: reparam_step(model, reps)
 
 
 def sigma_reparams(model: nn.Module) -> list[tuple[Tensor, SigmaReparam]]:

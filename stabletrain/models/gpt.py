@@ -13,14 +13,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from stabletrain.config import Components
+from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
-from stabletrain.layers.norm import _enum, make_norm
+from stabletrain.layers.norm import make_norm
+from stabletrain.models.registry import MODELS
+from stabletrain.models.vit import check_heads
+from stabletrain.registry import option_value
 
 
+def check_gpt(m, components: Components) -> None:
+    check_heads(m, components)
+    if components.deescalate.causal is False and option_value(components.deescalate.name) != "none":
+        raise ConfigError("deescalate.causal=false would mix later tokens into earlier ones in a causal GPT "
+                          "(the full-sequence mean sees the future); leave deescalate.causal null")
+
+
+@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt)
 class GPT(nn.Module):
-    def __init__(self, cfg):
+    """GPT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``.
+
+    ``model.dropout`` sits where nanoGPT has it: on the embeddings, the attention
+    probabilities, and after each residual branch's output projection (none inside the MLP).
+    """
+
+    def __init__(self, m, components: Components | None = None):
         super().__init__()
-        m = cfg.model
+        cfg = components or Components()
         self.block_size = m.block_size
         self.wte = nn.Embedding(m.vocab_size, m.embed_dim)
         self.wpe = nn.Embedding(m.block_size, m.embed_dim)
@@ -29,10 +48,10 @@ class GPT(nn.Module):
             Block(m.embed_dim, m.num_heads, m.mlp_ratio, components=cfg, seq_len=m.block_size, causal=True,
                   qkv_bias=m.bias, proj_bias=m.bias, mlp_hidden=m.mlp_hidden, norm_bias=m.bias,
                   act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
-                  proj_drop=m.dropout, attn_drop=m.dropout, ln_eps=1e-5)
+                  proj_drop=m.dropout, attn_drop=m.dropout, mlp_drop=(0.0, m.dropout), ln_eps=1e-5)
             for _ in range(m.depth)
         )
-        post = _enum(cfg.norm.placement) == "post"
+        post = option_value(cfg.norm.placement) == "post"
         self.norm = nn.Identity() if post else make_norm(cfg.norm, m.embed_dim, bias=m.bias, ln_eps=1e-5)
         self.lm_head = nn.Linear(m.embed_dim, m.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied

@@ -1,40 +1,42 @@
-"""Model names -> built models, with the init and reparametrisation components applied."""
+"""Model families by name (``model.family``) -> built models, with init and reparametrisation applied."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from stabletrain.config import ConfigError
-from stabletrain.layers.norm import _enum
+from stabletrain.config import Components
+from stabletrain.registry import Registry
+
+# family -> ``(model_cfg, components) -> nn.Module``; each family module registers itself
+MODELS = Registry("model.family", "stabletrain.models", package=True)
 
 
-def build_model(cfg) -> nn.Module:
-    family = _enum(cfg.model.family)
-    if family == "vit":
-        from stabletrain.models.vit import build_vit as build
-    elif family == "swin":
-        from stabletrain.models.swin import build_swin as build
-    elif family == "gpt":
-        from stabletrain.models.gpt import GPT as build
-    else:
-        raise ConfigError(f"model.family={family!r} is unknown; choose vit, swin or gpt")
-    model = build(cfg)
-    if _enum(cfg.init.name) != "family":
-        from stabletrain.layers.init import apply_init
+def build_model(model_cfg, components: Components | None = None) -> nn.Module:
+    """The model ``model_cfg`` describes, built of ``components`` (defaults where None), then
+    re-initialised per ``components.init`` and reparametrised per ``components.reparam``.
 
-        apply_init(model, cfg.init)
-    if _enum(cfg.reparam.name) != "none":
-        from stabletrain.layers.reparam import apply_reparam
+    Returns the model; its reparametrisation's per-step hook, if any, is ``model.step_hook``
+    (see :func:`build_model_and_hook` for the pair)."""
+    return build_model_and_hook(model_cfg, components)[0]
 
-        apply_reparam(model, cfg.reparam)
-    return model
+
+def build_model_and_hook(model_cfg, components: Components | None = None):
+    """``(model, hook)``: ``hook()`` (or None) must run after every optimizer step (sigmaReparam's
+    power iteration)."""
+    from stabletrain.layers.init import apply_init
+    from stabletrain.layers.reparam import REPARAMS
+
+    c = components or Components()
+    model = MODELS.get(model_cfg.family)(model_cfg, c)
+    apply_init(model, c.init)
+    return model, REPARAMS.get(c.reparam.name)(model, c.reparam)
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, block)`` for every transformer block, in forward order.
 
     A block has ``norm1``, ``attn`` (qkv, proj, num_heads), ``norm2`` and ``mlp`` (fc1, fc2):
-    true of our Block (ViT, GPT) and of timm's Swin blocks.
+    true of every family's block here (:mod:`stabletrain.layers.block`).
     """
     return [(n, m) for n, m in model.named_modules()
             if hasattr(m, "attn") and hasattr(m, "mlp") and hasattr(m, "norm1")]

@@ -3,7 +3,7 @@
 The AdamW² paper used Liu et al.'s Swin code (000 l.660); timm's is the same architecture
 (SPEC section 6 decision). Norms come from our factory via ``norm_layer``; each block's
 window attention becomes :class:`SwinAttention` (same weights, our q/k variants) and each
-block :class:`SwinBlock` (post-norm and de-escalation). With default components the model
+block :class:`SwinBlock` (the shared block arrangement: post-norm and de-escalation). With default components the model
 computes exactly timm's.
 """
 
@@ -12,36 +12,25 @@ from __future__ import annotations
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
 from torch import Tensor, nn
 
-from stabletrain.config import ConfigError
+from stabletrain.config import Components
+from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import SwinAttention
-from stabletrain.layers.deescalate import make_deescalate
-from stabletrain.layers.norm import _enum, make_norm
+from stabletrain.layers.block import BlockForward
+from stabletrain.layers.norm import make_norm
+from stabletrain.models.registry import MODELS
+from stabletrain.registry import option_value
 
 
-class SwinBlock(SwinTransformerBlock):
-    """timm's Swin block with a post-norm option and de-escalation; tokens are (B, H, W, C)."""
+class SwinBlock(BlockForward, SwinTransformerBlock):
+    """timm's Swin block, arranged by the shared :class:`BlockForward`: the attention branch is
+    timm's shifted-window attention on the (B, H, W, C) map; the MLP acts on each token. The
+    components (``post``, ``deesc_at``, ``deesc``) are set per instance by :func:`build_swin`."""
 
-    # ``post``, ``deesc_at`` and ``deesc`` are set per instance by :func:`build_swin`. A
-    # class-level ``deesc = None`` would shadow the registered submodule (nn.Module looks
-    # submodules up only when normal attribute lookup fails).
+    def attention_branch(self, x: Tensor, attn_mask=None) -> Tensor:
+        return self._attn(x)
 
-    def forward(self, x: Tensor) -> Tensor:
-        b, h, w, c = x.shape
-        if self.post:
-            x = self.norm1(x + self.drop_path1(self._attn(x)))
-        else:
-            x = x + self.drop_path1(self._attn(self.norm1(x)))
-        if self.deesc_at == "ffn":
-            x = self.deesc(x)
-        x = x.reshape(b, -1, c)
-        if self.post:
-            x = self.norm2(x + self.drop_path2(self.mlp(x)))
-        else:
-            x = x + self.drop_path2(self.mlp(self.norm2(x)))
-        x = x.reshape(b, h, w, c)
-        if self.deesc_at == "block":
-            x = self.deesc(x)
-        return x
+    def mlp_branch(self, x: Tensor) -> Tensor:
+        return self.mlp(x)
 
 
 def _drop_norms(model: nn.Module) -> None:
@@ -57,11 +46,23 @@ def _drop_norms(model: nn.Module) -> None:
                 setattr(parent, name, nn.Identity())
 
 
-def build_swin(cfg) -> SwinTransformer:
-    m = cfg.model
+def check_swin(m, components: Components) -> None:
     if m.act != "gelu":
         raise ConfigError(f"model.act={m.act}: timm's Swin has a GELU MLP only")
-    no_norm = _enum(cfg.norm.name) == "none"
+    if components.deescalate.causal:
+        raise ConfigError("deescalate.causal=true does not apply to Swin (its windows have no token order); "
+                          "leave it null")
+    if len(m.depths) != len(m.stage_heads):
+        raise ConfigError(f"model.depths={list(m.depths)} and model.stage_heads={list(m.stage_heads)} must have "
+                          f"one entry per stage each")
+
+
+@MODELS.register("swin", kind="vision", data="digits", check=check_swin)
+def build_swin(m, components: Components) -> SwinTransformer:
+    """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
+    cfg = components
+    check_swin(m, components)
+    no_norm = isinstance(make_norm(cfg.norm, 1), nn.Identity)
 
     def norm_layer(dim: int, **_factory_kwargs) -> nn.Module:
         if no_norm:
@@ -76,15 +77,13 @@ def build_swin(cfg) -> SwinTransformer:
     )
     if no_norm:
         _drop_norms(model)
-    post = _enum(cfg.norm.placement) == "post"
     for blk in (b for b in model.modules() if isinstance(b, SwinTransformerBlock)):
         blk.attn = SwinAttention.from_timm(blk.attn, attn_cfg=cfg.attention, norm_cfg=cfg.norm,
                                            attn_fp32=cfg.reparam.attn_fp32)
         # Same parameters, new forward: swapping the class keeps timm's construction intact.
         blk.__class__ = SwinBlock
-        blk.post = post
-        blk.deesc_at, blk.deesc = make_deescalate(cfg.deescalate, False)
-    if post:
+        blk.set_components(cfg, causal=False)
+    if option_value(cfg.norm.placement) == "post":
         model.norm = nn.Identity()
     return model
 

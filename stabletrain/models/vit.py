@@ -9,22 +9,32 @@ from timm.layers import trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from stabletrain.config import Components
+from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
-from stabletrain.layers.norm import _enum, make_norm
+from stabletrain.layers.norm import make_norm
+from stabletrain.models.registry import MODELS
+from stabletrain.registry import option_value
 
 LN_EPS = 1e-6  # timm ViT's LayerNorm eps
 LINEAR_STD = 0.02  # timm ViT's trunc_normal std for Linear weights
 
 
-def build_vit(cfg) -> VisionTransformer:
-    m = cfg.model
+def check_heads(m, components: Components) -> None:
+    if m.embed_dim % m.num_heads:
+        raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
+
+
+@MODELS.register("vit", kind="vision", data="digits", check=check_heads)
+def build_vit(m, components: Components) -> VisionTransformer:
+    """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)
-    post = _enum(cfg.norm.placement) == "post"
+    post = option_value(components.norm.placement) == "post"
 
     def norm_layer(dim: int, **_factory_kwargs) -> nn.Module:  # timm unbinds partials' positional args
-        return make_norm(cfg.norm, dim, ln_eps=LN_EPS)
+        return make_norm(components.norm, dim, ln_eps=LN_EPS)
 
-    block_fn = partial(Block, components=cfg, seq_len=tokens, causal=False, ln_eps=LN_EPS,
+    block_fn = partial(Block, components=components, seq_len=tokens, causal=False, ln_eps=LN_EPS,
                        mlp_hidden=m.mlp_hidden)
     model = VisionTransformer(
         img_size=m.img_size, patch_size=m.patch_size, in_chans=m.in_chans, num_classes=m.num_classes,

@@ -23,12 +23,31 @@ ADAMW2 = "adamw2"
 BLOCK_GROUPS = (SIGMA1, SEC, ENTROPY, TOKEN_SIM, QK_SPECTRUM, NORM)
 
 # training scalars written by the loop
-LOSS = "loss"
+LOSS = "loss"  # what is minimised: the task loss plus every loss term
 LR = "lr"
-GRAD_NORM = "grad_norm"
+GRAD_NORM = "grad_norm"  # before clipping
+LOSS_PENALTY = "loss/penalty"  # the loss terms' share of LOSS
+STEP_TIME = "time/step_s"
+PEAK_MEMORY = "memory/peak_gb"
+VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"
 VAL_ACC = "val/acc"
 TRAINING_SCALARS = (LOSS, LR, GRAD_NORM, VAL_LOSS, VAL_ACC)
+
+
+def loss_term(name: str) -> str:
+    """One loss term's share of LOSS (logged when several are active): ``loss/zloss``."""
+    return f"loss/{name}"
+
+
+def throughput(unit: str) -> str:
+    """``throughput/tokens_per_s`` or ``throughput/samples_per_s``."""
+    return f"throughput/{unit}_per_s"
+
+
+def scored(prefix: str, quantity: str) -> str:
+    """An evaluation record: ``val/loss``, ``val_ema/acc``, ``val/ppl``."""
+    return f"{prefix}/{quantity}"
 
 # sigma1 quantities; "_max"/"_mean" are over heads of the per-head product, "_full" the
 # full-width product (the sum over heads), which is the magnitude the AdamW² paper reports

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.layers.norm import _enum
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
 from stabletrain.monitor.quantities import block_probe_metrics, model_weight_metrics
@@ -29,33 +28,47 @@ def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 class MonitorRunner:
-    def __init__(self, trainer):
-        self.t = trainer
-        self.cfg = trainer.cfg.monitor
-        self.active = trainer.info.is_main
-        self.blocks = transformer_blocks(trainer.model)
-        self.causal = _enum(trainer.cfg.model.family) == "gpt"
-        # Theorem 3.1 covers logits x W_q^h^T W_k^h x^T / sqrt(d_h): plain softmax attention, with
-        # or without sigmaReparam; normalised q/k (qknorm, stable) change the logits it bounds
-        self.with_bound = _enum(trainer.cfg.attention.name) == "softmax"
+    """The monitors of one model.
+
+    ``probe_batch`` is a held-out ``(x, y)``; ``autocast`` the context the model trains under;
+    ``with_bound``: log the sigmaReparam paper's Theorem 3.1 entropy bound, which covers
+    logits ``x W_q^h^T W_k^h x^T / sqrt(d_h)``, so plain softmax attention only (normalised q/k
+    change the logits it bounds). ``active`` is false on ranks > 0, where nothing runs.
+    Messages and records go to ``sink`` (``message(text)``, ``log(step, values)``), given with
+    :meth:`attach` once the run's metrics sink is open.
+    """
+
+    def __init__(self, model: nn.Module, cfg, probe_batch: tuple[torch.Tensor, torch.Tensor], *,
+                 device: torch.device, autocast=contextlib.nullcontext, with_bound: bool = True,
+                 active: bool = True):
+        self.model, self.cfg, self.device, self.autocast = model, cfg, device, autocast
+        self.active, self.with_bound = active, with_bound
+        self.blocks = transformer_blocks(model)
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
         self.history: list[dict] = []
         self.alerts: list[dict] = []
         self.stop_reason: str | None = None
-        x, y = next(trainer.data.val_batches(self.cfg.probe_batch_size, 1))
-        self.probe_batch = (x, y)
+        self.probe_batch = probe_batch
+        self.sink = None
+
+    def attach(self, sink) -> None:
+        self.sink = sink
+
+    def _probe_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.probe_batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     @contextlib.contextmanager
     def _isolated(self):
         """No RNG draw, no autocast surprise, and the model's mode restored afterwards."""
-        dev = [self.t.device] if self.t.device.type == "cuda" else []
-        was_training = self.t.model.training
+        dev = [self.device] if self.device.type == "cuda" else []
+        was_training = self.model.training
         with torch.random.fork_rng(devices=dev):
             try:
                 yield
             finally:
-                self.t.model.train(was_training)
+                self.model.train(was_training)
 
     # --- cadence --------------------------------------------------------------------
 
@@ -75,10 +88,10 @@ class MonitorRunner:
         for alert in self.watch.update(done, rec) if self.cfg.alerts else []:
             self.alerts.append(alert)
             rec[f"alert/{alert['layer']}"] = 1.0
-            self.t.metrics.message("WARNING " + alert["message"])
+            self.sink.message("WARNING " + alert["message"])
             if self.cfg.stop_on_alert and self.stop_reason is None:
                 self.stop_reason = f"entropy collapse at {alert['layer']} (step {done})"
-        self.t.metrics.log(done, rec)
+        self.sink.log(done, rec)
 
     # --- the two sides --------------------------------------------------------------
 
@@ -89,7 +102,7 @@ class MonitorRunner:
         return model_weight_metrics(self.blocks, per_head=self.cfg.per_head, warm=self.warm)
 
     def probe_metrics(self) -> dict[str, float]:
-        model, t = self.t.model, self.t
+        model = self.model
         model.eval()
         inputs: dict[str, torch.Tensor] = {}
         hooks = []
@@ -97,7 +110,7 @@ class MonitorRunner:
             blk.attn.probe = {}
             hooks.append(blk.register_forward_pre_hook(
                 lambda _m, args, name=name: inputs.__setitem__(name, args[0])))
-        x, y = t._to_device(*self.probe_batch)
+        x, y = self._probe_inputs()
         try:
             if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                 return {}
@@ -114,7 +127,7 @@ class MonitorRunner:
                 out.update(block_probe_metrics(
                     name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
                     wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
-                    block_input_grad=_tokens(g), causal=self.causal and _is_causal(blk),
+                    block_input_grad=_tokens(g), causal=_is_causal(blk),
                     per_head=self.cfg.per_head))
             return out
         finally:
@@ -128,7 +141,7 @@ class MonitorRunner:
         ``i``'s gradient (SPEC section 7: per sample, then the mean over the batch). It is the
         held-out loss on hard labels, whatever the training criterion (mixup's soft targets,
         label smoothing): the probe batch comes from the validation split."""
-        with self.t.autocast():
+        with self.autocast():
             out = model(x).float()
         if out.dim() == 3:  # (B, T, vocab): a sample's loss is the mean over its tokens
             return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") / y.shape[1]
@@ -146,10 +159,10 @@ class MonitorRunner:
                 growth = growth_summary(self.history)
                 if growth:
                     forensics["growth"] = growth
-            x, y = self.t._to_device(*self.probe_batch)
+            x, y = self._probe_inputs()
             with self._isolated(), torch.no_grad():
-                self.t.model.eval()
-                bad = first_nonfinite(self.t.model, lambda m: self._probe_loss(m, x, y))
+                self.model.eval()
+                bad = first_nonfinite(self.model, lambda m: self._probe_loss(m, x, y))
             if bad:
                 forensics["first_nonfinite"] = f"first non-finite: {bad}"
             out["forensics"] = forensics
@@ -168,7 +181,7 @@ class MonitorRunner:
         self.alerts = list(state.get("alerts", []))
         self.watch.blocks = {b: _BlockState.restore(s) for b, s in state.get("watch", {}).items()}
         self.history = list(state.get("history", []))
-        dev = self.t.device
+        dev = self.device
         self.warm = {(key if isinstance(key, str) else tuple(key)): tuple(t.to(dev) for t in vecs)
                      for key, vecs in state.get("warm", [])}
 

@@ -5,8 +5,8 @@ Every trainable parameter gets a role:
 - ``gamma``: sigmaReparam's scale (name ends in ``gamma`` under a ``parametrizations`` path)
   or any 0-dim parameter. Never decays, never bounded, LARS-excluded, ``lr_mult`` =
   ``reparam.gamma_lr_mult`` (SPEC section 2).
-- ``norm_gain``: a ``*weight`` vector of a norm layer (``nn.LayerNorm``, ``nn.RMSNorm`` or any
-  module class whose name contains ``Norm``, e.g. our StableNorm). No decay; bounded by AdamW²
+- ``norm_gain``: a ``*weight`` vector of a norm layer (every type a ``norm`` option registers,
+  e.g. StableNorm, and torch's own: :func:`stabletrain.layers.norm.is_norm_layer`). No decay; bounded by AdamW²
   when ``bound_norm_gains`` (SPEC decision: App. M plots RMSNorm gains hitting the bound).
 - ``vector``: any other tensor with < 2 dims (biases, norm biases). No decay, unbounded.
 - ``position``: vision families' ``pos_embed``, ``cls_token`` (and timm's ``dist_token``,
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from stabletrain.layers.norm import is_norm_layer
 from stabletrain.spectral import matrix_shape
 
 FAMILIES = ("vit", "swin", "gpt")
@@ -40,7 +41,6 @@ VISION_NO_DECAY = frozenset(
         "relative_position_bias_table",
     }
 )
-NORM_TYPES: tuple[type, ...] = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,10 @@ class ParamRole:
     lr_mult: float
 
 
-def is_norm_module(module: nn.Module) -> bool:
-    return isinstance(module, NORM_TYPES) or "Norm" in type(module).__name__
-
-
 def _norm_gain_ids(model: nn.Module) -> set[int]:
     ids = set()
     for module in model.modules():
-        if is_norm_module(module):
+        if is_norm_layer(module):
             for local, p in module.named_parameters(recurse=False):
                 if local.endswith("weight") and len(matrix_shape(p.shape)) <= 1:
                     ids.add(id(p))
@@ -111,16 +107,16 @@ def make_param_groups(
     Each group has ``params``, ``names``, ``weight_decay`` (``weight_decay`` or 0), ``lr_mult``,
     plus ``bound`` for adamw2 and ``lars_exclude`` for lars. ``lr`` is left to the caller.
     """
+    from stabletrain.optim import OPTIMIZERS
+
+    flag = OPTIMIZERS.entry(optimizer).info.get("group_flag")  # the one the optimizer reads per group
     groups: OrderedDict[tuple, dict] = OrderedDict()
     for name, p, role in classify(model, family, bound_norm_gains=bound_norm_gains, gamma_lr_mult=gamma_lr_mult):
         key: tuple = (role.decay, role.lr_mult)
         extra: dict = {}
-        if optimizer == "adamw2":
-            key += (role.bound,)
-            extra["bound"] = role.bound
-        elif optimizer == "lars":
-            key += (role.lars_exclude,)
-            extra["lars_exclude"] = role.lars_exclude
+        if flag is not None:
+            key += (getattr(role, flag),)
+            extra[flag] = getattr(role, flag)
         if key not in groups:
             groups[key] = dict(
                 params=[],

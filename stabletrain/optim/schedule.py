@@ -25,17 +25,15 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-SCHEDULES = ("cosine", "step", "constant")
+from stabletrain.registry import Registry, option_value
 
-
-def enum_value(x: Any) -> str:
-    """``'cosine'`` for ``ScheduleName.cosine`` or ``'cosine'`` alike."""
-    return str(getattr(x, "value", x))
+# name -> ``(schedule, step) -> lr`` for steps after the warmup
+SCHEDULES = Registry("schedule", __name__)
 
 
 def to_steps(value: float, unit: Any, steps_per_epoch: int | None = None) -> int:
     """A length in ``unit`` (``steps`` or ``epochs``) as a whole number of optimizer steps."""
-    unit = enum_value(unit)
+    unit = option_value(unit)
     if unit == "steps":
         return round(value)
     if unit == "epochs":
@@ -59,8 +57,7 @@ class LRSchedule:
     horizon_steps: int | None = None
 
     def __post_init__(self):
-        if self.name not in SCHEDULES:
-            raise ValueError(f"schedule.name={self.name!r}: use one of {', '.join(SCHEDULES)}")
+        object.__setattr__(self, "_after_warmup", SCHEDULES.get(self.name))
         if self.warmup_steps < 0:
             raise ValueError(f"warmup={self.warmup_steps} steps must be >= 0")
 
@@ -68,14 +65,25 @@ class LRSchedule:
         w = self.warmup_steps
         if step < w:
             return self.base_lr * (step + 1) / w
-        if self.name == "constant":
-            return self.base_lr
-        if self.name == "step":
-            passed = sum(1 for m in self.milestones if step >= m)
-            return self.base_lr * self.gamma**passed
-        horizon = self.horizon_steps if self.horizon_steps is not None else self.total_steps
-        progress = min(1.0, (step - w) / max(1, horizon - w))
-        return self.min_lr + (self.base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self._after_warmup(self, step)
+
+
+@SCHEDULES.register("constant")
+def constant(s: LRSchedule, step: int) -> float:
+    return s.base_lr
+
+
+@SCHEDULES.register("step")
+def step_decay(s: LRSchedule, step: int) -> float:
+    passed = sum(1 for m in s.milestones if step >= m)
+    return s.base_lr * s.gamma**passed
+
+
+@SCHEDULES.register("cosine")
+def cosine(s: LRSchedule, step: int) -> float:
+    horizon = s.horizon_steps if s.horizon_steps is not None else s.total_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, horizon - s.warmup_steps))
+    return s.min_lr + (s.base_lr - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def make_schedule(
@@ -95,7 +103,7 @@ def make_schedule(
     unit = schedule_cfg.unit
     horizon = schedule_cfg.horizon
     return LRSchedule(
-        name=enum_value(schedule_cfg.name),
+        name=option_value(schedule_cfg.name),
         base_lr=float(base_lr),
         total_steps=int(total_steps),
         warmup_steps=to_steps(warmup, unit, steps_per_epoch),
@@ -126,3 +134,24 @@ def set_weight_decay(optimizer: Optimizer, wd: float) -> None:
     """Give every decayed group ``wd`` (``wd_mult`` is 1 there, 0 on no-decay groups)."""
     for group in optimizer.param_groups:
         group["weight_decay"] = wd * group.get("wd_mult", 1.0)
+
+
+@dataclass(frozen=True)
+class OptimizerSchedule:
+    """What the trainer calls at every step: sets each group's rate (and the scheduled weight
+    decay, when ``wd_end`` is set) for ``step`` and returns the rate."""
+
+    lr_at: LRSchedule
+    wd_start: float = 0.0
+    wd_end: float | None = None
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.lr_at.warmup_steps
+
+    def __call__(self, optimizer: Optimizer, step: int) -> float:
+        lr = self.lr_at(step)
+        set_lr(optimizer, lr)
+        if self.wd_end is not None:
+            set_weight_decay(optimizer, weight_decay_at(self.wd_start, self.wd_end, step, self.lr_at.total_steps))
+        return lr

@@ -17,12 +17,11 @@ from stabletrain.config import (
     DeescConfig,
     InitConfig,
     NormConfig,
-    RegularizerConfig,
     ReparamConfig,
     TrainConfig,
     register,
 )
-from stabletrain.layers.norm import _enum
+from stabletrain.registry import option_value
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
@@ -52,10 +51,11 @@ def make_cfg(model: str = "gpt_test", *, norm: dict | None = None, attention: di
     cfg.model = dataclasses.replace(cfg.model, **model_keys)
     for key, cls, given in (("norm", NormConfig, norm), ("attention", AttentionConfig, attention),
                             ("reparam", ReparamConfig, reparam), ("init", InitConfig, init),
-                            ("deescalate", DeescConfig, deescalate),
-                            ("regularizer", RegularizerConfig, regularizer)):
+                            ("deescalate", DeescConfig, deescalate)):
         if given is not None:
             setattr(cfg, key, cls(**given))
+    if regularizer is not None:  # loss term name -> its parameters
+        cfg.regularizer = regularizer
     return cfg
 
 
@@ -63,6 +63,6 @@ def model_input(cfg, batch: int = 2, tokens: int | None = None, seed: int = 0):
     """A tiny input for ``cfg.model``: token ids for GPT, images otherwise."""
     g = torch.Generator().manual_seed(seed)
     m = cfg.model
-    if _enum(m.family) == "gpt":
+    if option_value(m.family) == "gpt":
         return torch.randint(0, m.vocab_size, (batch, tokens or m.block_size), generator=g)
     return torch.randn(batch, m.in_chans, m.img_size, m.img_size, generator=g)

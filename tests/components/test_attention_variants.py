@@ -8,6 +8,7 @@ from timm.models.swin_transformer import WindowAttention
 
 from stabletrain.config import AttentionConfig, NormConfig
 from stabletrain.layers.attention import Attention, SwinAttention, qk_transform
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from tests.components.helpers import make_cfg
 
@@ -130,7 +131,7 @@ def test_tau_is_c_log2_n():
 
 def _swin_mask_and_attn():
     cfg = make_cfg("swin_test", depths=[2, 1])  # swin_test's single block per stage never shifts
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     blk = model.layers[0].blocks[1]  # the shifted block of stage 0
     assert blk.attn_mask is not None and any(blk.shift_size)
     return blk.attn_mask, blk.attn

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from stabletrain.layers.reparam import reparam_step
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from tests.components.helpers import make_cfg, model_input
 
@@ -32,7 +33,7 @@ TOKENS, CUT = 8, 4
 def _batch(cfg, case):
     x = model_input(cfg, batch=2, tokens=TOKENS, seed=case)
     g = torch.Generator().manual_seed(case)
-    if cfg.model.family.value == "gpt":
+    if cfg.model.family == "gpt":
         x[1] = x[0]
         x[1, CUT + 1:] = (x[0, CUT + 1:] + 1 + torch.randint(0, 200, (TOKENS - CUT - 1,), generator=g)) % 256
         return x, torch.randint(0, cfg.model.vocab_size, (2, TOKENS), generator=g)
@@ -42,11 +43,11 @@ def _batch(cfg, case):
 def _train_two_steps(cfg, case) -> str | None:
     """None if the case is healthy, else what went wrong."""
     torch.manual_seed(case)
-    model = build_model(cfg).train()
+    model = build_model(cfg.model, Components.of(cfg)).train()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
     x, y = _batch(cfg, case)
-    gpt = cfg.model.family.value == "gpt"
+    gpt = cfg.model.family == "gpt"
     for step in range(2):
         out = model(x)
         if gpt and step == 0:

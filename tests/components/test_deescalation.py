@@ -7,8 +7,10 @@ from torch import nn
 from stabletrain.config import DeescConfig, NormConfig
 from stabletrain.layers.deescalate import Deescalate, make_deescalate, token_similarity
 from stabletrain.layers.norm import make_norm
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from tests.components.helpers import make_cfg, model_input
+from tests.helpers import model_of
 
 
 def _x(*shape, seed=0, offset=2.0):
@@ -103,12 +105,12 @@ def test_block_placements(placement):
     x = torch.randn(2, 17, 32)
     cfg = make_cfg("vit_test", norm=dict(name="layernorm", placement=placement),
                    deescalate=dict(name="deescalate", placement="block"))
-    block = build_model(cfg).blocks[0]
+    block = build_model(cfg.model, Components.of(cfg)).blocks[0]
     _, out = _mean_at_mlp_input(block, x)
     assert out.mean(1).abs().max() < 1e-5  # the end of the block
     cfg = make_cfg("vit_test", norm=dict(name="layernorm", placement=placement),
                    deescalate=dict(name="deescalate", placement="ffn"))
-    block = build_model(cfg).blocks[0].eval()
+    block = build_model(cfg.model, Components.of(cfg)).blocks[0].eval()
     mlp_in, out = _mean_at_mlp_input(block, x)
     if placement == "post":
         assert mlp_in.mean(1).abs().max() < 1e-5  # the FFN sees the de-escalated stream ...
@@ -122,9 +124,9 @@ def test_block_placements(placement):
 
 
 def test_models_use_prefix_mean_only_when_causal():
-    gpt = build_model(make_cfg("gpt_test", deescalate=dict(name="deescalate", placement="block")))
-    vit = build_model(make_cfg("vit_test", deescalate=dict(name="deescalate", placement="block")))
-    swin = build_model(make_cfg("swin_test", deescalate=dict(name="deescalate", placement="ffn")))
+    gpt = model_of(make_cfg("gpt_test", deescalate=dict(name="deescalate", placement="block")))
+    vit = model_of(make_cfg("vit_test", deescalate=dict(name="deescalate", placement="block")))
+    swin = model_of(make_cfg("swin_test", deescalate=dict(name="deescalate", placement="ffn")))
     assert all(b.deesc.causal for b in gpt.blocks)
     assert not any(b.deesc.causal for b in vit.blocks)
     swin_blocks = [m for m in swin.modules() if hasattr(m, "deesc_at")]
@@ -143,7 +145,7 @@ def test_swin_block_placements_follow_the_formula(placement, where):
     over the whole (H, W) feature map."""
     cfg = make_cfg("swin_test", norm=dict(name="layernorm", placement=placement),
                    deescalate=dict(name="deescalate", placement=where))
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     blk = next(m for m in model.modules() if hasattr(m, "deesc_at"))
     b, h, w, c = 2, *blk.input_resolution, blk.norm1.normalized_shape[0]
     x = torch.randn(b, h, w, c)

@@ -10,18 +10,21 @@ from torch import nn
 from stabletrain.layers.attention import Attention
 from stabletrain.layers.deescalate import Deescalate
 from stabletrain.layers.locater import locater_penalty
-from stabletrain.layers.norm import StableNorm, _enum
+from stabletrain.layers.norm import StableNorm
+from stabletrain.registry import option_value
 from stabletrain.layers.reparam import gamma_parameters
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
 from tests.components.helpers import compose_cfg, model_input
+from tests.helpers import model_of
 
 NAMES = ["stable_gpt2_s", "stable_vit_l", "sigma_vit_b", "deesc_vit_cifar", "locater_1layer", "vit_s_cifar100",
          "stable_vit_s_cifar100"]
 
 
 def _v(node):
-    return _enum(node)
+    return option_value(node)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -41,7 +44,7 @@ def test_stable_gpt2_s():
     assert (_v(cfg.schedule.name), cfg.schedule.min_lr, cfg.warmup, cfg.steps) == ("cosine", 6e-5, 2000, 600000)
     assert (cfg.batch_size, cfg.grad_clip, _v(cfg.precision), cfg.model.dropout) == (480, 1.0, "bf16", 0.0)
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg.model, Components.of(cfg))
     norms = [m for m in model.modules() if isinstance(m, (StableNorm, nn.LayerNorm, nn.RMSNorm))]
     assert len(norms) == 2 * 12 * 2 + 1 and all(isinstance(n, StableNorm) for n in norms)
     attn = model.blocks[0].attn
@@ -60,7 +63,7 @@ def test_stable_vit_l():
     d = cfg.data
     assert (d.mixup, d.cutmix, d.erasing, d.label_smoothing) == (0.8, 1.0, 0.0, 0.1)
     with torch.device("meta"):
-        model = build_model(cfg)
+        model = build_model(cfg.model, Components.of(cfg))
     assert model.blocks[0].attn.scale == pytest.approx(1.618 * math.log2(197) * 64 ** -0.5)
 
 
@@ -75,7 +78,7 @@ def test_cifar100_pair_differs_only_in_the_stable_transformer():
     assert (_v(ours.norm.name), ours.norm.alpha, _v(ours.attention.name), _v(ours.init.name)) == \
         ("stablenorm", 0.25, "stable", "stable")
     with torch.device("meta"):
-        model = build_model(ours)
+        model = build_model(ours.model, Components.of(ours))
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(21.3e6, rel=0.01)  # ViT-S, 100 classes
     assert model.blocks[0].attn.scale == pytest.approx(1.618 * math.log2(65) * 64 ** -0.5)  # 64 patches + cls
 
@@ -89,9 +92,9 @@ def test_sigma_vit_b_builds_a_normless_fully_reparametrised_vit():
     assert (cfg.epochs, cfg.warmup, cfg.batch_size) == (250, 0, 4096)
     small = compose_cfg("experiment=sigma_vit_b", "model=vit_test")  # the recipe on a tiny ViT
     torch.manual_seed(0)
-    ref = build_model(compose_cfg("model=vit_test", "norm=none", "model.patch_embed_std=0.02"))  # Table 13 init
+    ref = model_of(compose_cfg("model=vit_test", "norm=none", "model.patch_embed_std=0.02"))  # Table 13 init
     torch.manual_seed(0)
-    model = build_model(small)
+    model = build_model(small.model, Components.of(small))
     assert not any(isinstance(m, (nn.LayerNorm, nn.RMSNorm, StableNorm)) for m in model.modules())
     assert all(m.attn_fp32 for m in model.modules() if isinstance(m, Attention))
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
@@ -118,7 +121,7 @@ def test_deesc_vit_cifar_requires_an_lr():
         (1.0, 128, 150, [105.0, 135.0])
     assert (cfg.model.depth, cfg.model.embed_dim, cfg.model.num_heads, cfg.model.mlp_hidden) == (80, 192, 8, 384)
     small = compose_cfg("experiment=deesc_vit_cifar", "optim.lr=3e-4", "model.depth=2")
-    model = build_model(small)
+    model = build_model(small.model, Components.of(small))
     assert all(b.post and b.deesc_at == "block" and isinstance(b.deesc, Deescalate) for b in model.blocks)
     assert isinstance(model.norm, nn.Identity)
 
@@ -128,12 +131,12 @@ def test_locater_1layer_is_a_one_head_post_ln_gpt():
     m = cfg.model
     assert (_v(m.family), m.depth, m.num_heads, m.embed_dim, m.mlp_hidden, m.block_size) == \
         ("gpt", 1, 1, 128, 128, 64)
-    assert (_v(cfg.regularizer.name), cfg.regularizer.scale_coef, cfg.regularizer.mean_coef) == ("locater", 100.0, 1.0)
+    assert dict(cfg.regularizer) == {"locater": {"scale_coef": 100.0, "mean_coef": 1.0}}
     assert (_v(cfg.optim.name), cfg.optim.lr, cfg.optim.weight_decay, _v(cfg.schedule.name)) == \
         ("adamw", 2.5e-5, 0.01, "constant")
     assert (cfg.batch_size, cfg.steps, cfg.grad_clip, _v(cfg.norm.placement)) == (64, 50000, None, "post")
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     assert len(model.blocks) == 1 and model.blocks[0].post and model.blocks[0].attn.num_heads == 1
-    loss = model(model_input(cfg, tokens=64)).float().mean() + locater_penalty(model, cfg.regularizer)
+    loss = model(model_input(cfg, tokens=64)).float().mean() + locater_penalty(model, cfg.regularizer.locater)
     loss.backward()
     assert torch.isfinite(loss) and model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0

@@ -8,9 +8,11 @@ from torch import nn
 
 from stabletrain.config import ConfigError, InitConfig
 from stabletrain.layers.init import TRUNC_STDS, apply_init, init_matrix_, init_std
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
 from tests.components.helpers import make_cfg
+from tests.helpers import model_of
 
 SHAPES = [(256, 64), (96, 384), (200, 200)]  # (n_out, n_in)
 # std of N(0, 1) truncated at +-2: sqrt(1 - 4 phi(2) / (2 Phi(2) - 1))
@@ -64,7 +66,7 @@ def test_trunc_xavier_truncates_at_two_std(shape):
 def test_fused_qkv_slices_are_initialised_as_d_by_d_matrices():
     d = 128
     cfg = make_cfg("gpt_test", init=dict(name="stable"), embed_dim=d, num_heads=2, depth=1)
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     qkv = model.blocks[0].attn.qkv.weight.detach()
     per_slice = 1 / (2 * math.sqrt(d))  # n_in = n_out = d
     joint = 1 / (math.sqrt(d) + math.sqrt(3 * d))  # the other reading, 3d x d
@@ -76,7 +78,7 @@ def test_fused_qkv_slices_are_initialised_as_d_by_d_matrices():
     proj = model.blocks[0].attn.proj.weight  # no nanoGPT residual scaling
     assert abs(proj.std().item() / per_slice - 1) < _std_tolerance(proj.numel())
 
-    demo = build_model(make_cfg("gpt_test", init=dict(name="stable", fused_qkv="matrix"), embed_dim=d, num_heads=2,
+    demo = model_of(make_cfg("gpt_test", init=dict(name="stable", fused_qkv="matrix"), embed_dim=d, num_heads=2,
                                 depth=1))
     whole = demo.blocks[0].attn.qkv.weight.detach()
     assert abs(whole.std().item() / joint - 1) < _std_tolerance(whole.numel())
@@ -85,17 +87,17 @@ def test_fused_qkv_slices_are_initialised_as_d_by_d_matrices():
 @pytest.mark.parametrize("name", ["xavier", "trunc_xavier", "stable"])
 def test_family_init_kept_outside_linear_layers(name):
     torch.manual_seed(0)
-    ref = build_model(make_cfg("gpt_test"))
+    ref = model_of(make_cfg("gpt_test"))
     torch.manual_seed(0)
-    gpt = build_model(make_cfg("gpt_test", init=dict(name=name)))
+    gpt = model_of(make_cfg("gpt_test", init=dict(name=name)))
     assert gpt.lm_head.weight is gpt.wte.weight
     assert torch.equal(gpt.wte.weight, ref.wte.weight) and torch.equal(gpt.wpe.weight, ref.wpe.weight)
     assert not torch.equal(gpt.blocks[0].attn.qkv.weight, ref.blocks[0].attn.qkv.weight)
 
     torch.manual_seed(0)
-    ref = build_model(make_cfg("vit_test"))
+    ref = model_of(make_cfg("vit_test"))
     torch.manual_seed(0)
-    vit = build_model(make_cfg("vit_test", init=dict(name=name)))
+    vit = model_of(make_cfg("vit_test", init=dict(name=name)))
     for key in ("patch_embed.proj.weight", "patch_embed.proj.bias", "pos_embed", "cls_token"):
         assert torch.equal(vit.state_dict()[key], ref.state_dict()[key]), key
     linears = [m for m in vit.modules() if isinstance(m, nn.Linear)]

@@ -4,12 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from stabletrain.config import AttentionConfig, NormConfig, RegularizerConfig, ReparamConfig
+from stabletrain.config import AttentionConfig, NormConfig, ReparamConfig
+from stabletrain.losses.locater import LocaterParams
 from stabletrain.layers.attention import Attention
 from stabletrain.layers.locater import layer_penalty, locater_penalty, locater_value, qk_eigen_stats, qk_heads
 from stabletrain.layers.reparam import apply_reparam
-from stabletrain.models.registry import build_model
 from tests.components.helpers import make_cfg
+from tests.helpers import model_of
 
 D, H = 12, 3
 DH = D // H
@@ -38,7 +39,7 @@ def _model(layers=2, seed=0):
 @pytest.mark.parametrize("k1,k2", [(K1, K2), (0.0, 10.0), (1.0, 0.0)])
 def test_value_and_gradient_equal_the_explicit_formula(k1, k2):
     model = _model()
-    reg = RegularizerConfig(name="locater", scale_coef=k1, mean_coef=k2)
+    reg = LocaterParams(scale_coef=k1, mean_coef=k2)
     pen = locater_penalty(model, reg)
     pen.backward()
     ours = [m.qkv.weight.grad.clone() for m in model]
@@ -53,7 +54,7 @@ def test_value_and_gradient_equal_the_explicit_formula(k1, k2):
 
 def test_biases_do_not_enter():
     model = _model(1)
-    reg = RegularizerConfig(name="locater", scale_coef=K1, mean_coef=K2)
+    reg = LocaterParams(scale_coef=K1, mean_coef=K2)
     before = locater_penalty(model, reg).item()
     with torch.no_grad():
         model[0].qkv.bias.normal_()
@@ -79,15 +80,15 @@ def test_uses_the_effective_weight_under_sigma_reparam():
         for n, p in model.named_parameters():
             if n.endswith("gamma"):
                 p.fill_(3.0)
-    reg = RegularizerConfig(name="locater", scale_coef=K1, mean_coef=K2)
+    reg = LocaterParams(scale_coef=K1, mean_coef=K2)
     want = explicit_penalty(model[0].qkv.weight.detach().double(), H, K1, K2)
     assert locater_penalty(model, reg).item() == pytest.approx(want.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("model_name", ["vit_test", "swin_test", "gpt_test"])
 def test_every_family_sums_over_its_attention_layers(model_name):
-    model = build_model(make_cfg(model_name))
-    reg = RegularizerConfig(name="locater", scale_coef=K1, mean_coef=K2)
+    model = model_of(make_cfg(model_name))
+    reg = LocaterParams(scale_coef=K1, mean_coef=K2)
     attns = [m for m in model.modules() if hasattr(m, "qkv") and hasattr(m, "num_heads")]
     want = sum(explicit_penalty(a.qkv.weight.detach().double(), a.num_heads, K1, K2) for a in attns)
     pen = locater_penalty(model, reg)

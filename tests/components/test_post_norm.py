@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model, transformer_blocks
 from tests.components.helpers import make_cfg, model_input
 
@@ -23,7 +24,7 @@ def _randomise_norms(model):
 @pytest.mark.parametrize("model_name", ["vit_test", "gpt_test"])
 def test_post_norm_block_is_ln_of_residual_sum(model_name, norm):
     cfg = make_cfg(model_name, norm=dict(name=norm, placement="post", alpha=0.25))
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     _randomise_norms(model)
     blk = model.blocks[0]
     x = torch.randn(2, 9, cfg.model.embed_dim)
@@ -37,7 +38,7 @@ def test_post_norm_block_is_ln_of_residual_sum(model_name, norm):
 @pytest.mark.parametrize("model_name", ["vit_test", "gpt_test"])
 def test_pre_norm_block_is_residual_of_normed_input(model_name):
     cfg = make_cfg(model_name, norm=dict(name="rmsnorm"))
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     _randomise_norms(model)
     blk = model.blocks[0]
     x = torch.randn(2, 9, cfg.model.embed_dim)
@@ -50,7 +51,7 @@ def test_pre_norm_block_is_residual_of_normed_input(model_name):
 @pytest.mark.parametrize("placement", ["pre", "post"])
 def test_swin_block_composition(placement):
     cfg = make_cfg("swin_test", norm=dict(name="layernorm", placement=placement), depths=[2, 1])
-    model = build_model(cfg).eval()
+    model = build_model(cfg.model, Components.of(cfg)).eval()
     _randomise_norms(model)
     for _, blk in transformer_blocks(model):
         res = blk.input_resolution

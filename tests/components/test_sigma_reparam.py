@@ -16,9 +16,11 @@ from stabletrain.layers.reparam import (
     reparam_step,
     sigma_reparams,
 )
+from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
 from tests.components.helpers import make_cfg, model_input
+from tests.helpers import model_of
 
 D, H = 16, 2
 
@@ -166,7 +168,7 @@ def test_fp32_under_bf16_autocast():
 
 def test_vit_reparametrises_every_linear_and_the_patch_conv():
     cfg = make_cfg("vit_test", reparam=dict(name="sigma"), norm=dict(name="none"))
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     assert all(torch.nn.utils.parametrize.is_parametrized(m, "weight") for m in layers)
     conv = model.patch_embed.proj
@@ -178,7 +180,7 @@ def test_vit_reparametrises_every_linear_and_the_patch_conv():
 
 @pytest.mark.parametrize("model_name", ["vit_test", "swin_test"])
 def test_apply_to_qk_leaves_everything_but_the_query_key_rows_raw(model_name):
-    model = build_model(make_cfg(model_name, reparam=dict(name="sigma", apply_to="qk")))
+    model = model_of(make_cfg(model_name, reparam=dict(name="sigma", apply_to="qk")))
     reparametrised = {n.rsplit(".parametrizations", 1)[0] for n, _ in model.named_parameters()
                       if ".parametrizations." in n and n.endswith(".original")}
     qkv = {n for n, m in model.named_modules() if n.endswith("attn.qkv")}
@@ -192,7 +194,7 @@ def test_apply_to_qk_leaves_everything_but_the_query_key_rows_raw(model_name):
 
 def test_gpt_skips_the_tied_lm_head():
     cfg = make_cfg("gpt_test", reparam=dict(name="sigma"))
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     assert model.lm_head.weight is model.wte.weight
     assert not torch.nn.utils.parametrize.is_parametrized(model.lm_head, "weight")
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules()) - 1
@@ -201,13 +203,13 @@ def test_gpt_skips_the_tied_lm_head():
 
 def test_gammas_are_named_and_one_element_and_state_dict_round_trips():
     cfg = make_cfg("gpt_test", reparam=dict(name="sigma", qkv_split="q_k_v"))
-    model = build_model(cfg)
+    model = build_model(cfg.model, Components.of(cfg))
     names = dict(model.named_parameters())
     gammas = gamma_parameters(model)
     assert gammas and all(n.endswith(".gamma") and g.numel() == 1 and names[n] is g for n, g in gammas)
     sd = model.state_dict()
     assert any(k.endswith(".u") for k in sd) and any(k.endswith(".v") for k in sd)
-    other = build_model(make_cfg("gpt_test", reparam=dict(name="sigma", qkv_split="q_k_v")))
+    other = model_of(make_cfg("gpt_test", reparam=dict(name="sigma", qkv_split="q_k_v")))
     other.load_state_dict(sd)
     x = model_input(cfg, tokens=8)
     with torch.no_grad():

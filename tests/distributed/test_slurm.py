@@ -20,6 +20,7 @@ import torch
 
 from stabletrain.config import ConfigError
 from stabletrain.engine import distributed as D
+from stabletrain.engine.loop import Trainer
 from tests.distributed.common import GPT, clean_env, fake_slurm_tools, signal_once_running, start, wait_ok
 from tests.helpers import ROOT, losses, train
 
@@ -115,7 +116,6 @@ def test_preempted_slurm_job_checkpoints_requeues_and_resumes_identically(sweep,
 
 def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path, monkeypatch):
     """A job script of one's own (``#SBATCH --signal=USR1@90``, ``srun python train.py ...``)."""
-    from stabletrain.engine.loop import Trainer
 
     log = tmp_path / "scontrol.log"
     monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])

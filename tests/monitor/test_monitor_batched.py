@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from stabletrain import spectral
-from stabletrain.models.registry import build_model, transformer_blocks
+from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor import quantities as Q
-from tests.helpers import make_cfg
+from tests.helpers import make_cfg, model_of
 
 EXACT = dict(iters_cold=400, iters_warm=400)  # power iteration run to convergence
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the GPU box runs both
@@ -198,7 +198,7 @@ def test_rank_one_and_orthonormal_heads_give_the_sec_extremes():
 def test_real_models_vit_gpt_swin_match_the_per_block_reference():
     for name in ("vit_test", "gpt_test", "swin_test"):
         torch.manual_seed(0)
-        model = build_model(make_cfg(f"model={name}"))
+        model = model_of(make_cfg(f"model={name}"))
         blocks = transformer_blocks(model)
         got = Q.model_weight_metrics(blocks, per_head=True, **EXACT)
         ref = {}

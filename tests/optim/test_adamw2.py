@@ -469,7 +469,8 @@ def test_overlap_needs_warm_start():
 
 
 def test_overlap_is_a_config_option_with_a_clear_error():
-    from stabletrain.config import ConfigError, validate
+    from stabletrain.build import validate
+    from stabletrain.config import ConfigError
     from stabletrain.optim import build_optimizer
     from tests.helpers import make_cfg
 

@@ -5,9 +5,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.nn.utils import parametrize
 
-from stabletrain.config import OptimConfig, OptimName, ReparamConfig
+from stabletrain.config import OptimConfig, ReparamConfig
 from stabletrain.layers.deescalate import Deescalate
 from stabletrain.layers.reparam import SigmaReparam
+from stabletrain.layers.norm import StableNorm
 from stabletrain.optim import LARS, AdamW2, build_optimizer, classify, make_param_groups
 
 
@@ -68,15 +69,6 @@ def test_swin_relative_position_table_not_decayed():
     assert not r["layers.1.downsample.norm.weight"].decay and r["layers.1.downsample.norm.weight"].bound
 
 
-class StableNorm(nn.Module):  # stands in for stabletrain.layers.norm: a class name with "Norm"
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * self.weight
-
-
 class TinyGPT(nn.Module):
     def __init__(self, vocab=11, d=8, ctx=5):
         super().__init__()
@@ -120,7 +112,7 @@ def test_gpt_decays_every_matrix_and_reparam_gamma_gets_its_multiplier():
 
 def test_groups_carry_names_flags_and_lr():
     model = TinyGPT()
-    cfg = OmegaConf.structured(OptimConfig(name=OptimName.adamw2, lr=1e-3, weight_decay=0.1, lr_scale_by_batch=True))
+    cfg = OmegaConf.structured(OptimConfig(name="adamw2", lr=1e-3, weight_decay=0.1, lr_scale_by_batch=True))
     opt, summary = build_optimizer(model, cfg, "gpt", OmegaConf.structured(ReparamConfig(gamma_lr_mult=2.0)), 512)
     assert isinstance(opt, AdamW2)
     by_name = {n: g for g in opt.param_groups for n in g["names"]}
@@ -158,3 +150,28 @@ def test_plain_groups_for_adamw_have_no_adamw2_keys():
     assert all("bound" not in g and "lars_exclude" not in g for g in groups)
     with pytest.raises(ValueError):
         make_param_groups(TinyGPT(), "bert", 0.1)
+
+
+def test_norm_gains_are_known_by_the_registered_norm_type_not_the_class_name():
+    """A new norm registered in the ``norm`` group keeps AdamW²'s bound on its gain, whatever it
+    is called; a module merely named ``...Norm`` that no one registered does not."""
+    from stabletrain.layers.norm import NORMS
+
+    class Scaler(nn.Module):  # a new normalisation layer with no "Norm" in its name
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+    class FakeNorm(nn.Module):  # "Norm" in the name, but not a registered norm layer
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(d))
+
+    NORMS.register("scaler_for_test", layer=Scaler)(lambda cfg, dim, **kw: Scaler(dim))
+    try:
+        model = nn.Sequential(nn.Linear(4, 4), Scaler(4), FakeNorm(4))
+        r = roles(model, "vit")
+        assert r["1.weight"].kind == "norm_gain" and r["1.weight"].bound
+        assert r["2.weight"].kind == "vector" and not r["2.weight"].bound
+    finally:
+        NORMS._entries.pop("scaler_for_test")

@@ -19,9 +19,10 @@ def test_weight_decay_at_hand_values():
 
 def test_set_weight_decay_leaves_no_decay_groups_alone():
     cfg = make_cfg("model=vit_test", "optim=lars", "optim.weight_decay=0.0")
+    from stabletrain.config import Components
     from stabletrain.models.registry import build_model
 
-    opt, _ = build_optimizer(build_model(cfg), cfg.optim, "vit")
+    opt, _ = build_optimizer(build_model(cfg.model, Components.of(cfg)), cfg.optim, "vit")
     set_weight_decay(opt, 3e-6)
     decayed = {n for g in opt.param_groups if g["weight_decay"] == 3e-6 for n in g["names"]}
     kept = {n for g in opt.param_groups if g["weight_decay"] == 0.0 for n in g["names"]}
@@ -31,12 +32,12 @@ def test_set_weight_decay_leaves_no_decay_groups_alone():
 
 
 def test_the_loop_follows_the_schedule(tmp_path):
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.build import build_trainer
     from tests.helpers import QUIET
 
     cfg = make_cfg(*QUIET, "model=vit_test", "steps=4", "batch_size=4", "optim=adamw", "optim.weight_decay=0.0",
                    "optim.weight_decay_end=1e-2", "eval_every=100")
-    t = Trainer(cfg, tmp_path)
+    t = build_trainer(cfg, tmp_path)
     seen = []
     orig = t.optimizer.step
 

@@ -1,0 +1,190 @@
+"""The one place a config becomes objects: data, model, optimizer, schedule, loss terms, step
+hooks, EMA, monitor and metrics sink, handed to the :class:`~stabletrain.engine.loop.Trainer`.
+
+Every option is looked up in its group's registry, so nothing here dispatches on a name:
+
+==============  =========================================  ==========================
+config key      registry                                   module
+==============  =========================================  ==========================
+model.family    ``MODELS``                                 stabletrain.models.*
+norm            ``NORMS``                                  stabletrain.layers.norm
+attention       ``ATTENTIONS``                             stabletrain.layers.attention
+init            ``INITS``                                  stabletrain.layers.init
+reparam         ``REPARAMS``                               stabletrain.layers.reparam
+optim           ``OPTIMIZERS``                             stabletrain.optim
+schedule        ``SCHEDULES``                              stabletrain.optim.schedule
+data            ``DATASETS``                               stabletrain.data
+regularizer     ``LOSS_TERMS``                             stabletrain.losses.*
+==============  =========================================  ==========================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from stabletrain import config as C
+from stabletrain.config import Components
+from stabletrain.data import DATASETS, Data, Shard, resolve_name, task_loss
+from stabletrain.engine import distributed as D
+from stabletrain.engine.checkpoint import seed_all
+from stabletrain.engine.divergence import DivergenceWatch
+from stabletrain.engine.loop import LoopSettings, Trainer
+from stabletrain.errors import ConfigError
+from stabletrain.layers.attention import ATTENTIONS
+from stabletrain.layers.init import INITS
+from stabletrain.layers.norm import NORMS
+from stabletrain.layers.reparam import REPARAMS
+from stabletrain.losses import LOSS_TERMS, build_loss_terms
+from stabletrain.metrics import Metrics
+from stabletrain.models.registry import MODELS, build_model_and_hook
+from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
+from stabletrain.optim.schedule import SCHEDULES
+from stabletrain.registry import option_value
+
+
+def validate(cfg) -> None:
+    """Every check that runs before any work: the config's ranges, each option against its
+    registry, what the model family and the data set allow, the loss terms' parameters.
+    Raises :class:`ConfigError` with one line."""
+    C.validate(cfg)
+    family = MODELS.entry(cfg.model.family)
+    for registry, name in ((NORMS, cfg.norm.name), (ATTENTIONS, cfg.attention.name), (INITS, cfg.init.name),
+                           (REPARAMS, cfg.reparam.name), (OPTIMIZERS, cfg.optim.name),
+                           (SCHEDULES, cfg.schedule.name)):
+        registry.entry(name)
+    if family.info.get("check"):
+        family.info["check"](cfg.model, Components.of(cfg))
+    data = _data_entry(cfg)
+    if data.info["kind"] == "text":
+        d = cfg.data
+        extra = [k for k in ("mixup", "cutmix", "erasing") if getattr(d, k) > 0] + (["randaug"] if d.randaug else [])
+        if extra:
+            raise ConfigError(f"data.{extra[0]} is image augmentation; a {family.name} model trains on text: "
+                              f"remove data.{extra[0]}")
+    if data.info.get("check"):
+        data.info["check"](cfg.data)
+    for name in cfg.regularizer or {}:
+        LOSS_TERMS.entry(name)
+    build_loss_terms(cfg.regularizer)
+
+
+def _data_entry(cfg):
+    """The registry entry of ``cfg``'s data set, refused when it does not fit the model family."""
+    family = MODELS.entry(cfg.model.family)
+    data = DATASETS.entry(resolve_name(cfg.data, family.info["data"]))
+    if data.info["kind"] != family.info["kind"]:
+        fits = ", ".join(e.name for e in DATASETS.entries() if e.info["kind"] == family.info["kind"])
+        raise ConfigError(f"data={data.name} does not fit model={cfg.model.name} (a {family.name} model); "
+                          f"use data=auto or one of: {fits}")
+    return data
+
+
+def data_from_config(cfg) -> Data:
+    """The data set of ``cfg``, as the trainer gets it."""
+    return _data_entry(cfg).fn(cfg.data, cfg.model, cfg.seed)
+
+
+def fit_model_to_data(cfg, data: Data) -> list[str]:
+    """Class count, channels, image size (``data.img_size``) come from the data, and are
+    written into ``cfg.model`` so that config.yaml records what is built. Returns notices for
+    values a user set that the data overrides."""
+    m, notes = cfg.model, []
+    if data.kind != "vision":
+        if m.vocab_size < data.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} < the data's vocabulary {data.vocab_size}")
+        return notes
+    schema = C.ModelConfig
+    wanted = {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": cfg.data.img_size or m.img_size}
+    with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
+        for key, value in wanted.items():
+            given = getattr(m, key)
+            if given != value and given != getattr(schema, key) and key != "img_size":
+                notes.append(f"note: model.{key}={given} replaced by the data's {value} "
+                             f"(data={option_value(cfg.data.name)})")
+            setattr(m, key, value)
+    return notes
+
+
+def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:
+    """The trainer of ``cfg`` with everything built, on this process's device."""
+    info = info or D.DistInfo()
+    run_dir = Path(run_dir)
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    device = D.pick_device(cfg.device, info)
+    D.init(info, device)
+    prec = option_value(cfg.precision)
+    bf16 = prec == "bf16" or (prec == "auto" and device.type == "cuda")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    seed_all(cfg.seed)
+    data = data_from_config(cfg)
+    notes = fit_model_to_data(cfg, data)
+    model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
+    model = model.to(device)
+    optimizer, group_summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
+                                               batch_size=cfg.batch_size)
+    spe = data.steps_per_epoch(cfg.batch_size)
+    total = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
+    lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
+                          steps_per_epoch=spe)
+    schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
+    shard = _shard(cfg, info)
+    ema = None
+    if cfg.ema.decay is not None:
+        from stabletrain.engine.ema import WeightEma
+
+        ema = WeightEma(model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
+    mixup, criterion = task_loss(data, cfg.data)
+    autocast = _autocast(device, bf16)
+    monitor = None
+    if option_value(cfg.monitor.name) != "off":
+        from stabletrain.monitor.runner import MonitorRunner
+
+        probe = next(data.val_batches(cfg.monitor.probe_batch_size, 1))
+        # Theorem 3.1 bounds plain softmax logits: not normalised q/k
+        plain = ATTENTIONS.get(cfg.attention.name) is ATTENTIONS.get("softmax")
+        monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast,
+                                with_bound=plain, active=info.is_main)
+    messages = [group_summary] + notes
+    if cfg.steps is not None and cfg.epochs is not None:
+        messages.append(f"steps={cfg.steps} overrides epochs={cfg.epochs:g}; set steps=null to train by epochs")
+    settings = LoopSettings(
+        total_steps=total, batch_size=cfg.batch_size, steps_per_epoch=spe, grad_clip=cfg.grad_clip,
+        eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, ckpt_every=cfg.ckpt_every,
+        log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume, bf16=bf16,
+        compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name)
+
+    def open_sink(resume_step: int | None) -> Metrics:
+        config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else None
+        return Metrics(run_dir, cfg.logger, name=cfg.name, enabled=info.is_main, resume_step=resume_step,
+                       config_dict=config_dict)
+
+    return Trainer(model=model, optimizer=optimizer, schedule=schedule, data=data, shard=shard, criterion=criterion,
+                   settings=settings, device=device, run_dir=run_dir, open_sink=open_sink, info=info,
+                   loss_terms=build_loss_terms(cfg.regularizer),
+                   step_hooks=[reparam_hook] if reparam_hook is not None else [],
+                   mixup=mixup, ema=ema, monitor=monitor, divergence=DivergenceWatch(cfg.divergence),
+                   messages=messages)
+
+
+def _shard(cfg, info: D.DistInfo) -> Shard:
+    world = info.world
+    micro = cfg.micro_batch_size or cfg.batch_size // world
+    if cfg.batch_size % (micro * world):
+        raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={micro} "
+                          f"x world size {world}")
+    if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
+        raise ConfigError(f"mixup/cutmix pair the samples of a micro-batch: micro-batch {micro} must be even "
+                          f"(set batch_size or micro_batch_size so that each rank's micro-batch is even)")
+    return Shard(cfg.batch_size, info.rank, world, cfg.batch_size // (micro * world))
+
+
+def _autocast(device: torch.device, bf16: bool):
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -1,0 +1,7 @@
+"""The one error a user's mistake raises: a config value, a data file or a checkpoint that
+cannot run. Its message is one line naming the problem and the fix; the command line prints
+it as ``error: ...`` and exits 2, with no traceback."""
+
+
+class ConfigError(ValueError):
+    """A value that cannot run; the message is one line naming the key and the fix."""

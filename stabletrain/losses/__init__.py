@@ -1,0 +1,57 @@
+"""Loss terms added to the task loss, chosen by name (``regularizer=...``), several at once.
+
+A term sees the batch, the model's output logits and the model, so a weight penalty
+(LocAteR) and a logit penalty (z-loss) plug in the same way. Each is one module here that
+registers a parameter dataclass and a class built from it::
+
+    @dataclass
+    class ZLossParams:
+        coef: float = 1e-4
+
+    @LOSS_TERMS.register("zloss", params=ZLossParams)
+    class ZLoss:
+        def __init__(self, p: ZLossParams): ...
+        def __call__(self, model, logits, x, y) -> Tensor: ...   # a 0-dim tensor with grad
+
+and one yaml, ``configs/regularizer/zloss.yaml`` (``zloss: {coef: 1e-4}``). The config holds
+``regularizer: {name: params}``; ``regularizer=[locater,zloss]`` selects both, and
+``regularizer.zloss.coef=1e-3`` sets a parameter. Parameters are checked against the
+dataclass (a misspelt key or a wrong type is one line) and by its ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from omegaconf import OmegaConf
+
+from stabletrain.errors import ConfigError
+from stabletrain.registry import Registry
+
+LOSS_TERMS = Registry("regularizer", __name__, package=True)
+
+LossTerm = Callable[..., Any]  # (model, logits, x, y) -> 0-dim tensor; has a ``name``
+
+
+def term_params(name: str, given: Mapping | None):
+    """``given`` checked against term ``name``'s parameter dataclass, as an instance of it."""
+    schema = LOSS_TERMS.entry(name).info["params"]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), given or {})
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"regularizer.{name}: {first} (its keys: "
+                          f"{', '.join(schema.__dataclass_fields__)})") from None
+
+
+def build_loss_terms(spec: Mapping[str, Any] | None) -> list[LossTerm]:
+    """The terms of ``spec`` (``regularizer``: name -> parameters), in its order."""
+    terms = []
+    for name, given in (spec or {}).items():
+        term = LOSS_TERMS.get(name)(term_params(name, given))
+        term.name = name
+        terms.append(term)
+    return terms
