@@ -1,0 +1,124 @@
+"""Bad data input is one ConfigError line naming the problem and the fix, never a traceback
+or a run that goes on with wrong data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stabletrain.config import ConfigError
+from stabletrain.data import token_files
+from stabletrain.data.token_files import load_token_files
+from tests.helpers import cli
+
+# --- token files -------------------------------------------------------------------------
+
+
+def write_bins(folder, train, val, meta: dict | str | None = None):
+    np.asarray(train).tofile(folder / "train.bin")
+    np.asarray(val).tofile(folder / "val.bin")
+    if meta is not None:
+        (folder / "meta.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    return folder / "train.bin"
+
+
+def ids(n: int, top: int = 200) -> np.ndarray:
+    return (np.arange(n) % top).astype(np.uint16)
+
+
+BYTE_META = {"vocab_size": 256, "dtype": "uint16"}
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_bin_that_is_not_whole_tokens_names_file_size_and_dtype(tmp_path, split):
+    path = write_bins(tmp_path, ids(3000), ids(500), BYTE_META)
+    f = tmp_path / f"{split}.bin"
+    f.write_bytes(f.read_bytes()[:-1])
+    size = f.stat().st_size
+    with pytest.raises(ConfigError, match=rf"{split}.bin is {size} bytes, not a whole number of uint16 tokens "
+                                          r"\(2 bytes each, the dtype .*meta.json gives\)"):
+        load_token_files(path)
+
+
+def test_without_meta_the_size_check_says_the_dtype_was_assumed(tmp_path):
+    path = write_bins(tmp_path, ids(3000), ids(500))
+    path.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(ConfigError, match="6001 bytes, .*read as nanoGPT's uint16 for want of a meta.json"):
+        load_token_files(path)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_an_empty_bin_is_one_line(tmp_path, split):
+    path = write_bins(tmp_path, ids(3000), ids(500), BYTE_META)
+    (tmp_path / f"{split}.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"{split}.bin is empty \(0 bytes\)"):
+        load_token_files(path)
+
+
+@pytest.mark.parametrize("meta,needle", [
+    ('{"vocab_size": 256, "dtype": "uint16"', r"meta.json is not valid JSON \(JSONDecodeError"),
+    ("[256, 2]", "meta.json holds a JSON list, not an object"),
+    ({"vocab_size": 256}, "meta.json lacks the key 'dtype'"),
+    ({"vocab_size": 256, "dtype": "float32"}, r"dtype='float32' is not supported; token files hold uint8"),
+    ({"dtype": "uint16"}, "meta.json lacks the key 'vocab_size'"),
+    ({"vocab_size": "256", "dtype": "uint16"}, "vocab_size='256' must be a positive integer"),
+    ({"vocab_size": 25.6, "dtype": "uint16"}, "vocab_size=25.6 must be a positive integer"),
+    ({"vocab_size": True, "dtype": "uint16"}, "vocab_size=True must be a positive integer"),
+    ({**BYTE_META, "train_tokens": "3000"}, "train_tokens='3000' must be a positive integer"),
+])
+def test_a_bad_meta_json_names_the_key(tmp_path, meta, needle):
+    path = write_bins(tmp_path, ids(3000), ids(500), meta)
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_token_files(path)
+    assert "\n" not in str(e.value) and "scripts/prepare_tokens.py" in str(e.value)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_ids_beyond_the_meta_vocabulary_name_file_id_and_vocab(tmp_path, split):
+    bad = {"train": ids(3000), "val": ids(500)}
+    bad[split][123] = 300
+    path = write_bins(tmp_path, bad["train"], bad["val"], BYTE_META)
+    with pytest.raises(ConfigError, match=rf"{split}.bin holds token id 300 >= vocab_size 256 of .*meta.json: "
+                                          r".*vocab_size \(> 300\).*model.vocab_size"):
+        load_token_files(path)
+
+
+def test_ids_beyond_gpt2_in_bins_without_meta(tmp_path):
+    path = write_bins(tmp_path, (np.arange(3000) + 57_000).astype(np.uint16), ids(500))
+    with pytest.raises(ConfigError, match="train.bin holds token id 59999 >= 50257, the vocabulary assumed for bins "
+                                          "without a meta.json"):
+        load_token_files(path)
+
+
+def test_ids_at_the_top_of_the_vocabulary_are_fine(tmp_path):
+    path = write_bins(tmp_path, ids(3000, 256), ids(500, 256), BYTE_META)
+    train, val, vocab = load_token_files(path)
+    assert vocab == 256 and int(train.max()) == 255 and len(val) == 500
+
+
+def test_the_scan_reads_whole_files_in_chunks_and_samples_huge_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_files, "SCAN_CHUNK", 100)
+    arr = ids(3000)
+    arr[1234] = 999  # in chunk 12 of 30
+    path = write_bins(tmp_path, arr, ids(500), BYTE_META)
+    with pytest.raises(ConfigError, match="train.bin holds token id 999"):
+        load_token_files(path)  # 6000 bytes, under SCAN_BYTES: every chunk is read
+    monkeypatch.setattr(token_files, "SCAN_BYTES", 5 * 100 * 2)  # room for 5 of the 30 chunks
+    assert load_token_files(path)[2] == 256  # chunks 0, 7, 14, 22, 29: chunk 12 is not read
+    arr[2999] = 999  # the last chunk is always read
+    write_bins(tmp_path, arr, ids(500), BYTE_META)
+    with pytest.raises(ConfigError, match="train.bin holds token id 999"):
+        load_token_files(path)
+
+
+def test_cli_prints_a_bad_token_file_as_one_line(tmp_path):
+    path = write_bins(tmp_path, ids(3000), ids(500), BYTE_META)
+    path.write_bytes(path.read_bytes()[:-1])
+    r = cli("model=gpt_test", "data=tokens", f"data.path={path}", "model.vocab_size=256", "steps=1",
+            f"hydra.run.dir={tmp_path / 'run'}", timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (f"error: {path} is 5999 bytes, not a whole number of uint16 tokens (2 bytes each, "
+                                f"the dtype {tmp_path / 'meta.json'} gives): it is truncated or holds another "
+                                "dtype; run scripts/prepare_tokens.py again")
