@@ -11,7 +11,7 @@ import pytest
 from stabletrain.config import ConfigError
 from stabletrain.data import token_files
 from stabletrain.data.token_files import load_token_files
-from tests.helpers import cli
+from tests.helpers import cli, make_cfg
 
 # --- token files -------------------------------------------------------------------------
 
@@ -122,3 +122,37 @@ def test_cli_prints_a_bad_token_file_as_one_line(tmp_path):
     assert r.stderr.strip() == (f"error: {path} is 5999 bytes, not a whole number of uint16 tokens (2 bytes each, "
                                 f"the dtype {tmp_path / 'meta.json'} gives): it is truncated or holds another "
                                 "dtype; run scripts/prepare_tokens.py again")
+
+
+# --- RandAugment strings -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("bogus-m9", " (Unknown AutoAugment config section)"),
+    ("rand-mx9", " (Unknown RandAugment config section)"),
+    ("rand-m9x", " (invalid literal for int() with base 10: '9x')"),
+    ("random-m9", ""),
+    ("none", " (Unknown AA policy none)"),
+])
+def test_a_string_timm_refuses_is_one_line(spec, why):
+    from stabletrain.data.vision import check_randaug
+
+    with pytest.raises(ConfigError) as e:
+        check_randaug(spec)
+    assert str(e.value) == (f"data.randaug={spec} is not a timm RandAugment string{why}; use e.g. "
+                            "rand-m9-mstd0.5-inc1 (or augmix-m5-w4-d2, original-mstd0.5, or null for none)")
+
+
+@pytest.mark.parametrize("spec", [None, "", "rand-m9-mstd0.5-inc1", "rand-m9-n2-p0.5-mmax10", "rand",
+                                  "augmix-m5-w4-d2", "original-mstd0.5", "v0", "3a"])
+def test_every_string_timm_takes_passes(spec):
+    from stabletrain.data.vision import check_randaug
+
+    check_randaug(spec)
+
+
+def test_building_the_transforms_checks_the_string():
+    from stabletrain.data.vision import image_transforms
+
+    with pytest.raises(ConfigError, match="data.randaug=bogus-m9 is not a timm RandAugment string"):
+        image_transforms(make_cfg("model=vit_test", "data.randaug=bogus-m9"))

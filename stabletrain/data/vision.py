@@ -82,12 +82,33 @@ def image_transforms(cfg, mean=None, std=None, eval_crop_pct=None):
     from timm.data import create_transform
 
     d = cfg.data
+    check_randaug(d.randaug)
     size = d.img_size or cfg.model.img_size
     norm = {} if mean is None else {"mean": mean, "std": std}
     train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing, **norm)
     val_tf = create_transform(size, is_training=False, crop_pct=eval_crop_pct, **norm)
     _posterize_zero_bits(train_tf)
     return train_tf, val_tf
+
+
+def check_randaug(spec: str | None) -> None:
+    """ConfigError (one line) unless timm builds an augmentation from ``data.randaug``.
+
+    The check is building it the way :func:`image_transforms` does, so timm's own dispatch
+    (``rand...``, ``augmix...``, else an AutoAugment policy) decides and every string timm
+    takes passes; timm itself only asserts, deep in a traceback.
+    """
+    if not spec:
+        return
+    from timm.data import create_transform
+
+    try:
+        create_transform(32, is_training=True, auto_augment=spec)
+    except Exception as e:  # AssertionError for unknown names and sections, ValueError for bad numbers
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"data.randaug={spec} is not a timm RandAugment string" + (f" ({why})" if why else "")
+                          + "; use e.g. rand-m9-mstd0.5-inc1 (or augmix-m5-w4-d2, original-mstd0.5, "
+                          "or null for none)") from e
 
 
 def _posterize_zero_bits(transform) -> None:
