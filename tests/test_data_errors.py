@@ -4,21 +4,22 @@ or a run that goes on with wrong data."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from stabletrain.config import ConfigError
-from stabletrain.data import token_files
+from stabletrain.data import build_data, token_files
 from stabletrain.data.token_files import load_token_files
 from tests.helpers import cli, make_cfg
 
 # --- token files -------------------------------------------------------------------------
 
 
-def write_bins(folder, train, val, meta: dict | str | None = None):
-    np.asarray(train).tofile(folder / "train.bin")
-    np.asarray(val).tofile(folder / "val.bin")
+def write_bins(folder, train_ids, val_ids, meta: dict | str | None = None):
+    np.asarray(train_ids).tofile(folder / "train.bin")
+    np.asarray(val_ids).tofile(folder / "val.bin")
     if meta is not None:
         (folder / "meta.json").write_text(meta if isinstance(meta, str) else json.dumps(meta))
     return folder / "train.bin"
@@ -94,8 +95,8 @@ def test_ids_beyond_gpt2_in_bins_without_meta(tmp_path):
 
 def test_ids_at_the_top_of_the_vocabulary_are_fine(tmp_path):
     path = write_bins(tmp_path, ids(3000, 256), ids(500, 256), BYTE_META)
-    train, val, vocab = load_token_files(path)
-    assert vocab == 256 and int(train.max()) == 255 and len(val) == 500
+    train_ids, val_ids, vocab = load_token_files(path)
+    assert vocab == 256 and int(train_ids.max()) == 255 and len(val_ids) == 500
 
 
 def test_the_scan_reads_whole_files_in_chunks_and_samples_huge_ones(tmp_path, monkeypatch):
@@ -156,3 +157,79 @@ def test_building_the_transforms_checks_the_string():
 
     with pytest.raises(ConfigError, match="data.randaug=bogus-m9 is not a timm RandAugment string"):
         image_transforms(make_cfg("model=vit_test", "data.randaug=bogus-m9"))
+
+
+# --- image folders -----------------------------------------------------------------------
+
+
+def image_folder(root, classes=("ant", "bee"), per_class=(4, 2)):
+    """root/train/<class>/ and root/val/<class>/ with small random JPEGs; returns root."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "val"), per_class):
+        for c in classes:
+            (root / split / c).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(root / split / c / f"{i}.jpg")
+    return root
+
+
+def folder_cfg(root, *extra):
+    return make_cfg("model=vit_test", "data=imagefolder", f"data.root={root}", "data.num_workers=0", *extra)
+
+
+def test_a_missing_split_folder_is_one_line(tmp_path):
+    from stabletrain.data.vision import check_imagefolder
+
+    shutil.rmtree(image_folder(tmp_path) / "val")
+    with pytest.raises(ConfigError, match=f"data.root={tmp_path} has no val/ folder: expected root/train/<class>/"):
+        check_imagefolder(str(tmp_path))
+    with pytest.raises(ConfigError, match="has no val/ folder"):
+        build_data(folder_cfg(tmp_path))
+
+
+def test_a_split_without_class_folders_is_one_line(tmp_path):
+    from stabletrain.data.vision import check_imagefolder
+
+    shutil.rmtree(image_folder(tmp_path) / "val")
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "README").write_text("images go in class folders")
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'val'}/ has no class folders"):
+        check_imagefolder(str(tmp_path))
+
+
+def test_a_class_folder_without_images_names_the_folder(tmp_path):
+    image_folder(tmp_path)
+    for split in ("train", "val"):
+        (tmp_path / split / ".ipynb_checkpoints").mkdir()  # ImageFolder would take it for a class
+        (tmp_path / split / ".ipynb_checkpoints" / "notes.txt").write_text("x")
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'train' / '.ipynb_checkpoints'}/ holds no image files "
+                                          r"\(.jpg .jpeg .png .*\): every folder in train/ is a class"):
+        build_data(folder_cfg(tmp_path))
+
+
+def test_images_in_subfolders_of_a_class_count(tmp_path):
+    from stabletrain.data.vision import check_imagefolder
+
+    image_folder(tmp_path)
+    nested = tmp_path / "val" / "bee" / "more"
+    nested.mkdir()
+    for f in (tmp_path / "val" / "bee").glob("*.jpg"):
+        f.rename(nested / f.name)
+    check_imagefolder(str(tmp_path))  # ImageFolder walks class folders recursively, and so does the check
+
+
+def test_train_and_val_with_other_classes_are_refused(tmp_path):
+    image_folder(tmp_path, classes=("ant", "bee", "cat"))
+    shutil.rmtree(tmp_path / "val" / "ant")  # val's bee would get ant's label 0
+    (tmp_path / "val" / "cat").rename(tmp_path / "val" / "dog")
+    with pytest.raises(ConfigError, match=rf"data.root={tmp_path}: train/ and val/ have different class folders "
+                                          r"\(only in train/: ant, cat; only in val/: dog\), so val's labels"):
+        build_data(folder_cfg(tmp_path))
+
+
+def test_a_long_class_difference_stays_short():
+    from stabletrain.data.vision import _some
+
+    assert _some([f"n{i:03d}" for i in range(900)]) == "n000, n001, n002, n003, n004 and 895 more"

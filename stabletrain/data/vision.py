@@ -7,6 +7,7 @@ only in how their two data sets are constructed and which normalisation they use
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Iterator
@@ -158,15 +159,58 @@ class ImageData(Data):
             yield b
 
 
+def check_imagefolder(root: str | None) -> None:
+    """ConfigError (one line) unless ``root`` has train/ and val/ with the same class folders,
+    each holding an image.
+
+    ImageFolder numbers each split's classes by their sorted folder names, so a class missing
+    from one split shifts the other's labels without any error. Cheap: it lists the class
+    folders and stops at the first image in each.
+    """
+    if not root:
+        raise ConfigError("data=imagefolder needs data.root=DIR, the folder holding train/<class>/ and val/<class>/")
+    classes = {}
+    for split in ("train", "val"):
+        folder = Path(root) / split
+        if not folder.is_dir():
+            raise ConfigError(f"data.root={root} has no {split}/ folder: "
+                              "expected root/train/<class>/ and root/val/<class>/")
+        classes[split] = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+        if not classes[split]:
+            raise ConfigError(f"{folder}/ has no class folders: expected {folder}/<class>/<image files>")
+    if classes["train"] != classes["val"]:
+        only = {k: sorted(set(classes[k]) - set(classes[o])) for k, o in (("train", "val"), ("val", "train"))}
+        diff = "; ".join(f"only in {k}/: {_some(v)}" for k, v in only.items() if v)
+        raise ConfigError(f"data.root={root}: train/ and val/ have different class folders ({diff}), so val's labels "
+                          "would not be train's: give both the same class folders")
+    for split in ("train", "val"):
+        for c in classes[split]:
+            if not _holds_an_image(Path(root) / split / c):
+                raise ConfigError(f"{Path(root) / split / c}/ holds no image files ({' '.join(_image_exts())}): "
+                                  f"every folder in {split}/ is a class; add its images or remove the folder")
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _image_exts() -> tuple[str, ...]:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return IMG_EXTENSIONS
+
+
+def _holds_an_image(folder: Path) -> bool:
+    exts = _image_exts()
+    return any(f.lower().endswith(exts) for _, _, files in os.walk(folder, followlinks=True) for f in files)
+
+
 def imagefolder_data(cfg) -> ImageData:
     """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout)."""
     from torchvision.datasets import ImageFolder
 
-    root = Path(cfg.data.root or "")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise ConfigError(f"data.root={cfg.data.root} has no {split}/ folder: "
-                              "expected root/train/<class>/ and root/val/<class>/")
+    check_imagefolder(cfg.data.root)
+    root = Path(cfg.data.root)
     train_tf, val_tf = image_transforms(cfg)
     train_set = ImageFolder(str(root / "train"), transform=train_tf)
     val_set = ImageFolder(str(root / "val"), transform=val_tf)
