@@ -8,11 +8,12 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from stabletrain.config import ConfigError
-from stabletrain.data import build_data, token_files
+from stabletrain.data import Shard, build_data, epoch_indices, token_files
 from stabletrain.data.token_files import load_token_files
-from tests.helpers import cli, make_cfg
+from tests.helpers import cli, make_cfg, train
 
 # --- token files -------------------------------------------------------------------------
 
@@ -233,3 +234,80 @@ def test_a_long_class_difference_stays_short():
     from stabletrain.data.vision import _some
 
     assert _some([f"n{i:03d}" for i in range(900)]) == "n000, n001, n002, n003, n004 and 895 more"
+
+
+# --- unreadable images -------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_bad_images_yet(monkeypatch):
+    from stabletrain.data import vision
+
+    monkeypatch.setattr(vision, "_unreadable", set(), raising=False)
+
+
+def spoil(root) -> list:
+    """A truncated JPEG, an empty file and a file that is no image at all, in train/."""
+    bad = [root / "train" / "ant" / "1.jpg", root / "train" / "bee" / "0.jpg", root / "train" / "bee" / "3.jpg"]
+    bad[0].write_bytes(bad[0].read_bytes()[:300])
+    bad[1].write_bytes(b"")
+    bad[2].write_bytes(b"<html>not found</html>")
+    return bad
+
+
+def test_unreadable_images_are_replaced_with_one_warning_each(tmp_path, capsys, no_bad_images_yet):
+    from stabletrain.data.vision import bad_image_count
+
+    bad = spoil(image_folder(tmp_path))
+    d = build_data(folder_cfg(tmp_path))
+    stream = d.train_iter(0, Shard(8))
+    for _ in range(3):  # three epochs of all 8 images
+        (x, y), = next(stream)
+        assert x.shape == (8, 3, 16, 16) and y.shape == (8,)
+    x, y = next(d.val_batches(4, 1))
+    assert x.shape == (4, 3, 16, 16)
+    warnings = capsys.readouterr().err.strip().splitlines()
+    unknown = "PIL cannot identify it as an image"
+    assert sorted(warnings) == sorted(f"warning: cannot read image {f} ({why}); the next readable image takes its place"
+                                      for f, why in zip(bad, ("OSError: Truncated File Read", unknown, unknown)))
+    assert bad_image_count() == 3
+
+
+def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(tmp_path, no_bad_images_yet):
+    from stabletrain.data.vision import _ReadableImages
+
+    image_folder(tmp_path)
+    cfg = folder_cfg(tmp_path, "data.randaug=rand-m9-mstd0.5-inc1", "data.erasing=0.25")
+    clean = build_data(cfg)
+    (x0, y0), = next(clean.train_iter(0, Shard(8)))
+    bad = spoil(tmp_path)
+    spoiled = build_data(cfg)
+    assert isinstance(spoiled.train_set, _ReadableImages)
+    (x1, y1), = next(spoiled.train_iter(0, Shard(8)))
+    paths = [p for p, _ in spoiled.train_set.samples]
+    is_bad = [p in map(str, bad) for p in paths]
+    for slot, i in enumerate(epoch_indices(8, cfg.seed, 0, 8).tolist()):
+        if not is_bad[i]:
+            assert torch.equal(x0[slot], x1[slot]) and y0[slot] == y1[slot]  # the same image, the same draws
+        else:  # the next readable file in folder order: ant/1 -> ant/2, bee/0 -> bee/1, bee/3 -> ant/0 (wraps)
+            nxt = next(j % 8 for j in range(i + 1, i + 8) if not is_bad[j % 8])
+            assert y1[slot] == spoiled.train_set.samples[nxt][1]
+    (x2, _), = next(build_data(cfg).train_iter(0, Shard(8)))
+    assert torch.equal(x1, x2)  # and the replacement is the same on every run
+
+
+def test_a_run_over_unreadable_images_completes(tmp_path, no_bad_images_yet):
+    spoil(image_folder(tmp_path / "data"))
+    s = train(tmp_path / "run", "model=vit_test", "data=imagefolder", f"data.root={tmp_path / 'data'}",
+              "data.num_workers=0", "steps=3", "batch_size=4", "eval_every=3", "eval_batches=1")
+    assert s["status"] == "completed"
+
+
+def test_workers_warn_too(tmp_path, capfd, no_bad_images_yet):
+
+    bad = spoil(image_folder(tmp_path))
+    d = build_data(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}", "data.num_workers=1"))
+    (x, _), = next(d.train_iter(0, Shard(8)))
+    assert x.shape == (8, 3, 16, 16)
+    err = capfd.readouterr().err
+    assert all(f"warning: cannot read image {f} " in err for f in bad)

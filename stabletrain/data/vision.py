@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -205,6 +206,60 @@ def _holds_an_image(folder: Path) -> bool:
     return any(f.lower().endswith(exts) for _, _, files in os.walk(folder, followlinks=True) for f in files)
 
 
+_unreadable: set[str] = set()  # image files this process could not read; each is warned about once
+
+
+def bad_image_count() -> int:
+    """How many image files this process could not read and replaced (see :class:`_ReadableImages`).
+
+    Only what this process read itself: with ``data.num_workers > 0`` the images are read in
+    DataLoader worker processes, whose counts stay there (their warnings still reach stderr).
+    """
+    return len(_unreadable)
+
+
+class _ReadableImages(Dataset):
+    """An ImageFolder's ``(transformed image, label)`` pairs, where a file that cannot be read
+    (corrupt, truncated, empty) is replaced by the next one in the folder that can.
+
+    A long run then survives one bad file among a million, and the batch keeps its shape. The
+    replacement goes through the same transform call, so under :class:`_SeededDraws` it takes
+    the random draws of the slot it fills and every other sample keeps its own.
+    """
+
+    def __init__(self, folder, transform):
+        self.samples, self.classes, self.transform = folder.samples, folder.classes, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        for k in range(len(self.samples)):
+            path, label = self.samples[(index + k) % len(self.samples)]
+            img = _read_image(path)
+            if img is not None:
+                return self.transform(img), label
+        raise ConfigError(f"none of the {len(self.samples)} image files of {Path(self.samples[0][0]).parent.parent}/ "
+                          "can be read")
+
+
+def _read_image(path: str):
+    """The RGB image at ``path``, or None (and a warning, once) if PIL cannot read it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path in _unreadable:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # what PIL raises for bad files
+        _unreadable.add(path)
+        why = ("PIL cannot identify it as an image" if isinstance(e, UnidentifiedImageError)
+               else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        print(f"warning: cannot read image {path} ({why}); the next readable image takes its place", file=sys.stderr)
+        return None
+
+
 def imagefolder_data(cfg) -> ImageData:
     """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout)."""
     from torchvision.datasets import ImageFolder
@@ -212,8 +267,8 @@ def imagefolder_data(cfg) -> ImageData:
     check_imagefolder(cfg.data.root)
     root = Path(cfg.data.root)
     train_tf, val_tf = image_transforms(cfg)
-    train_set = ImageFolder(str(root / "train"), transform=train_tf)
-    val_set = ImageFolder(str(root / "val"), transform=val_tf)
+    train_set = _ReadableImages(ImageFolder(str(root / "train")), train_tf)
+    val_set = _ReadableImages(ImageFolder(str(root / "val")), val_tf)
     return ImageData(cfg, train_set, val_set, len(train_set.classes))
 
 
