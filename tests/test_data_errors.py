@@ -311,3 +311,16 @@ def test_workers_warn_too(tmp_path, capfd, no_bad_images_yet):
     assert x.shape == (8, 3, 16, 16)
     err = capfd.readouterr().err
     assert all(f"warning: cannot read image {f} " in err for f in bad)
+
+
+# --- loader workers ----------------------------------------------------------------------
+
+
+def test_loader_workers_are_capped_at_the_cpus_this_process_has(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    image_folder(tmp_path)
+    d = build_data(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))  # the config asks for 8
+    assert d.workers == 2
+    assert build_data(folder_cfg(tmp_path)).workers == 0

@@ -138,7 +138,7 @@ class ImageData(Data):
     def __init__(self, cfg, train_set: Dataset, val_set: Dataset, num_classes: int):
         super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3)
         self.train_set, self.val_set = train_set, val_set
-        self.seed, self.workers, self.repeats = cfg.seed, cfg.data.num_workers, cfg.data.repeated_aug
+        self.seed, self.workers, self.repeats = cfg.seed, loader_workers(cfg.data.num_workers), cfg.data.repeated_aug
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
         sampler = _StepSampler(self.n_train, self.seed, start_step, shard, self.repeats)
@@ -158,6 +158,13 @@ class ImageData(Data):
             if i >= max_batches:
                 break
             yield b
+
+
+def loader_workers(requested: int) -> int:
+    """``data.num_workers``, at most the CPUs this process may run on: the image configs ask
+    for 4 or 8, and more workers than CPUs only contend (the samples do not depend on it)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(requested, cpus)
 
 
 def check_imagefolder(root: str | None) -> None:
