@@ -296,6 +296,15 @@ def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(t
     assert torch.equal(x1, x2)  # and the replacement is the same on every run
 
 
+def test_a_folder_of_unreadable_images_is_one_line(tmp_path, no_bad_images_yet):
+    image_folder(tmp_path)
+    for f in (tmp_path / "val").rglob("*.jpg"):
+        f.write_bytes(b"")
+    d = build_data(folder_cfg(tmp_path))
+    with pytest.raises(ConfigError, match=rf"none of the 4 image files in {tmp_path / 'val'}/ can be read"):
+        next(d.val_batches(4, 1))
+
+
 def test_a_run_over_unreadable_images_completes(tmp_path, no_bad_images_yet):
     spoil(image_folder(tmp_path / "data"))
     s = train(tmp_path / "run", "model=vit_test", "data=imagefolder", f"data.root={tmp_path / 'data'}",

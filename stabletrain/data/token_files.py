@@ -3,7 +3,9 @@
 Each ``.bin`` is nanoGPT's format, a flat array of token ids with no header: documents one
 after another, each ended by the tokenizer's end-of-text token. ``meta.json`` says what the
 arrays hold (tokenizer, vocabulary, dtype, token counts, sources), so a reader needs no guess;
-bins without it are read as nanoGPT's GPT-2 files (uint16, vocabulary 50257).
+bins without it are read as nanoGPT's GPT-2 files (uint16, vocabulary 50257). Reading refuses,
+in one line, a bin that is empty or not whole tokens, a meta.json without a usable dtype or
+vocab_size, and ids at or beyond the vocabulary (files over 2 GiB are sampled: ``_max_id``).
 
 Writing streams the documents to ``*.tmp`` files and renames them into place only when they
 are complete, ``meta.json`` last: an interrupted run leaves ``.tmp`` files, never a set of

@@ -235,7 +235,7 @@ class _ReadableImages(Dataset):
     """
 
     def __init__(self, folder, transform):
-        self.samples, self.classes, self.transform = folder.samples, folder.classes, transform
+        self.root, self.samples, self.classes, self.transform = folder.root, folder.samples, folder.classes, transform
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -246,8 +246,7 @@ class _ReadableImages(Dataset):
             img = _read_image(path)
             if img is not None:
                 return self.transform(img), label
-        raise ConfigError(f"none of the {len(self.samples)} image files of {Path(self.samples[0][0]).parent.parent}/ "
-                          "can be read")
+        raise ConfigError(f"none of the {len(self.samples)} image files in {self.root}/ can be read")
 
 
 def _read_image(path: str):
