@@ -3,7 +3,9 @@
 Each ``.bin`` is nanoGPT's format, a flat array of token ids with no header: documents one
 after another, each ended by the tokenizer's end-of-text token. ``meta.json`` says what the
 arrays hold (tokenizer, vocabulary, dtype, token counts, sources), so a reader needs no guess;
-bins without it are read as nanoGPT's GPT-2 files (uint16, vocabulary 50257).
+bins without it are read as nanoGPT's GPT-2 files (uint16, vocabulary 50257). Reading refuses,
+in one line, a bin that is empty or not whole tokens, a meta.json without a usable dtype or
+vocab_size, and ids at or beyond the vocabulary (files over 2 GiB are sampled: ``_max_id``).
 
 Writing streams the documents to ``*.tmp`` files and renames them into place only when they
 are complete, ``meta.json`` last: an interrupted run leaves ``.tmp`` files, never a set of
@@ -35,9 +37,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 # --- reading ---------------------------------------------------------------------------
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # ids are never negative
+SCAN_CHUNK = 16 * 2**20  # tokens per numpy max() when looking for ids beyond the vocabulary
+SCAN_BYTES = 2 * 2**30  # read whole up to this size; larger files are sampled (see _max_id)
+
 
 def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(train, val, vocab_size)``: ``path`` and ``val.bin`` beside it, memory-mapped."""
+    """``(train, val, vocab_size)``: ``path`` and ``val.bin`` beside it, memory-mapped.
+
+    Each file must hold whole tokens of the meta's dtype and only ids below its vocabulary;
+    any problem is a one-line ConfigError naming the file or the meta.json key.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data.path={path} is not a file: point data=tokens at a train.bin "
@@ -46,16 +56,76 @@ def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     if not val.is_file():
         raise ConfigError(f"{val} is missing: data=tokens expects val.bin beside data.path")
     meta_file = path.with_name(META)
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else LEGACY_META
-    dtype = np.dtype(meta["dtype"])
+    meta = read_meta(meta_file) if meta_file.is_file() else LEGACY_META
+    dtype, vocab = np.dtype(meta["dtype"]), meta["vocab_size"]
+    if meta_file.is_file():
+        dtype_from, vocab_from = f"the dtype {meta_file} gives", f"vocab_size {vocab} of {meta_file}"
+    else:
+        dtype_from = f"read as nanoGPT's uint16 for want of a {META}"
+        vocab_from = f"{vocab}, the vocabulary assumed for bins without a {META} (nanoGPT's GPT-2 files)"
     arrays = {}
     for split, f in (("train", path), ("val", val)):
-        arrays[split] = np.memmap(f, dtype=dtype, mode="r")
+        arrays[split] = _token_array(f, dtype, dtype_from)
         want = meta.get(f"{split}_tokens")
         if want is not None and len(arrays[split]) != want:
             raise ConfigError(f"{f} holds {len(arrays[split])} tokens but {meta_file} says {want}: "
                               "they come from different runs; run scripts/prepare_tokens.py again")
-    return arrays["train"], arrays["val"], int(meta["vocab_size"])
+        top = _max_id(arrays[split])
+        if top >= vocab:  # the embedding would index out of range partway through a run
+            raise ConfigError(f"{f} holds token id {top} >= {vocab_from}: the ids come from another tokenizer; "
+                              f"give {meta_file} its vocab_size (> {top}) and dtype, with model.vocab_size at "
+                              "least that, or re-tokenize with scripts/prepare_tokens.py")
+    return arrays["train"], arrays["val"], vocab
+
+
+def read_meta(meta_file: Path) -> dict:
+    """``meta.json`` as a dict whose ``dtype`` and ``vocab_size`` are usable, else a one-line ConfigError."""
+    fix = "fix it, or run scripts/prepare_tokens.py again to rewrite it"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{meta_file} is not valid JSON ({_first_line(e)}): {fix}") from e
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{meta_file} holds a JSON {type(meta).__name__}, not an object with dtype and "
+                          f"vocab_size: {fix}")
+    if "dtype" not in meta:
+        raise ConfigError(f"{meta_file} lacks the key 'dtype' (one of {', '.join(TOKEN_DTYPES)}): {fix}")
+    if meta["dtype"] not in TOKEN_DTYPES:
+        raise ConfigError(f"{meta_file}: dtype={meta['dtype']!r} is not supported; token files hold "
+                          f"{', '.join(TOKEN_DTYPES)}: {fix}")
+    if "vocab_size" not in meta:
+        raise ConfigError(f"{meta_file} lacks the key 'vocab_size' (the tokenizer's vocabulary): {fix}")
+    for key in ("vocab_size", "train_tokens", "val_tokens"):
+        v = meta.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{meta_file}: {key}={v!r} must be a positive integer: {fix}")
+    return meta
+
+
+def _token_array(f: Path, dtype: np.dtype, dtype_from: str) -> np.ndarray:
+    size = f.stat().st_size
+    if size == 0:
+        raise ConfigError(f"{f} is empty (0 bytes): run scripts/prepare_tokens.py again")
+    if size % dtype.itemsize:
+        raise ConfigError(f"{f} is {size} bytes, not a whole number of {dtype.name} tokens "
+                          f"({dtype.itemsize} bytes each, {dtype_from}): it is truncated or holds another "
+                          "dtype; run scripts/prepare_tokens.py again")
+    return np.memmap(f, dtype=dtype, mode="r")
+
+
+def _max_id(arr: np.ndarray) -> int:
+    """The largest id in ``arr``, read in chunks of SCAN_CHUNK tokens.
+
+    An array of up to SCAN_BYTES is read whole. A larger one (OpenWebText's train.bin is 17 GB)
+    would cost a full read from disk on every start, so only SCAN_BYTES of it is read: evenly
+    spaced chunks, the first and the last included. Bins from another tokenizer hold large ids
+    throughout, which that finds.
+    """
+    starts = np.arange(0, len(arr), SCAN_CHUNK)
+    fit = SCAN_BYTES // (SCAN_CHUNK * arr.dtype.itemsize)
+    if len(starts) > fit:
+        starts = starts[np.linspace(0, len(starts) - 1, fit).round().astype(int)]
+    return max(int(arr[s:s + SCAN_CHUNK].max()) for s in starts)
 
 
 # --- inputs ----------------------------------------------------------------------------

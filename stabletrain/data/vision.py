@@ -7,7 +7,9 @@ only in how their two data sets are constructed and which normalisation they use
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -82,12 +84,33 @@ def image_transforms(cfg, mean=None, std=None, eval_crop_pct=None):
     from timm.data import create_transform
 
     d = cfg.data
+    check_randaug(d.randaug)
     size = d.img_size or cfg.model.img_size
     norm = {} if mean is None else {"mean": mean, "std": std}
     train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing, **norm)
     val_tf = create_transform(size, is_training=False, crop_pct=eval_crop_pct, **norm)
     _posterize_zero_bits(train_tf)
     return train_tf, val_tf
+
+
+def check_randaug(spec: str | None) -> None:
+    """ConfigError (one line) unless timm builds an augmentation from ``data.randaug``.
+
+    The check is building it the way :func:`image_transforms` does, so timm's own dispatch
+    (``rand...``, ``augmix...``, else an AutoAugment policy) decides and every string timm
+    takes passes; timm itself only asserts, deep in a traceback.
+    """
+    if not spec:
+        return
+    from timm.data import create_transform
+
+    try:
+        create_transform(32, is_training=True, auto_augment=spec)
+    except Exception as e:  # AssertionError for unknown names and sections, ValueError for bad numbers
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"data.randaug={spec} is not a timm RandAugment string" + (f" ({why})" if why else "")
+                          + "; use e.g. rand-m9-mstd0.5-inc1 (or augmix-m5-w4-d2, original-mstd0.5, "
+                          "or null for none)") from e
 
 
 def _posterize_zero_bits(transform) -> None:
@@ -115,7 +138,7 @@ class ImageData(Data):
     def __init__(self, cfg, train_set: Dataset, val_set: Dataset, num_classes: int):
         super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3)
         self.train_set, self.val_set = train_set, val_set
-        self.seed, self.workers, self.repeats = cfg.seed, cfg.data.num_workers, cfg.data.repeated_aug
+        self.seed, self.workers, self.repeats = cfg.seed, loader_workers(cfg.data.num_workers), cfg.data.repeated_aug
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
         sampler = _StepSampler(self.n_train, self.seed, start_step, shard, self.repeats)
@@ -137,18 +160,121 @@ class ImageData(Data):
             yield b
 
 
+def loader_workers(requested: int) -> int:
+    """``data.num_workers``, at most the CPUs this process may run on: the image configs ask
+    for 4 or 8, and more workers than CPUs only contend (the samples do not depend on it)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(requested, cpus)
+
+
+def check_imagefolder(root: str | None) -> None:
+    """ConfigError (one line) unless ``root`` has train/ and val/ with the same class folders,
+    each holding an image.
+
+    ImageFolder numbers each split's classes by their sorted folder names, so a class missing
+    from one split shifts the other's labels without any error. Cheap: it lists the class
+    folders and stops at the first image in each.
+    """
+    if not root:
+        raise ConfigError("data=imagefolder needs data.root=DIR, the folder holding train/<class>/ and val/<class>/")
+    classes = {}
+    for split in ("train", "val"):
+        folder = Path(root) / split
+        if not folder.is_dir():
+            raise ConfigError(f"data.root={root} has no {split}/ folder: "
+                              "expected root/train/<class>/ and root/val/<class>/")
+        classes[split] = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+        if not classes[split]:
+            raise ConfigError(f"{folder}/ has no class folders: expected {folder}/<class>/<image files>")
+    if classes["train"] != classes["val"]:
+        only = {k: sorted(set(classes[k]) - set(classes[o])) for k, o in (("train", "val"), ("val", "train"))}
+        diff = "; ".join(f"only in {k}/: {_some(v)}" for k, v in only.items() if v)
+        raise ConfigError(f"data.root={root}: train/ and val/ have different class folders ({diff}), so val's labels "
+                          "would not be train's: give both the same class folders")
+    for split in ("train", "val"):
+        for c in classes[split]:
+            if not _holds_an_image(Path(root) / split / c):
+                raise ConfigError(f"{Path(root) / split / c}/ holds no image files ({' '.join(_image_exts())}): "
+                                  f"every folder in {split}/ is a class; add its images or remove the folder")
+
+
+def _some(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _image_exts() -> tuple[str, ...]:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return IMG_EXTENSIONS
+
+
+def _holds_an_image(folder: Path) -> bool:
+    exts = _image_exts()
+    return any(f.lower().endswith(exts) for _, _, files in os.walk(folder, followlinks=True) for f in files)
+
+
+_unreadable: set[str] = set()  # image files this process could not read; each is warned about once
+
+
+def bad_image_count() -> int:
+    """How many image files this process could not read and replaced (see :class:`_ReadableImages`).
+
+    Only what this process read itself: with ``data.num_workers > 0`` the images are read in
+    DataLoader worker processes, whose counts stay there (their warnings still reach stderr).
+    """
+    return len(_unreadable)
+
+
+class _ReadableImages(Dataset):
+    """An ImageFolder's ``(transformed image, label)`` pairs, where a file that cannot be read
+    (corrupt, truncated, empty) is replaced by the next one in the folder that can.
+
+    A long run then survives one bad file among a million, and the batch keeps its shape. The
+    replacement goes through the same transform call, so under :class:`_SeededDraws` it takes
+    the random draws of the slot it fills and every other sample keeps its own.
+    """
+
+    def __init__(self, folder, transform):
+        self.root, self.samples, self.classes, self.transform = folder.root, folder.samples, folder.classes, transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int):
+        for k in range(len(self.samples)):
+            path, label = self.samples[(index + k) % len(self.samples)]
+            img = _read_image(path)
+            if img is not None:
+                return self.transform(img), label
+        raise ConfigError(f"none of the {len(self.samples)} image files in {self.root}/ can be read")
+
+
+def _read_image(path: str):
+    """The RGB image at ``path``, or None (and a warning, once) if PIL cannot read it."""
+    from PIL import Image, UnidentifiedImageError
+
+    if path in _unreadable:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # what PIL raises for bad files
+        _unreadable.add(path)
+        why = ("PIL cannot identify it as an image" if isinstance(e, UnidentifiedImageError)
+               else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+        print(f"warning: cannot read image {path} ({why}); the next readable image takes its place", file=sys.stderr)
+        return None
+
+
 def imagefolder_data(cfg) -> ImageData:
     """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout)."""
     from torchvision.datasets import ImageFolder
 
-    root = Path(cfg.data.root or "")
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise ConfigError(f"data.root={cfg.data.root} has no {split}/ folder: "
-                              "expected root/train/<class>/ and root/val/<class>/")
+    check_imagefolder(cfg.data.root)
+    root = Path(cfg.data.root)
     train_tf, val_tf = image_transforms(cfg)
-    train_set = ImageFolder(str(root / "train"), transform=train_tf)
-    val_set = ImageFolder(str(root / "val"), transform=val_tf)
+    train_set = _ReadableImages(ImageFolder(str(root / "train")), train_tf)
+    val_set = _ReadableImages(ImageFolder(str(root / "val")), val_tf)
     return ImageData(cfg, train_set, val_set, len(train_set.classes))
 
 
