@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.image as mpimg
 
 from stabletrain.monitor import names as N
-from stabletrain.monitor import plots as P
+from stabletrain.analysis import plots as P
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [f"blocks.{i}" for i in range(4)]
