@@ -4,7 +4,8 @@
         [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]
 
 Prints a markdown table, writes SWEEP_DIR/summary.csv, and with --plot draws the final
-metric against the --x value, one line per --series value, diverged runs as red crosses.
+metric against the --x value (categorical when not numeric), one line per --series value,
+diverged runs as crosses.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
 

@@ -13,6 +13,8 @@ with a printed note. Figures:
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
 - ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6).
+
+Every log axis is labelled through :func:`stabletrain.analysis.ticks.log_scale`.
 """
 
 from __future__ import annotations
@@ -29,16 +31,17 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import matplotlib.ticker
 import numpy as np
 from matplotlib.lines import Line2D
 
+from stabletrain.analysis.ticks import log_scale
 from stabletrain.monitor import names as N
 
 Series = tuple[np.ndarray, np.ndarray]  # steps, values (sorted by step)
 
+# no "+2.548" offsets: entropy barely leaving log T reads better as 2.5485 than as 0.0005
 _STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3,
-          "legend.fontsize": 7, "figure.dpi": 110}
+          "legend.fontsize": 7, "figure.dpi": 110, "axes.formatter.useoffset": False}
 
 
 def _styled(fn):
@@ -157,13 +160,15 @@ def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
     style = {"marker": "." if len(x) < 30 else None, "ms": 3, "lw": 1.2}
     ax.plot(x, y, **{**style, **kw})
     if logy:
-        ax.set_yscale("log")
-        # plain-text labels: mathtext tick labels are slow to lay out; minor ticks are
-        # labelled only when the axis spans less than a decade, so that it still has numbers
-        ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False,
-                                                                    minor_thresholds=(1, 0.4)))
+        log_scale(ax)
     return True
+
+
+def _empty(ax, why: str) -> None:
+    """Say why a panel has no line, without a meaningless 0..1 frame of ticks."""
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _mark_divergence(ax, run: Run) -> None:
@@ -210,7 +215,28 @@ def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     return _save(fig, out_dir, name)
 
 
+def _legends_off_lines(fig) -> None:
+    """Move a legend that ``loc="best"`` could only put over a line to the right of its panel
+    (a crowded entropy panel has no free corner), and lay the figure out again."""
+    renderer = fig.canvas.get_renderer()  # tight_layout has placed the panels: no draw needed
+    moved = False
+    for ax in fig.axes:
+        leg = ax.get_legend()
+        if leg is None or not ax.get_visible():
+            continue
+        box = leg.get_window_extent(renderer)
+        if any(line.get_visible() and len(line.get_xdata())
+               and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
+               for line in ax.get_lines()):
+            ax.legend(leg.legend_handles, [t.get_text() for t in leg.get_texts()], loc="upper left",
+                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+            moved = True
+    if moved:
+        fig.tight_layout()
+
+
 def _save(fig, out_dir: Path, name: str) -> Path:
+    _legends_off_lines(fig)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     fig.savefig(path)  # every figure calls tight_layout; a "tight" bbox would draw it twice
@@ -283,8 +309,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
             ax.legend(loc="best")
             ok = True
         if not ok:
-            ax.text(0.5, 0.5, "not logged\n(e.g. no norm bias)", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            _empty(ax, "not logged\n(e.g. no norm bias)")
         _mark_divergence(ax, run)
         ax.set_title(q.label)
         ax.set_xlabel("step")
@@ -373,7 +398,7 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
             ax.plot(sizes, ys, marker="o", ms=3, color=cmap(0.85 * i / max(len(steps) - 1, 1)),
                     label=f"step {int(step)}")
         ax.axhline(0.99, color="red", ls=":", lw=1, label="99% (crash signature)")
-        ax.set_xscale("log", base=2)
+        log_scale(ax, "x", base=2)
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(s) for s in sizes])
         ax.set_ylim(0, 1.03)
@@ -525,7 +550,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     runs = [load_run(d) for d in run_dirs]
     qk_q = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
             else N.WQ_T_WK_MAX)
-    val = N.VAL_ACC if any(r.has(N.VAL_ACC) for r in runs) else N.VAL_LOSS
+    # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
+    val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
     panels = [
         ("training loss", True, lambda r: r.get(N.LOSS)),
         (f"validation {val.split('/')[1]}", val == N.VAL_LOSS, lambda r: r.get(val)),
@@ -546,14 +572,15 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
             label = run.name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
             if _line(ax, get(run), logy=logy, color=c, label=label):
                 any_line = True
+            else:  # in the legend, so that a missing run is not mistaken for a hidden line
+                ax.plot([], [], color=c, ls=":", label=f"{run.name}: not logged")
             if run.diverged_step is not None:
                 ax.axvline(run.diverged_step, color=c, ls=":", lw=1)
         if any_line:
             drawn += 1
             ax.legend(loc="best")
         else:
-            ax.text(0.5, 0.5, "not logged by any run", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            _empty(ax, "not logged by any run")
         ax.set_title(title)
         ax.set_xlabel("step")
     axes.flat[5].set_visible(False)
