@@ -4,7 +4,7 @@ Used by ``scripts/plot_dynamics.py`` (one run) and ``scripts/compare_runs.py`` (
 ``metrics.jsonl`` holds one JSON object per line with ``step`` and any subset of the metric
 names of :mod:`stabletrain.monitor.names`; metrics come at different cadences, so every
 metric is its own ``(steps, values)`` series. A figure whose metrics are absent is skipped
-with a printed note. Figures:
+with a printed note (``logits.png`` silently). Figures:
 
 - ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
 - ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
@@ -12,7 +12,8 @@ with a printed note. Figures:
 - ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
-- ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6).
+- ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6);
+- ``logits.png``: max attention logit per block and the output ``log Z``.
 
 Every log axis is labelled through :func:`stabletrain.analysis.ticks.log_scale`.
 """
@@ -514,6 +515,41 @@ def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "qk_spectrum.png")
 
 
+@_styled
+def plot_logits(run: Run, out_dir: Path) -> Path | None:
+    """The max attention logit per block (log y, depth-coloured) and the output log-partition
+    ``log Z`` against step. No note when both are absent: runs from before these monitors
+    existed lack them, and a note on every such run would be noise."""
+    layers = _blocks_with(run, N.ATTN_LOGIT_MAX, None)
+    log_z = run.get(N.LOG_Z)
+    if not layers and log_z is None:
+        return None
+    n = bool(layers) + (log_z is not None)
+    fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 4.0), squeeze=False)
+    axes = list(axes[0])
+    if layers:
+        ax = axes.pop(0)
+        series = [run.get(N.metric(N.ATTN_LOGIT_MAX, b)) for b in layers]
+        logy = all((_finite(s)[1] > 0).all() for s in series)  # a log axis would drop the rest
+        for b, s, c in zip(layers, series, _depth_colors(len(layers))):
+            _line(ax, s, logy=logy, color=c, label=b)
+        _mark_divergence(ax, run)
+        ax.set_title("max attention logit (over heads, queries, keys)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("max logit")
+        _depth_legend_or_bar(fig, ax, layers)
+    if log_z is not None:
+        ax = axes.pop(0)
+        _line(ax, log_z, color="black")
+        _mark_divergence(ax, run)
+        ax.set_title(r"output log-partition $\log Z$ (mean over tokens)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("log Z")
+    fig.suptitle(_title(run, "logit growth"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "logits.png")
+
+
 def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
                   out_dir: str | Path | None = None) -> list[Path]:
     """Every figure of one run into ``RUN_DIR/plots`` (or ``out_dir``); returns the PNGs written."""
@@ -524,7 +560,7 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
     for b in chosen:
         written.append(plot_block_dynamics(run, b, out))
     written += [plot_entropy(run, chosen, out), plot_sec(run, chosen, out), plot_adamw2_lr(run, out),
-                plot_token_similarity(run, out), plot_qk_spectrum(run, out)]
+                plot_token_similarity(run, out), plot_qk_spectrum(run, out), plot_logits(run, out)]
     return [p for p in written if p is not None]
 
 

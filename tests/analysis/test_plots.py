@@ -103,6 +103,7 @@ def test_absent_metrics_are_skipped_with_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     for fig in ("entropy.png", "sec.png", "adamw2_lr.png", "token_similarity.png", "qk_spectrum.png"):
         assert f"skipping {fig}" in out
+    assert "logits" not in out  # older runs lack these monitors: no note for them
     _check_pngs(paths)
 
 
@@ -169,6 +170,21 @@ def test_log_axis_labels_are_distinct_and_true(lo, hi):
     assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
     for y, t in shown:
         assert math.isclose(float(t.replace("\N{MINUS SIGN}", "-")), y, rel_tol=1e-6), (y, t)
+
+
+def test_logits_figure_is_drawn_from_its_monitors(tmp_path, capsys):
+    run = tmp_path / "logits_run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 3.0 / (1 + s), N.LOG_Z: 4.0 + 0.01 * s,
+             **{N.metric(N.ATTN_LOGIT_MAX, b): (1 + i) * 5.0 * 1.01**s for i, b in enumerate(BLOCKS)}}
+            for s in range(0, 200, 20)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    paths = P.plot_dynamics(run)
+    assert [p.name for p in paths] == ["training.png", "logits.png"]
+    _check_pngs(paths)
+    assert "logits" not in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": r["step"], N.LOG_Z: r[N.LOG_Z]}) for r in rows))
+    assert [p.name for p in P.plot_dynamics(run, out_dir=tmp_path / "log_z_only")] == ["logits.png"]
 
 
 def test_a_legend_with_no_free_corner_moves_beside_its_panel():
