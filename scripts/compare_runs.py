@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain.monitor.plots import compare_runs
+from stabletrain.analysis.plots import compare_runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     python scripts/plot_dynamics.py outputs/<run> [--blocks 0,2,4] [--out DIR]
 
 Reads RUN_DIR/metrics.jsonl (and summary.json if present); figures whose metrics the run did
-not log are skipped with a note. See stabletrain/monitor/plots.py for the list of figures.
+not log are skipped with a note. See stabletrain/analysis/plots.py for the list of figures.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain.monitor.plots import plot_dynamics
+from stabletrain.analysis.plots import plot_dynamics
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.cli import compose_config  # noqa: E402
-from stabletrain.monitor.plots import compare_runs  # noqa: E402
+from stabletrain.analysis.plots import compare_runs  # noqa: E402
 from stabletrain.run import run  # noqa: E402
 
 MODEL = ["model=gpt_mini", "model.depth=6", "model.embed_dim=256", "model.num_heads=4", "model.block_size=256"]

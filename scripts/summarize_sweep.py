@@ -4,7 +4,8 @@
         [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]
 
 Prints a markdown table, writes SWEEP_DIR/summary.csv, and with --plot draws the final
-metric against the --x value, one line per --series value, diverged runs as red crosses.
+metric against the --x value (categorical when not numeric), one line per --series value,
+diverged runs as crosses.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain import sweep
+from stabletrain.analysis import sweeps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,14 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write the plot here (.png, .pdf, .svg)")
     args = ap.parse_args(argv)
 
-    runs = sweep.find_runs(args.sweep_dir)
+    runs = sweeps.find_runs(args.sweep_dir)
     if not runs:
         print(f"error: no run with a summary.json under {args.sweep_dir}", file=sys.stderr)
         return 1
-    columns, table = sweep.rows(runs)
-    print(sweep.markdown(columns, table))
+    columns, table = sweeps.rows(runs)
+    print(sweeps.markdown(columns, table))
     csv_path = args.sweep_dir / "summary.csv"
-    sweep.write_csv(csv_path, columns, table)
+    sweeps.write_csv(csv_path, columns, table)
     print(f"\n{len(table)} runs; table written to {csv_path}", file=sys.stderr)
     if args.plot:
         metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.x is None:
             print("error: --plot needs --x KEY (a swept value)", file=sys.stderr)
             return 2
-        print(f"plot written to {sweep.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
+        print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
     return 0
 
 

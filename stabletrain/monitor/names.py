@@ -169,8 +169,8 @@ def parse(name: str) -> Parsed | None:
     parts = name.split("/")
     if parts[0] not in BLOCK_GROUPS or len(parts) < 2:
         return None
-    if parts[0] == TOKEN_SIM:
-        return Parsed(TOKEN_SIM, parts[1], None) if len(parts) == 2 else None
+    if parts[0] in (TOKEN_SIM, ATTN_LOGIT_MAX):
+        return Parsed(parts[0], parts[1], None) if len(parts) == 2 else None
     if len(parts) != 3:
         return None
     return Parsed(parts[0], parts[1], parts[2])
@@ -189,3 +189,9 @@ def blocks_in(names) -> list[str]:
     """The block names that occur in a collection of metric names, in depth order."""
     return natural_sorted({p.block for n in names if (p := parse(n)) is not None})
 
+
+# logit monitors at the probe cadence: attention-logit growth is what collapses attention
+# entropy (ViT-22B), and a drifting output log-partition is what z-loss (PaLM) holds down
+ATTN_LOGIT_MAX = "attn_logit_max"  # attn_logit_max/<block>: max over heads, queries, keys; no quantity
+LOG_Z = "logits/log_z"  # mean over tokens of logsumexp of the output logits
+BLOCK_GROUPS = (*BLOCK_GROUPS, ATTN_LOGIT_MAX)

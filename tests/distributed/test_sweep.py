@@ -1,14 +1,10 @@
-"""A local Hydra multirun over tau x alpha, and the sweep summary that reads its run dirs."""
+"""A local Hydra multirun over tau x alpha, summarized by scripts/summarize_sweep.py."""
 
 from __future__ import annotations
 
 import csv
-import json
 import sys
 
-import yaml
-
-from stabletrain import sweep
 from tests.distributed.common import GPT, run
 from tests.helpers import ROOT
 
@@ -43,35 +39,3 @@ def test_multirun_over_tau_and_alpha_shows_completed_and_diverged(tmp_path):
     with open(sweep_dir / "summary.csv") as f:
         assert [row["status"] for row in csv.DictReader(f)] == ["completed", "diverged", "completed", "diverged"]
     assert plot.stat().st_size > 10_000
-
-
-def _fake_run(path, config: dict, summary: dict):
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text(yaml.safe_dump(config))
-    (path / "summary.json").write_text(json.dumps(summary))
-
-
-def test_summary_falls_back_to_config_yaml_and_sorts_numerically(tmp_path):
-    base = {"model": {"name": "vit_test"}, "optim": {"name": "adamw2", "tau": 0.004}, "seed": 0}
-    for i, (tau, status) in enumerate([(0.02, "diverged"), (0.004, "completed"), (0.01, "interrupted")]):
-        cfg = {**base, "optim": {"name": "adamw2", "tau": tau}}
-        _fake_run(tmp_path / f"run{i}", cfg, {"status": status, "step": 7, "total_steps": 10,
-                                              "final": {"loss": 1.5, "val/acc": 0.5}})
-    (tmp_path / "not_a_run").mkdir()
-    columns, table = sweep.rows(sweep.find_runs(tmp_path))
-    assert columns[0] == "optim.tau" and "model.name" not in columns and "final_val/acc" in columns
-    assert [r["optim.tau"] for r in table] == [0.004, 0.01, 0.02]
-    assert [r["diverged_at"] for r in table] == ["", "", 7]
-    assert "| 0.004 | completed |" in sweep.markdown(columns, table)
-
-
-def test_a_sweep_point_without_a_summary_is_listed_as_unfinished(tmp_path):
-    import yaml
-
-    for i, tau in enumerate([0.003, 0.004]):
-        d = tmp_path / str(i)
-        (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"optim.tau={tau}"]))
-    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "step": 5, "diverged_at": 2}))
-    columns, table = sweep.rows(sweep.find_runs(tmp_path))
-    assert [(r["optim.tau"], r["status"]) for r in table] == [(0.003, "completed"), (0.004, "unfinished")]

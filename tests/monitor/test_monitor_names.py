@@ -6,6 +6,8 @@ def test_metric_parse_round_trip_and_for_block():
         p = N.parse(name)
         assert N.metric(p.group, p.block, p.quantity) == name
     assert N.parse("token_sim/blocks.3") == ("token_sim", "blocks.3", None)
+    assert N.parse("attn_logit_max/layers.1.blocks.0") == ("attn_logit_max", "layers.1.blocks.0", None)
+    assert N.parse("attn_logit_max/blocks.0/x") is None and N.parse(N.LOG_Z) is None
     for scalar in ("loss", "val/acc", "adamw2/frac_bounded", "adamw2/lr_eff/blocks.0.attn.qkv.weight"):
         assert N.parse(scalar) is None
     assert N.for_block("blocks.2", {"sigma1/wq": 1.0, "token_sim": 0.5}) == {

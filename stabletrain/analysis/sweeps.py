@@ -141,16 +141,27 @@ def _number(v) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str) -> Path:
+def figure(table: list[dict], x: str, series: str | None, metric: str):
     """``metric`` against ``x``, one line per value of ``series``; a diverged run is a cross in
-    its series' colour, drawn at the top of the axis when its metric is off the chart."""
+    its series' colour, drawn at the top of the axis when its metric is off the chart. The x
+    ticks are the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from stabletrain.analysis.ticks import label_x_ticks, log_scale
+
+    swept = sorted({r.get(x) for r in table if r.get(x) not in ("", None)}, key=_sort_key)
+    categories = None if all(_number(v) is not None for v in swept) else list(dict.fromkeys(map(str, swept)))
+
+    def at(v) -> float | None:
+        if v in ("", None):
+            return None
+        return float(categories.index(str(v))) if categories is not None else _number(v)
+
     def points(rs, diverged: bool):
-        pts = [(_number(r.get(x)), _number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]
+        pts = [(at(r.get(x)), _number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]
         return [(a, b) for a, b in pts if a is not None and (diverged or b is not None)]
 
     healthy = [b for _, b in points(table, False)]
@@ -170,9 +181,9 @@ def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str)
             any_diverged = True
     if any_diverged:
         ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
-    xs = [a for a, _ in points(table, False) + points(table, True)]
-    if xs and min(xs) > 0 and max(xs) / min(xs) > 100:
-        ax.set_xscale("log")
+    xs = sorted({a for a, _ in points(table, False) + points(table, True)})
+    if categories is None and xs and xs[0] > 0 and xs[-1] / xs[0] >= 10:  # learning rates, tau: decades apart
+        log_scale(ax, "x")
     ax.set_ylim(top=top * 1.05)
     ax.set_xlabel(x)
     ax.set_ylabel(metric.replace("final_", "final "))
@@ -180,6 +191,17 @@ def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str)
         ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
+    if xs:
+        label_x_ticks(fig, ax, xs, [categories[int(a)] for a in xs] if categories is not None else None)
+        fig.tight_layout()
+    return fig
+
+
+def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str) -> Path:
+    """:func:`figure` written to ``path`` (.png, .pdf, .svg)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(table, x, series, metric)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

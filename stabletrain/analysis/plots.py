@@ -4,7 +4,7 @@ Used by ``scripts/plot_dynamics.py`` (one run) and ``scripts/compare_runs.py`` (
 ``metrics.jsonl`` holds one JSON object per line with ``step`` and any subset of the metric
 names of :mod:`stabletrain.monitor.names`; metrics come at different cadences, so every
 metric is its own ``(steps, values)`` series. A figure whose metrics are absent is skipped
-with a printed note. Figures:
+with a printed note (``logits.png`` silently). Figures:
 
 - ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
 - ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
@@ -12,7 +12,10 @@ with a printed note. Figures:
 - ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
-- ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6).
+- ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6);
+- ``logits.png``: max attention logit per block and the output ``log Z``.
+
+Every log axis is labelled through :func:`stabletrain.analysis.ticks.log_scale`.
 """
 
 from __future__ import annotations
@@ -29,16 +32,17 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import matplotlib.ticker
 import numpy as np
 from matplotlib.lines import Line2D
 
+from stabletrain.analysis.ticks import log_scale
 from stabletrain.monitor import names as N
 
 Series = tuple[np.ndarray, np.ndarray]  # steps, values (sorted by step)
 
+# no "+2.548" offsets: entropy barely leaving log T reads better as 2.5485 than as 0.0005
 _STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3,
-          "legend.fontsize": 7, "figure.dpi": 110}
+          "legend.fontsize": 7, "figure.dpi": 110, "axes.formatter.useoffset": False}
 
 
 def _styled(fn):
@@ -157,13 +161,15 @@ def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
     style = {"marker": "." if len(x) < 30 else None, "ms": 3, "lw": 1.2}
     ax.plot(x, y, **{**style, **kw})
     if logy:
-        ax.set_yscale("log")
-        # plain-text labels: mathtext tick labels are slow to lay out; minor ticks are
-        # labelled only when the axis spans less than a decade, so that it still has numbers
-        ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False,
-                                                                    minor_thresholds=(1, 0.4)))
+        log_scale(ax)
     return True
+
+
+def _empty(ax, why: str) -> None:
+    """Say why a panel has no line, without a meaningless 0..1 frame of ticks."""
+    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax.set_xticks([])
+    ax.set_yticks([])
 
 
 def _mark_divergence(ax, run: Run) -> None:
@@ -210,7 +216,28 @@ def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     return _save(fig, out_dir, name)
 
 
+def _legends_off_lines(fig) -> None:
+    """Move a legend that ``loc="best"`` could only put over a line to the right of its panel
+    (a crowded entropy panel has no free corner), and lay the figure out again."""
+    renderer = fig.canvas.get_renderer()  # tight_layout has placed the panels: no draw needed
+    moved = False
+    for ax in fig.axes:
+        leg = ax.get_legend()
+        if leg is None or not ax.get_visible():
+            continue
+        box = leg.get_window_extent(renderer)
+        if any(line.get_visible() and len(line.get_xdata())
+               and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
+               for line in ax.get_lines()):
+            ax.legend(leg.legend_handles, [t.get_text() for t in leg.get_texts()], loc="upper left",
+                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+            moved = True
+    if moved:
+        fig.tight_layout()
+
+
 def _save(fig, out_dir: Path, name: str) -> Path:
+    _legends_off_lines(fig)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
     fig.savefig(path)  # every figure calls tight_layout; a "tight" bbox would draw it twice
@@ -283,8 +310,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
             ax.legend(loc="best")
             ok = True
         if not ok:
-            ax.text(0.5, 0.5, "not logged\n(e.g. no norm bias)", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            _empty(ax, "not logged\n(e.g. no norm bias)")
         _mark_divergence(ax, run)
         ax.set_title(q.label)
         ax.set_xlabel("step")
@@ -373,7 +399,7 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
             ax.plot(sizes, ys, marker="o", ms=3, color=cmap(0.85 * i / max(len(steps) - 1, 1)),
                     label=f"step {int(step)}")
         ax.axhline(0.99, color="red", ls=":", lw=1, label="99% (crash signature)")
-        ax.set_xscale("log", base=2)
+        log_scale(ax, "x", base=2)
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(s) for s in sizes])
         ax.set_ylim(0, 1.03)
@@ -489,6 +515,41 @@ def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "qk_spectrum.png")
 
 
+@_styled
+def plot_logits(run: Run, out_dir: Path) -> Path | None:
+    """The max attention logit per block (log y, depth-coloured) and the output log-partition
+    ``log Z`` against step. No note when both are absent: runs from before these monitors
+    existed lack them, and a note on every such run would be noise."""
+    layers = _blocks_with(run, N.ATTN_LOGIT_MAX, None)
+    log_z = run.get(N.LOG_Z)
+    if not layers and log_z is None:
+        return None
+    n = bool(layers) + (log_z is not None)
+    fig, axes = plt.subplots(1, n, figsize=(5.6 * n, 4.0), squeeze=False)
+    axes = list(axes[0])
+    if layers:
+        ax = axes.pop(0)
+        series = [run.get(N.metric(N.ATTN_LOGIT_MAX, b)) for b in layers]
+        logy = all((_finite(s)[1] > 0).all() for s in series)  # a log axis would drop the rest
+        for b, s, c in zip(layers, series, _depth_colors(len(layers))):
+            _line(ax, s, logy=logy, color=c, label=b)
+        _mark_divergence(ax, run)
+        ax.set_title("max attention logit (over heads, queries, keys)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("max logit")
+        _depth_legend_or_bar(fig, ax, layers)
+    if log_z is not None:
+        ax = axes.pop(0)
+        _line(ax, log_z, color="black")
+        _mark_divergence(ax, run)
+        ax.set_title(r"output log-partition $\log Z$ (mean over tokens)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("log Z")
+    fig.suptitle(_title(run, "logit growth"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "logits.png")
+
+
 def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
                   out_dir: str | Path | None = None) -> list[Path]:
     """Every figure of one run into ``RUN_DIR/plots`` (or ``out_dir``); returns the PNGs written."""
@@ -499,7 +560,7 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
     for b in chosen:
         written.append(plot_block_dynamics(run, b, out))
     written += [plot_entropy(run, chosen, out), plot_sec(run, chosen, out), plot_adamw2_lr(run, out),
-                plot_token_similarity(run, out), plot_qk_spectrum(run, out)]
+                plot_token_similarity(run, out), plot_qk_spectrum(run, out), plot_logits(run, out)]
     return [p for p in written if p is not None]
 
 
@@ -525,7 +586,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     runs = [load_run(d) for d in run_dirs]
     qk_q = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
             else N.WQ_T_WK_MAX)
-    val = N.VAL_ACC if any(r.has(N.VAL_ACC) for r in runs) else N.VAL_LOSS
+    # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
+    val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
     panels = [
         ("training loss", True, lambda r: r.get(N.LOSS)),
         (f"validation {val.split('/')[1]}", val == N.VAL_LOSS, lambda r: r.get(val)),
@@ -546,14 +608,15 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
             label = run.name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
             if _line(ax, get(run), logy=logy, color=c, label=label):
                 any_line = True
+            else:  # in the legend, so that a missing run is not mistaken for a hidden line
+                ax.plot([], [], color=c, ls=":", label=f"{run.name}: not logged")
             if run.diverged_step is not None:
                 ax.axvline(run.diverged_step, color=c, ls=":", lw=1)
         if any_line:
             drawn += 1
             ax.legend(loc="best")
         else:
-            ax.text(0.5, 0.5, "not logged by any run", ha="center", va="center",
-                    transform=ax.transAxes, color="gray")
+            _empty(ax, "not logged by any run")
         ax.set_title(title)
         ax.set_xlabel("step")
     axes.flat[5].set_visible(False)

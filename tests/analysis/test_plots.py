@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import pytest
 
 from stabletrain.monitor import names as N
-from stabletrain.monitor import plots as P
+from stabletrain.analysis import plots as P
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [f"blocks.{i}" for i in range(4)]
@@ -102,6 +103,7 @@ def test_absent_metrics_are_skipped_with_a_note(tmp_path, capsys):
     out = capsys.readouterr().out
     for fig in ("entropy.png", "sec.png", "adamw2_lr.png", "token_similarity.png", "qk_spectrum.png"):
         assert f"skipping {fig}" in out
+    assert "logits" not in out  # older runs lack these monitors: no note for them
     _check_pngs(paths)
 
 
@@ -143,3 +145,60 @@ def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     steps, loss = m["loss"]
     assert list(steps) == [1, 2, 3] and loss[0] == 2.0 and np.isnan(loss[1]) and loss[2] == -np.inf
     assert m["grad_norm"][1][0] == np.inf and "note" not in m
+
+
+def _visible_y_labels(ax) -> list[tuple[float, str]]:
+    """(position, text) of the y tick labels drawn inside the view, minor ones included."""
+    ax.figure.canvas.draw()
+    lo, hi = sorted(ax.get_ylim())
+    return [(t.get_position()[1], t.get_text()) for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True)
+            if t.get_visible() and t.get_text() and lo <= t.get_position()[1] <= hi]
+
+
+@pytest.mark.parametrize("lo,hi", [(0.18, 0.22), (0.05, 0.3), (1.2, 3.0), (0.999, 1.001), (3.0, 40.0), (1e-5, 1e-3),
+                                   (1e-8, 1e2)])
+def test_log_axis_labels_are_distinct_and_true(lo, hi):
+    """A log axis spanning less than a decade once printed ``2e-01`` at six ticks."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    P._line(ax, (np.arange(50.0), np.geomspace(lo, hi, 50)), logy=True)
+    shown = _visible_y_labels(ax)
+    plt.close(fig)
+    texts = [t for _, t in shown]
+    assert len(texts) >= 2 and len(set(texts)) == len(texts), texts
+    for y, t in shown:
+        assert math.isclose(float(t.replace("\N{MINUS SIGN}", "-")), y, rel_tol=1e-6), (y, t)
+
+
+def test_logits_figure_is_drawn_from_its_monitors(tmp_path, capsys):
+    run = tmp_path / "logits_run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 3.0 / (1 + s), N.LOG_Z: 4.0 + 0.01 * s,
+             **{N.metric(N.ATTN_LOGIT_MAX, b): (1 + i) * 5.0 * 1.01**s for i, b in enumerate(BLOCKS)}}
+            for s in range(0, 200, 20)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    paths = P.plot_dynamics(run)
+    assert [p.name for p in paths] == ["training.png", "logits.png"]
+    _check_pngs(paths)
+    assert "logits" not in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": r["step"], N.LOG_Z: r[N.LOG_Z]}) for r in rows))
+    assert [p.name for p in P.plot_dynamics(run, out_dir=tmp_path / "log_z_only")] == ["logits.png"]
+
+
+def test_a_legend_with_no_free_corner_moves_beside_its_panel():
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    x = np.linspace(0, 1, 50)
+    for k in range(8):  # lines through every corner
+        ax.plot(x, (x * (k + 1)) % 1.0, label=f"blocks.{k}")
+    ax.legend(loc="best")
+    fig.tight_layout()
+    P._legends_off_lines(fig)
+    fig.canvas.draw()
+    box = ax.get_legend().get_window_extent()
+    assert box.x0 >= ax.get_window_extent().x1  # right of the panel, off every line
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Offline analysis of run directories: figures, sweep tables, run comparison; reads files only."""

@@ -1,0 +1,69 @@
+"""The sweep table from run directories: settings from overrides or config.yaml, numeric order, unfinished points."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from stabletrain.analysis import sweeps
+
+
+def _fake_run(path, config: dict, summary: dict):
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(config))
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_summary_falls_back_to_config_yaml_and_sorts_numerically(tmp_path):
+    base = {"model": {"name": "vit_test"}, "optim": {"name": "adamw2", "tau": 0.004}, "seed": 0}
+    for i, (tau, status) in enumerate([(0.02, "diverged"), (0.004, "completed"), (0.01, "interrupted")]):
+        cfg = {**base, "optim": {"name": "adamw2", "tau": tau}}
+        _fake_run(tmp_path / f"run{i}", cfg, {"status": status, "step": 7, "total_steps": 10,
+                                              "final": {"loss": 1.5, "val/acc": 0.5}})
+    (tmp_path / "not_a_run").mkdir()
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert columns[0] == "optim.tau" and "model.name" not in columns and "final_val/acc" in columns
+    assert [r["optim.tau"] for r in table] == [0.004, 0.01, 0.02]
+    assert [r["diverged_at"] for r in table] == ["", "", 7]
+    assert "| 0.004 | completed |" in sweeps.markdown(columns, table)
+
+
+def test_a_sweep_point_without_a_summary_is_listed_as_unfinished(tmp_path):
+    for i, tau in enumerate([0.003, 0.004]):
+        d = tmp_path / str(i)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"optim.tau={tau}"]))
+    (tmp_path / "0" / "summary.json").write_text(json.dumps({"status": "completed", "step": 5, "diverged_at": 2}))
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert [(r["optim.tau"], r["status"]) for r in table] == [(0.003, "completed"), (0.004, "unfinished")]
+
+
+def _table(x: str, values, series=("adamw", "adamw2")) -> list[dict]:
+    return [{x: v, "optim": s, "status": "diverged" if s == "adamw" and i > len(values) // 2 else "completed",
+             "final_val/loss": 2.0 + 0.1 * i + 0.3 * j, "run": f"{j}_{i}"}
+            for j, s in enumerate(series) for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("x,values", [
+    ("optim.lr", [float(f"{v:.2g}") for v in np.geomspace(1e-5, 3e-2, 14)]),  # log x, ticks at each rate
+    ("warmup", list(range(0, 2100, 100))),  # linear x, 21 points
+    ("model", [f"vit_{s}_patch16_224" for s in ("tiny", "small", "base", "large", "huge", "giant")]),  # categorical
+])
+def test_sweep_plot_x_labels_do_not_overlap(x, values):
+    import matplotlib.pyplot as plt
+
+    fig = sweeps.figure(_table(x, values), x, "optim", "final_val/loss")
+    ax = fig.axes[0]
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    shown = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in shown]
+    first_tick = min(ax.get_xticks())
+    plt.close(fig)
+    assert len(shown) >= 2 and shown[0].get_position()[0] == first_tick
+    overlaps = [(a.get_text(), b.get_text()) for i, (a, ba) in enumerate(zip(shown, boxes))
+                for b, bb in zip(shown[i + 1:], boxes[i + 1:]) if ba.overlaps(bb)]
+    assert not overlaps
