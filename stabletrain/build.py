@@ -65,6 +65,10 @@ def validate(cfg) -> None:
         if extra:
             raise ConfigError(f"data.{extra[0]} is image augmentation; a {family.name} model trains on text: "
                               f"remove data.{extra[0]}")
+    else:
+        from stabletrain.data.vision import check_randaug
+
+        check_randaug(cfg.data.randaug)
     if data.info.get("check"):
         data.info["check"](cfg.data)
     for name in cfg.regularizer or {}:

@@ -4,7 +4,7 @@
 merges onto a typed node: a misspelt key, a wrong type or a value outside an enum fails at
 composition. Range checks that a type cannot express (a negative lr, alpha outside [0, 0.5])
 live in :func:`validate`, which raises :class:`ConfigError` with one line naming the key and
-the fix. Option names follow SPEC.md; each decision there is a documented field here.
+the fix. Option names follow docs/methods.md; each decision there is a documented field here.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class InitConfig:
 class DeescConfig:
     name: DeescName = DeescName.none
     placement: DeescPlacement = DeescPlacement.block
-    lambda_: float = 1.0  # 0 none, 1 complete (002 Eq. 21); 1.0 is our guess, see SPEC
+    lambda_: float = 1.0  # 0 none, 1 complete (002 Eq. 21); 1.0 is our guess, see docs/methods.md
     learnable: bool = False
     causal: Optional[bool] = None  # None = the model's own (prefix mean for GPT)
 
@@ -192,7 +192,7 @@ class OptimConfig:
     weight_decay_end: Optional[float] = None  # None: constant; else a half cosine to it over the run
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
-    # adamw2 (SPEC section 1)
+    # adamw2 (docs/methods.md §1)
     tau: float = 0.004
     eps_inside_sqrt: bool = False
     power_iters: int = 3

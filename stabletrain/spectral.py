@@ -1,6 +1,6 @@
 """Largest singular values, the one implementation shared by AdamW², sigmaReparam and monitors.
 
-Power iteration (SPEC section 1): alternate ``v <- normalize(W^T u)``, ``u <- normalize(W v)``,
+Power iteration (docs/methods.md §1): alternate ``v <- normalize(W^T u)``, ``u <- normalize(W v)``,
 then ``sigma = ||W v||``. Matrices of equal shape are stacked and iterated together, so a
 model's worth of weights costs a handful of batched matmuls instead of one tiny kernel per
 tensor; matrices whose rows are split across ranks (FSDP) are iterated with a process group.

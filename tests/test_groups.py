@@ -9,7 +9,7 @@ from PIL import Image
 from tests.helpers import ROOT, losses, make_cfg, train
 
 FAMILIES = {"vit": "vit_test", "swin": "swin_test", "gpt": "gpt_test"}
-# norm/attention/reparam/init/deescalate are covered in full product by tests/components.
+# norm/attention/reparam/init/deescalate are covered in full product by tests/layers.
 GROUPS = ["optim", "schedule", "regularizer", "monitor", "logger"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((ROOT / "configs" / g).glob("*.yaml"))]
 

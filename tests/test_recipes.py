@@ -81,7 +81,7 @@ def _recipe_values(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name,want", [
-    # SPEC 8.2, the ViT-B column: tau 0.004, truncated Xavier, 1e-3 / 0.05, betas (0.9, 0.99),
+    # docs/methods.md §8.2, the ViT-B column: tau 0.004, truncated Xavier, 1e-3 / 0.05, betas (0.9, 0.99),
     # batch 1024, 150 epochs, cosine, RandAug (9, 0.5), mixup .8, cutmix 1, erasing 0, smoothing .1,
     # stochastic depth 0.1, no clip, no EMA
     ("adamw2_vit_b", dict(optim="adamw2", tau=0.004, betas=[0.9, 0.99], lr=1e-3, wd=0.05, batch=1024, epochs=150,

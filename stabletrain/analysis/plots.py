@@ -303,7 +303,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     for ax, q in zip(axes.flat, N.FIFTEEN):
         logy = q.quantity in _LOG_QUANTITIES
         ok = _line(ax, run.get(N.metric(q.group, block, q.quantity)), logy=logy, label="full width")
-        # beside the paper's full-width product, the largest single head (SPEC section 7)
+        # beside the paper's full-width product, the largest single head (docs/methods.md §7)
         per_head = {N.WQ_T_WK_FULL: N.WQ_T_WK_MAX, N.WO_WV_FULL: N.WO_WV_MAX}.get(q.quantity)
         if per_head and _line(ax, run.get(N.metric(q.group, block, per_head)), logy=logy,
                               ls="--", label="max over heads"):

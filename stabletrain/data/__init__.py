@@ -163,6 +163,9 @@ def digits(d, m, seed: int) -> Data:
 
 def _check_imagefolder(d) -> None:
     _exists(d.root, f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
+    from stabletrain.data.vision import check_imagefolder
+
+    check_imagefolder(d.root)
 
 
 @DATASETS.register("imagefolder", kind="vision", check=_check_imagefolder)

@@ -1,6 +1,6 @@
 """Attention variants chosen by name (``attention`` config group), all through SDPA.
 
-Every variant is "a transform of q and k plus a softmax scale" (SPEC section 5), so all of
+Every variant is "a transform of q and k plus a softmax scale" (docs/methods.md §5), so all of
 them run through ``F.scaled_dot_product_attention`` and its fused kernels:
 
 - ``softmax``: identity, scale ``1/sqrt(d_h)``.

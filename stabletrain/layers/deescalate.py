@@ -1,10 +1,10 @@
-"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21, l.157-160; SPEC section 3).
+"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21, l.157-160; docs/methods.md §3).
 
 ``P X`` is the mean over tokens. ``lambda`` in [0, 1]: 0 does nothing, 1 centres the token
 columns (complete de-escalation). Because ``P`` is a projection, one de-escalation takes the
 token similarity ``s = ||PX||^2 / ||X||^2`` to ``(1-lambda)^2 s / (1 - (2 lambda - lambda^2) s)``.
 
-Decisions (SPEC section 3):
+Decisions (docs/methods.md §3):
 
 - ``lambda_`` default 1.0 (our guess: the paper's value was lost; 1.0 is the only value its
   text singles out). ``learnable: true`` makes it a parameter (the paper says it can be,

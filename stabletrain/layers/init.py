@@ -1,4 +1,4 @@
-"""Weight initialisations chosen by name (``init`` config group; SPEC sections 5 and 6).
+"""Weight initialisations chosen by name (``init`` config group; docs/methods.md §5 and §6).
 
 ``family`` (default) keeps each model's own init: timm ``trunc_normal(.02)`` for ViT/Swin,
 GPT-2's ``N(0, .02)`` with residual projections scaled by ``1/sqrt(2 n_layer)``. The other

@@ -1,4 +1,4 @@
-"""LocAteR, the QK-eigenspectrum regulariser (003 Sec. 6, Eq. 8; SPEC section 4).
+"""LocAteR, the QK-eigenspectrum regulariser (003 Sec. 6, Eq. 8; docs/methods.md §4).
 
 Per attention head ``h`` with ``d_h x d`` slices ``W_Q^h, W_K^h`` of the (effective) fused
 ``qkv`` weight and ``W_QK = W_Q^h^T W_K^h`` (``d x d``, rank <= ``d_h``)::
@@ -10,7 +10,7 @@ Per attention head ``h`` with ``d_h x d`` slices ``W_Q^h, W_K^h`` of the (effect
 The trainer adds it to every micro-batch loss when ``regularizer=locater``
 (:mod:`stabletrain.losses.locater`).
 
-Decisions (SPEC section 4): never forming a ``d x d`` matrix,
+Decisions (docs/methods.md §4): never forming a ``d x d`` matrix,
 ``tr(W_QK) = <W_Q, W_K>`` (elementwise) and
 ``tr(W_QK^T W_QK) = tr((W_Q W_Q^T)(W_K W_K^T))`` (two ``d_h x d_h`` Gram matrices), all heads
 of a layer at once; ``d`` is the model (attention input) width; raw projections: no softmax

@@ -17,10 +17,10 @@ class StableNorm(nn.Module):
     StableNorm(alpha=0.5, eps) equals RMSNorm(eps / d)). ``alpha`` outside [0, 0.5] raises
     :class:`ConfigError`.
 
-    ``eps_mode`` (SPEC section 5 decision): ``'sqrt'`` (default) follows the text, eps inside
+    ``eps_mode`` (docs/methods.md §5 decision): ``'sqrt'`` (default) follows the text, eps inside
     the root (004 l.200); ``'add'`` is the demo's ``||x|| + eps`` (004 l.997-1005). ``eps``
     None is each mode's own (:func:`mode_eps`: 1e-5 under the root, the demo's 1e-8 added). A zero
-    input (the first causal token after complete de-escalation, SPEC section 3) maps to 0
+    input (the first causal token after complete de-escalation, docs/methods.md §3) maps to 0
     with a finite gradient in both modes. Computed in fp32 under autocast.
     """
 
@@ -56,7 +56,7 @@ EPS_BY_MODE = {"sqrt": 1e-5, "add": 1e-8}  # 004 l.200 (the text) and l.997-1005
 
 def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     """``eps``, or where it is None the default of ``eps_mode``: 1e-5 inside the root (the
-    text), 1e-8 added to ``||x||`` (the demo; SPEC section 5)."""
+    text), 1e-8 added to ``||x||`` (the demo; docs/methods.md §5)."""
     return EPS_BY_MODE[eps_mode] if eps is None else eps
 
 

@@ -1,4 +1,4 @@
-"""sigmaReparam: ``W_hat = (gamma / sigma(W)) * W`` on linear layers (001 Sec. 3.2; SPEC section 2).
+"""sigmaReparam: ``W_hat = (gamma / sigma(W)) * W`` on linear layers (001 Sec. 3.2; docs/methods.md §2).
 
 ``reparam=sigma`` reparametrises every ``nn.Linear`` and every ``nn.Conv2d`` (the patch
 embedding, as its ``(out, in*kh*kw)`` flattening); ``reparam.apply_to=qk`` (``reparam=sigma_qk``) only the query and key
@@ -11,7 +11,7 @@ Per reparametrised matrix (or ``qkv`` slice) there is a learned ``gamma`` and tw
 unit buffers ``u`` (rows) and ``v`` (columns); ``sigma = u^T W v`` is computed in fp32 with
 autocast off, with the gradient flowing through ``W`` (001 Alg. 1, l.400-404).
 
-Decisions (SPEC section 2):
+Decisions (docs/methods.md §2):
 
 - ``u, v`` change only in :func:`reparam_step`, called once per optimizer step by the
   trainer (``power_iters`` iterations, default 1, "more steps made no difference", l.395),
@@ -224,7 +224,7 @@ def sigma_reparams(model: nn.Module) -> list[tuple[Tensor, SigmaReparam]]:
 def reparam_step(model: nn.Module, reps: list[tuple[Tensor, SigmaReparam]] | None = None) -> None:
     """Advance every ``u, v`` by ``power_iters`` power iterations, batched by shape.
 
-    The trainer calls this once after each optimizer step (SPEC section 2 decision), passing
+    The trainer calls this once after each optimizer step (docs/methods.md §2 decision), passing
     ``reps = sigma_reparams(model)`` found once, so the hot path does not walk the modules.
     """
     by_iters: dict[int, list[tuple[Tensor, SigmaPart]]] = defaultdict(list)

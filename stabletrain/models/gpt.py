@@ -1,6 +1,6 @@
 """A nanoGPT-style GPT written with the shared Block (causal attention through SDPA).
 
-GPT-2 conventions (SPEC section 6): learned position embeddings, tied input/output
+GPT-2 conventions (docs/methods.md §6): learned position embeddings, tied input/output
 embeddings, GELU MLP x4, ``bias=False`` removes LayerNorm and Linear biases, init
 N(0, 0.02) with the residual projections (attn.proj, mlp.fc2) scaled by 1/sqrt(2 n_layer).
 """

@@ -1,4 +1,4 @@
-"""Training-dynamics monitors (SPEC section 7).
+"""Training-dynamics monitors (docs/methods.md §7).
 
 - :mod:`names`: metric names shared by the loop, metrics.jsonl and the plots; the 15
   quantities of AdamW² Eq. 1;

@@ -1,4 +1,4 @@
-"""Health alerts and crash forensics on top of the logged metrics (SPEC section 7).
+"""Health alerts and crash forensics on top of the logged metrics (docs/methods.md §7).
 
 Near-zero attention entropy alone is not a crash signal: healthy runs show a benign collapse
 to a near-identity attention map with a spread-out ``W_q^T W_k`` spectrum (000, l.136).

@@ -4,7 +4,7 @@ A per-block metric is ``<group>/<block>/<quantity>`` (``sigma1/blocks.3/wq_t_wk_
 block is the module path of the transformer block and may contain dots
 (``layers.1.blocks.0`` in Swin) but never a slash. ``token_sim/<block>`` has no quantity.
 AdamW² telemetry is ``adamw2/frac_bounded`` and ``adamw2/lr_eff/<param>``,
-``adamw2/lr_ratio/<param>`` (SPEC section 1). Training scalars are plain names.
+``adamw2/lr_ratio/<param>`` (docs/methods.md §1). Training scalars are plain names.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ W2_W1 = "w2_w1"
 # entropy quantities (natural log)
 ENT_MIN, ENT_MEAN, ENT_LOG_T, ENT_BOUND_MIN = "min", "mean", "log_T", "bound_min"
 
-# QK eigenspectrum statistics, labelled as in SPEC section 4
+# QK eigenspectrum statistics, labelled as in docs/methods.md §4
 EIG_MEAN_TRACE = "eig_mean_trace"
 EIG_SCALE_FRO2 = "eig_scale_fro2"
 EIG_SCALE_TR2 = "eig_scale_tr2"
@@ -81,7 +81,7 @@ class Quantity(NamedTuple):
     label: str  # how plots title it
 
 
-# The 15 watched quantities of AdamW² Eq. 1 (SPEC section 7), in the paper's order. The two
+# The 15 watched quantities of AdamW² Eq. 1 (docs/methods.md §7), in the paper's order. The two
 # beta terms are absent for RMSNorm and nanoGPT's bias-free LayerNorm (13 terms).
 FIFTEEN: tuple[Quantity, ...] = (
     Quantity(SIGMA1, WQ, r"$\sigma_1(W_q)$"),
@@ -129,7 +129,7 @@ def sec_name(s: int) -> str:
 
 
 def sec_sizes(d_h: int) -> list[int]:
-    """The ``s`` of the SEC curve: 1, 2, 4, ... up to ``d_h``, and ``d_h`` itself (SPEC section 7)."""
+    """The ``s`` of the SEC curve: 1, 2, 4, ... up to ``d_h``, and ``d_h`` itself (docs/methods.md §7)."""
     sizes, s = [], 1
     while s < d_h:
         sizes.append(s)

@@ -1,4 +1,4 @@
-"""Monitor maths: tensors in, metric values out, no model or hook in sight (SPEC section 7).
+"""Monitor maths: tensors in, metric values out, no model or hook in sight (docs/methods.md §7).
 
 Every ``*_stats``/``*_metrics`` function returns a dict keyed by ``group/quantity`` (or just
 ``group`` for single-valued groups such as ``token_sim``); :func:`names.for_block` prefixes
@@ -133,7 +133,7 @@ def weight_sigma1(mats: Mapping[str, Tensor], iters: int = POWER_ITERS,
 
 
 def sec_curve(svals: Tensor) -> dict[str, Tensor]:
-    """``SEC(d_h, s)`` for ``s = 1, 2, 4, ..., d_h``, max over heads (000 Eq. 4; SPEC section 7).
+    """``SEC(d_h, s)`` for ``s = 1, 2, 4, ..., d_h``, max over heads (000 Eq. 4; docs/methods.md §7).
 
     ``svals`` is ``(H, d_h)`` in descending order, the nonzero spectrum of ``W_q^h^T W_k^h``.
     A head whose product is zero has no energy to concentrate and counts as SEC 0.
@@ -145,7 +145,7 @@ def sec_curve(svals: Tensor) -> dict[str, Tensor]:
 
 
 def qk_spectrum_stats(wq: Tensor, wk: Tensor, num_heads: int) -> dict[str, float]:
-    """LocAteR's QK eigenspectrum statistics, per head, summed over heads (SPEC section 4).
+    """LocAteR's QK eigenspectrum statistics, per head, summed over heads (docs/methods.md §4).
 
     With ``W_QK = W_q^h^T W_k^h`` (``d x d``, never formed; ``d`` = model width):
     ``eig_mean_trace = tr(W_QK) = <W_q^h, W_k^h>``,
@@ -162,7 +162,7 @@ def qk_spectrum_stats(wq: Tensor, wk: Tensor, num_heads: int) -> dict[str, float
 def qk_ov_stats(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, num_heads: int,
                 per_head: bool = False, exact_max_dim: int = EXACT_MAX_DIM,
                 iters: int = POWER_ITERS, warm: Warm | None = None) -> dict[str, float]:
-    """The attention products of one block (SPEC section 7 decisions).
+    """The attention products of one block (docs/methods.md §7 decisions).
 
     Returns ``sigma1/wq_t_wk_{max,mean,full}``, ``sigma1/wo_wv_{max,mean,full}`` (max and
     mean over heads of the per-head product; ``full`` is the full-width product, the sum
@@ -209,7 +209,7 @@ def norm_stats(gamma: Tensor | None, beta: Tensor | None, which: str = "norm1") 
     """L2 norms of a norm layer's gain and bias, ``norm/<which>_gamma``, ``norm/<which>_beta``.
 
     A missing tensor (RMSNorm, nanoGPT's bias-free LayerNorm, no-norm models) gives no entry,
-    which is how the 15 quantities become 13 (SPEC section 7).
+    which is how the 15 quantities become 13 (docs/methods.md §7).
     """
     out = {}
     if gamma is not None:
@@ -236,7 +236,7 @@ def _key_mask(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> T
 
 
 def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-    """Mean attention entropy per head, ``(H,)`` float64, natural log (001 l.73; SPEC section 7).
+    """Mean attention entropy per head, ``(H,)`` float64, natural log (001 l.73; docs/methods.md §7).
 
     ``probs`` is ``(B, H, T, S)``; ``mask`` (bool, ``True`` = key allowed) broadcasts to it.
     Masked entries contribute 0; rows with no allowed key are left out of the mean, which
@@ -301,7 +301,7 @@ def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
 def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False) -> Tensor:
     """Theorem 3.1 (001 l.77-85) beside the measured entropy, per head ``(H,)`` float64.
 
-    SPEC section 7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
+    docs/methods.md §7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
     folded in; q/k biases, position biases and q/k norms are outside the theorem),
     ``sigma_x = ||X||_2^2`` of the attention input ``X`` (``T x d``, after the pre-norm),
     per sequence, ``s = sigma sigma_x``. Non-causal rows use ``T`` keys. Causal row ``i``
@@ -344,7 +344,7 @@ def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
 
 
 def token_similarity(x: Tensor) -> float:
-    """Token similarity (SPEC section 3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences;
+    """Token similarity (docs/methods.md §3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences;
     the formula lives with de-escalation, :func:`stabletrain.layers.deescalate.token_similarity`."""
     x = x.detach().double()
     return float(deesc_similarity(x[None] if x.dim() == 2 else x).mean())
@@ -352,7 +352,7 @@ def token_similarity(x: Tensor) -> float:
 
 def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, float]:
     """``norm/x`` and ``norm/grad_x``: Frobenius norm per sample (tokens x width), mean over
-    the batch (SPEC section 7). ``x`` and ``grad`` are ``(B, ...)``."""
+    the batch (docs/methods.md §7). ``x`` and ``grad`` are ``(B, ...)``."""
     out = {f"{N.NORM}/{N.ACT_X}": x.detach().float().flatten(1).norm(dim=1).mean()}
     if grad is not None:
         out[f"{N.NORM}/{N.ACT_GRAD_X}"] = grad.detach().float().flatten(1).norm(dim=1).mean()

@@ -138,7 +138,7 @@ class MonitorRunner:
 
     def _probe_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The sum over the probe samples of each one's own loss, so that ``dL/dx_i`` is sample
-        ``i``'s gradient (SPEC section 7: per sample, then the mean over the batch). It is the
+        ``i``'s gradient (docs/methods.md §7: per sample, then the mean over the batch). It is the
         held-out loss on hard labels, whatever the training criterion (mixup's soft targets,
         label smoothing): the probe batch comes from the validation split."""
         with self.autocast():

@@ -61,7 +61,7 @@ OPTIMIZERS = Registry("optim", __name__)
 
 
 def scaled_lr(optim_cfg: Any, batch_size: int | None = None) -> float:
-    """``optim.lr``, times ``batch_size / 256`` when ``optim.lr_scale_by_batch`` (SPEC 8.3)."""
+    """``optim.lr``, times ``batch_size / 256`` when ``optim.lr_scale_by_batch`` (docs/methods.md §8.3)."""
     lr = float(optim_cfg.lr)
     if getattr(optim_cfg, "lr_scale_by_batch", False):
         if not batch_size:

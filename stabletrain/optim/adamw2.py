@@ -1,4 +1,4 @@
-"""AdamW² — AdamW whose step on each bounded tensor obeys Weyl's inequality (SPEC section 1).
+"""AdamW² — AdamW whose step on each bounded tensor obeys Weyl's inequality (docs/methods.md §1).
 
 Algorithm 1 of 000 (l.189-210), for every bounded tensor ``W`` at step ``t`` with rate ``lr``:
 
@@ -29,7 +29,7 @@ How a step is laid out (all on the device, no host sync):
   in ``promote(param dtype, float32)``; 1-D bounded tensors (norm gains) use their exact L2
   norm, as ``batched_sigma1`` does.
 
-Decisions (SPEC section 1): ``eps`` 1e-8 outside the root by default; ``warm_start`` keeps the
+Decisions (docs/methods.md §1): ``eps`` 1e-8 outside the root by default; ``warm_start`` keeps the
 power-iteration vectors of W and of U (``w_u, w_v, upd_u, upd_v``) in ``self.state[p]`` and so
 in the state dict, ``warm_start=False`` draws fresh random unit vectors every step (from the
 global RNG); ``s_w == 0`` takes ``lr`` so zero-initialised tensors learn. Param group key
@@ -129,15 +129,15 @@ U_KEYS = ("upd_u", "upd_v")  # and of sigma1(U)
 
 
 class AdamW2(Optimizer):
-    """AdamW with the Weyl learning-rate bound of AdamW² (000, Alg. 1; SPEC section 1).
+    """AdamW with the Weyl learning-rate bound of AdamW² (000, Alg. 1; docs/methods.md §1).
 
     Args mean what they mean for ``torch.optim.AdamW``, plus:
         tau: largest allowed ``lr * sigma1(U) / sigma1(W)`` per step (000 Table 2: 0.004
             vision, 0.01 GPT).
         power_iters: power-iteration steps per sigma1 estimate (000 l.230: 3).
-        warm_start: keep the power-iteration vectors across steps (SPEC decision).
+        warm_start: keep the power-iteration vectors across steps (docs/methods.md decision).
         eps_inside_sqrt: ``sqrt(v_hat + eps)`` as in Alg. 1 line 5 instead of PyTorch's
-            ``sqrt(v_hat) + eps`` (SPEC decision: default False).
+            ``sqrt(v_hat) + eps`` (docs/methods.md decision: default False).
         fused: compute the Adam direction with torch's fused Adam kernel. ``None`` uses it
             where it applies (eps outside the root, fp32/fp64 parameters on CPU or CUDA).
         overlap_sigma_w: iterate ``sigma1(W)`` for the next step as soon as this step has

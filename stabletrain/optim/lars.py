@@ -25,8 +25,8 @@ class LARS(Optimizer):
 
     Norms are Frobenius norms of the whole tensor. Group key ``lars_exclude``: ``None``
     (standalone default) excludes tensors with fewer than 2 dims; the trainer's grouping sets
-    it for 1-D tensors, biases, norms and sigmaReparam's gamma (SPEC 8.3). The recipe's
-    "Base LR" 0.1 is the absolute ``lr`` at batch 4096 (SPEC 8.3 decision).
+    it for 1-D tensors, biases, norms and sigmaReparam's gamma (docs/methods.md §8.3). The recipe's
+    "Base LR" 0.1 is the absolute ``lr`` at batch 4096 (docs/methods.md §8.3 decision).
     All arithmetic stays on the device (no host sync).
     """
 

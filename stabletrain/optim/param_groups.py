@@ -1,13 +1,13 @@
-"""Which parameters decay, which AdamW² bounds, which LARS adapts (SPEC section 1, 8.3).
+"""Which parameters decay, which AdamW² bounds, which LARS adapts (docs/methods.md §1, 8.3).
 
 Every trainable parameter gets a role:
 
 - ``gamma``: sigmaReparam's scale (name ends in ``gamma`` under a ``parametrizations`` path)
   or any 0-dim parameter. Never decays, never bounded, LARS-excluded, ``lr_mult`` =
-  ``reparam.gamma_lr_mult`` (SPEC section 2).
+  ``reparam.gamma_lr_mult`` (docs/methods.md §2).
 - ``norm_gain``: a ``*weight`` vector of a norm layer (every type a ``norm`` option registers,
   e.g. StableNorm, and torch's own: :func:`stabletrain.layers.norm.is_norm_layer`). No decay; bounded by AdamW²
-  when ``bound_norm_gains`` (SPEC decision: App. M plots RMSNorm gains hitting the bound).
+  when ``bound_norm_gains`` (docs/methods.md decision: App. M plots RMSNorm gains hitting the bound).
 - ``vector``: any other tensor with < 2 dims (biases, norm biases). No decay, unbounded.
 - ``position``: vision families' ``pos_embed``, ``cls_token`` (and timm's ``dist_token``,
   ``reg_token``, Swin's ``absolute_pos_embed``), ``relative_position_bias_table``. No decay

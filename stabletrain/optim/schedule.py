@@ -1,7 +1,7 @@
 """Learning-rate schedules as pure functions of the optimizer step (no scheduler state).
 
 Resuming needs no scheduler state dict: the trainer recomputes ``lr(step)`` from the step it
-restored and calls :func:`set_lr` every step. Conventions (ours, SPEC 8.2/8.3):
+restored and calls :func:`set_lr` every step. Conventions (ours, docs/methods.md §8.2/8.3):
 
 - Steps count optimizer steps from 0. ``warmup = W > 0``: step ``s < W`` runs at
   ``base_lr * (s + 1) / W``, so step ``W - 1`` already reaches ``base_lr``; ``W = 0`` gives

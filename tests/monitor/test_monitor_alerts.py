@@ -1,4 +1,4 @@
-"""Malignant vs benign entropy collapse alerts and crash forensics (SPEC section 7)."""
+"""Malignant vs benign entropy collapse alerts and crash forensics (docs/methods.md §7)."""
 
 import pytest
 import torch

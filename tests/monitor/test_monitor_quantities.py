@@ -1,4 +1,4 @@
-"""Monitor maths against explicit float64 computations (SPEC sections 2, 3, 4, 7)."""
+"""Monitor maths against explicit float64 computations (docs/methods.md §2, 3, 4, 7)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""StableNorm (004 Eq. 2; SPEC section 5) and the norm factory."""
+"""StableNorm (004 Eq. 2; docs/methods.md §5) and the norm factory."""
 
 import math
 
@@ -78,7 +78,7 @@ def test_factory_builds_each_norm():
 
 @pytest.mark.parametrize("eps_mode,eps", [("sqrt", 1e-5), ("add", 1e-8)])
 def test_null_eps_is_each_modes_own(eps_mode, eps):
-    """SPEC section 5: sqrt(||x||^2 + 1e-5) as the text, ||x|| + 1e-8 as the demo; also in
+    """docs/methods.md §5: sqrt(||x||^2 + 1e-5) as the text, ||x|| + 1e-8 as the demo; also in
     StableAtten's q/k norms, which take norm.eps_mode."""
     from stabletrain.config import AttentionConfig
     from stabletrain.layers.attention import qk_transform

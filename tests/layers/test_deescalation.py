@@ -1,4 +1,4 @@
-"""Token de-escalation (002 Eq. 21; SPEC section 3)."""
+"""Token de-escalation (002 Eq. 21; docs/methods.md §3)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from stabletrain.layers.deescalate import Deescalate, make_deescalate, token_sim
 from stabletrain.layers.norm import make_norm
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
-from tests.components.helpers import make_cfg, model_input
+from tests.layers.helpers import make_cfg, model_input
 from tests.helpers import model_of
 
 

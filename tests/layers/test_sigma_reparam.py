@@ -1,4 +1,4 @@
-"""sigmaReparam (001 Sec. 3.2, App. C; SPEC section 2)."""
+"""sigmaReparam (001 Sec. 3.2, App. C; docs/methods.md §2)."""
 
 import copy
 
@@ -19,7 +19,7 @@ from stabletrain.layers.reparam import (
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
-from tests.components.helpers import make_cfg, model_input
+from tests.layers.helpers import make_cfg, model_input
 from tests.helpers import model_of
 
 D, H = 16, 2

@@ -68,7 +68,7 @@ def test_divergence_forensics(tmp_path):
 @pytest.mark.parametrize("model", ["vit_test", "gpt_test"])
 def test_probe_gradient_norm_is_each_samples_own(tmp_path, model):
     """norm/<block>/grad_x is ||d loss_i / d x_i|| of each probe sample's own held-out loss,
-    averaged over the probe batch (SPEC section 7), computed here one sample at a time."""
+    averaged over the probe batch (docs/methods.md §7), computed here one sample at a time."""
     import torch
     import torch.nn.functional as F
 
@@ -106,7 +106,7 @@ def test_mixup_recipes_run_with_the_monitors(tmp_path):
 @pytest.mark.parametrize("attention", ["softmax", "qknorm"])
 def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_input(tmp_path, attention):
     """Without sigmaReparam too; recomputed here from the block's effective W_q, W_k and its
-    attention input norm1(x) (SPEC section 7); absent where q/k are normalised."""
+    attention input norm1(x) (docs/methods.md §7); absent where q/k are normalised."""
     import torch
 
     from stabletrain.build import build_trainer

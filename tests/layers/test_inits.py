@@ -1,4 +1,4 @@
-"""Initialisations (004 Eq. 1; 000 Table 2; SPEC sections 5 and 6)."""
+"""Initialisations (004 Eq. 1; 000 Table 2; docs/methods.md §5 and §6)."""
 
 import math
 
@@ -11,7 +11,7 @@ from stabletrain.layers.init import TRUNC_STDS, apply_init, init_matrix_, init_s
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
-from tests.components.helpers import make_cfg
+from tests.layers.helpers import make_cfg
 from tests.helpers import model_of
 
 SHAPES = [(256, 64), (96, 384), (200, 200)]  # (n_out, n_in)

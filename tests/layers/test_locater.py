@@ -1,4 +1,4 @@
-"""LocAteR against the explicit d x d formula (003 Sec. 6; SPEC section 4)."""
+"""LocAteR against the explicit d x d formula (003 Sec. 6; docs/methods.md §4)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from stabletrain.losses.locater import LocaterParams
 from stabletrain.layers.attention import Attention
 from stabletrain.layers.locater import layer_penalty, locater_penalty, locater_value, qk_eigen_stats, qk_heads
 from stabletrain.layers.reparam import apply_reparam
-from tests.components.helpers import make_cfg
+from tests.layers.helpers import make_cfg
 from tests.helpers import model_of
 
 D, H = 12, 3

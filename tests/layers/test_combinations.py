@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from stabletrain.layers.reparam import reparam_step
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
-from tests.components.helpers import make_cfg, model_input
+from tests.layers.helpers import make_cfg, model_input
 
 NORMS = ["layernorm", "rmsnorm", "stablenorm", "none"]
 PLACEMENTS = ["pre", "post"]

@@ -1,4 +1,4 @@
-"""Attention variants against explicit softmax formulas (004 Eq. 3; SPEC section 5)."""
+"""Attention variants against explicit softmax formulas (004 Eq. 3; docs/methods.md §5)."""
 
 import math
 
@@ -10,7 +10,7 @@ from stabletrain.config import AttentionConfig, NormConfig
 from stabletrain.layers.attention import Attention, SwinAttention, qk_transform
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
-from tests.components.helpers import make_cfg
+from tests.layers.helpers import make_cfg
 
 D, H = 24, 3
 DH = D // H
@@ -29,7 +29,7 @@ def _sn(x, g, alpha, eps):  # StableNorm, eps inside the root
 
 
 def explicit_logits(name, q, k, qg, kg, *, alpha=0.25, c=1.618, n=16, eps=1e-5):
-    """The SPEC formulas, written out: q, k of shape (B, H, T, d_h)."""
+    """The docs/methods.md formulas, written out: q, k of shape (B, H, T, d_h)."""
     d_h = q.shape[-1]
     if name == "softmax":
         return q @ k.transpose(-2, -1) / math.sqrt(d_h)

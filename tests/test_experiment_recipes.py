@@ -1,4 +1,4 @@
-"""The paper recipes compose, carry SPEC's settings and build the intended models."""
+"""The paper recipes compose, carry docs/methods.md's settings and build the intended models."""
 
 import math
 
@@ -16,7 +16,7 @@ from stabletrain.layers.reparam import gamma_parameters
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
 from stabletrain.spectral import sigma1_exact
-from tests.components.helpers import compose_cfg, model_input
+from tests.layers.helpers import compose_cfg, model_input
 from tests.helpers import model_of
 
 NAMES = ["stable_gpt2_s", "stable_vit_l", "sigma_vit_b", "deesc_vit_cifar", "locater_1layer", "vit_s_cifar100",

@@ -6,7 +6,7 @@ from torch import nn
 
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model, transformer_blocks
-from tests.components.helpers import make_cfg, model_input
+from tests.layers.helpers import make_cfg, model_input
 
 NORMS = ["layernorm", "rmsnorm", "stablenorm"]
 

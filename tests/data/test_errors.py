@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from stabletrain.config import ConfigError
-from stabletrain.data import Shard, build_data, epoch_indices, token_files
+from stabletrain.build import data_from_config
+from stabletrain.data import Shard, epoch_indices, token_files
 from stabletrain.data.token_files import load_token_files
 from tests.helpers import cli, make_cfg, train
 
@@ -187,7 +188,7 @@ def test_a_missing_split_folder_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=f"data.root={tmp_path} has no val/ folder: expected root/train/<class>/"):
         check_imagefolder(str(tmp_path))
     with pytest.raises(ConfigError, match="has no val/ folder"):
-        build_data(folder_cfg(tmp_path))
+        data_from_config(folder_cfg(tmp_path))
 
 
 def test_a_split_without_class_folders_is_one_line(tmp_path):
@@ -207,7 +208,7 @@ def test_a_class_folder_without_images_names_the_folder(tmp_path):
         (tmp_path / split / ".ipynb_checkpoints" / "notes.txt").write_text("x")
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'train' / '.ipynb_checkpoints'}/ holds no image files "
                                           r"\(.jpg .jpeg .png .*\): every folder in train/ is a class"):
-        build_data(folder_cfg(tmp_path))
+        data_from_config(folder_cfg(tmp_path))
 
 
 def test_images_in_subfolders_of_a_class_count(tmp_path):
@@ -227,7 +228,7 @@ def test_train_and_val_with_other_classes_are_refused(tmp_path):
     (tmp_path / "val" / "cat").rename(tmp_path / "val" / "dog")
     with pytest.raises(ConfigError, match=rf"data.root={tmp_path}: train/ and val/ have different class folders "
                                           r"\(only in train/: ant, cat; only in val/: dog\), so val's labels"):
-        build_data(folder_cfg(tmp_path))
+        data_from_config(folder_cfg(tmp_path))
 
 
 def test_a_long_class_difference_stays_short():
@@ -259,7 +260,7 @@ def test_unreadable_images_are_replaced_with_one_warning_each(tmp_path, capsys, 
     from stabletrain.data.vision import bad_image_count
 
     bad = spoil(image_folder(tmp_path))
-    d = build_data(folder_cfg(tmp_path))
+    d = data_from_config(folder_cfg(tmp_path))
     stream = d.train_iter(0, Shard(8))
     for _ in range(3):  # three epochs of all 8 images
         (x, y), = next(stream)
@@ -278,10 +279,10 @@ def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(t
 
     image_folder(tmp_path)
     cfg = folder_cfg(tmp_path, "data.randaug=rand-m9-mstd0.5-inc1", "data.erasing=0.25")
-    clean = build_data(cfg)
+    clean = data_from_config(cfg)
     (x0, y0), = next(clean.train_iter(0, Shard(8)))
     bad = spoil(tmp_path)
-    spoiled = build_data(cfg)
+    spoiled = data_from_config(cfg)
     assert isinstance(spoiled.train_set, _ReadableImages)
     (x1, y1), = next(spoiled.train_iter(0, Shard(8)))
     paths = [p for p, _ in spoiled.train_set.samples]
@@ -292,7 +293,7 @@ def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(t
         else:  # the next readable file in folder order: ant/1 -> ant/2, bee/0 -> bee/1, bee/3 -> ant/0 (wraps)
             nxt = next(j % 8 for j in range(i + 1, i + 8) if not is_bad[j % 8])
             assert y1[slot] == spoiled.train_set.samples[nxt][1]
-    (x2, _), = next(build_data(cfg).train_iter(0, Shard(8)))
+    (x2, _), = next(data_from_config(cfg).train_iter(0, Shard(8)))
     assert torch.equal(x1, x2)  # and the replacement is the same on every run
 
 
@@ -300,7 +301,7 @@ def test_a_folder_of_unreadable_images_is_one_line(tmp_path, no_bad_images_yet):
     image_folder(tmp_path)
     for f in (tmp_path / "val").rglob("*.jpg"):
         f.write_bytes(b"")
-    d = build_data(folder_cfg(tmp_path))
+    d = data_from_config(folder_cfg(tmp_path))
     with pytest.raises(ConfigError, match=rf"none of the 4 image files in {tmp_path / 'val'}/ can be read"):
         next(d.val_batches(4, 1))
 
@@ -315,7 +316,7 @@ def test_a_run_over_unreadable_images_completes(tmp_path, no_bad_images_yet):
 def test_workers_warn_too(tmp_path, capfd, no_bad_images_yet):
 
     bad = spoil(image_folder(tmp_path))
-    d = build_data(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}", "data.num_workers=1"))
+    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}", "data.num_workers=1"))
     (x, _), = next(d.train_iter(0, Shard(8)))
     assert x.shape == (8, 3, 16, 16)
     err = capfd.readouterr().err
@@ -330,6 +331,6 @@ def test_loader_workers_are_capped_at_the_cpus_this_process_has(tmp_path, monkey
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     image_folder(tmp_path)
-    d = build_data(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))  # the config asks for 8
+    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))  # the config asks for 8
     assert d.workers == 2
-    assert build_data(folder_cfg(tmp_path)).workers == 0
+    assert data_from_config(folder_cfg(tmp_path)).workers == 0

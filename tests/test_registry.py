@@ -1,0 +1,67 @@
+"""Registries: every option of a group is registered next to its code, the config check asks
+the registry, and a new option written in one place works in every model family."""
+
+import pytest
+import torch
+
+from stabletrain.build import validate
+from stabletrain.errors import ConfigError
+from stabletrain.layers.norm import NORMS
+from stabletrain.registry import Registry, UnknownOption
+from tests.helpers import make_cfg, model_of
+
+
+def test_registry_lists_and_refuses_in_one_line():
+    reg = Registry("thing")
+    reg.register("b", flag=True)(lambda: 2)
+    reg.register("a")(lambda: 1)
+    assert reg.names() == ["a", "b"] and reg.get("a")() == 1 and reg.entry("b").info == {"flag": True}
+    with pytest.raises(UnknownOption, match=r"^thing=c is not an option; choose one of: a, b$"):
+        reg.get("c")
+    with pytest.raises(ValueError, match="twice"):
+        reg.register("a")(lambda: 3)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("norm.name=bogus", "norm=bogus is not an option; choose one of: layernorm, none, rmsnorm, stablenorm"),
+    ("attention.name=bogus", "attention=bogus is not an option; choose one of: qknorm, softmax, stable"),
+    ("init.name=bogus", "init=bogus is not an option"),
+    ("reparam.name=bogus", "reparam=bogus is not an option; choose one of: none, sigma"),
+    ("optim.name=bogus", "optim=bogus is not an option; choose one of: adamw, adamw2, lars, sgd"),
+    ("schedule.name=bogus", "schedule=bogus is not an option; choose one of: constant, cosine, step"),
+    ("data.name=bogus", "data=bogus is not an option"),
+    ("model.family=bogus", "model.family=bogus is not an option; choose one of: gpt, swin, vit"),
+])
+def test_config_check_asks_the_registries(override, needle):
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg("model=vit_test", override))
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model", ["vit_test", "swin_test", "gpt_test"])
+def test_a_new_norm_is_one_registration_and_works_in_every_family(model):
+    """A norm registered at run time: validated by name, built into every norm slot of every
+    family, its gain trained and bounded by AdamW² (a norm gain, known by its type)."""
+
+    class ScaleNorm(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()).expand(dim).clone())
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    NORMS.register("scale_for_test", layer=ScaleNorm)(lambda cfg, dim, **kw: ScaleNorm(dim))
+    try:
+        cfg = make_cfg(f"model={model}", "norm.name=scale_for_test", "optim=adamw2")
+        validate(cfg)
+        net = model_of(cfg)
+        norms = [m for m in net.modules() if isinstance(m, ScaleNorm)]
+        assert len(norms) >= 2 * 2  # both norms of every block
+        from stabletrain.optim import build_optimizer
+
+        opt, _ = build_optimizer(net, cfg.optim, cfg.model.family)
+        bound = {id(p) for g in opt.param_groups if g["bound"] for p in g["params"]}
+        assert all(id(n.weight) in bound for n in norms)
+    finally:
+        NORMS._entries.pop("scale_for_test")
