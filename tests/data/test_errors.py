@@ -331,6 +331,7 @@ def test_loader_workers_are_capped_at_the_cpus_this_process_has(tmp_path, monkey
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     image_folder(tmp_path)
-    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))  # the config asks for 8
+    # the config asks for 8 workers
+    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))
     assert d.workers == 2
     assert data_from_config(folder_cfg(tmp_path)).workers == 0
