@@ -94,21 +94,20 @@ def data_from_config(cfg) -> Data:
 
 def fit_model_to_data(cfg, data: Data) -> list[str]:
     """Class count, channels, image size (``data.img_size``) come from the data, and are
-    written into ``cfg.model`` so that config.yaml records what is built. Returns notices for
-    values a user set that the data overrides."""
+    written into ``cfg.model`` so that config.yaml records what is built. Returns the start
+    message that says which values the data replaced."""
     m, notes = cfg.model, []
     if data.kind != "vision":
         if m.vocab_size < data.vocab_size:
             raise ConfigError(f"model.vocab_size={m.vocab_size} < the data's vocabulary {data.vocab_size}")
         return notes
-    schema = C.ModelConfig
     wanted = {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": cfg.data.img_size or m.img_size}
+    changed = [f"model.{key}={value} (was {getattr(m, key)})" for key, value in wanted.items()
+               if getattr(m, key) != value]
+    if changed:
+        notes.append(f"from the data (data={option_value(cfg.data.name)}): {', '.join(changed)}")
     with open_dict(cfg) if OmegaConf.is_config(cfg) else contextlib.nullcontext():
         for key, value in wanted.items():
-            given = getattr(m, key)
-            if given != value and given != getattr(schema, key) and key != "img_size":
-                notes.append(f"note: model.{key}={given} replaced by the data's {value} "
-                             f"(data={option_value(cfg.data.name)})")
             setattr(m, key, value)
     return notes
 

@@ -101,13 +101,56 @@ def check_overrides(argv: list[str]) -> None:
         points = _sweep_points(overrides)
     except Exception as e:
         _fail(f"cannot parse the overrides: {str(e).splitlines()[0]}")
+    try:
+        check_keys(overrides)
+    except ConfigError as e:
+        _fail(str(e))
     for ovs in points:
         try:
-            validate(compose_config(ovs))
+            cfg = compose_config(ovs)
+            check_group_choices(cfg, ovs)
+            validate(cfg)
         except ConfigError as e:
             _fail(str(e))
         except Exception as e:
             _fail(explain(e, ovs))
+
+
+def check_keys(overrides: list[str]) -> None:
+    """``+key=value`` adds a key the schema does not have, which nothing would read: refused.
+    ``+group=option`` (appending a config group, e.g. ``+experiment=...``) and Hydra's own keys pass."""
+    import shutil
+
+    from stabletrain.errors import ConfigError
+
+    for ov in overrides:
+        key = ov.split("=", 1)[0]
+        if key.startswith("+") and not key.startswith("++"):
+            name = key.lstrip("+")
+            if not (name.startswith("hydra") or (CONFIG_DIR / name.split("/")[0]).is_dir()):
+                raise ConfigError(f"unknown key '{name}': {ov} adds a key nothing reads; drop the '+' to set an "
+                                  f"existing key (`python train.py --cfg job` prints every key)")
+        if ov.startswith("hydra/launcher=slurm") and shutil.which("sbatch") is None:
+            raise ConfigError("hydra/launcher=slurm submits through SLURM, but there is no sbatch on this "
+                              "machine; run on the cluster's login node, or drop it to sweep locally")
+
+
+def check_group_choices(cfg, overrides: list[str]) -> None:
+    """A group chosen on the command line that a recipe then replaced (``experiment=X model=Y``,
+    where X sets its own model) would train something else than asked: refused in one line."""
+    from stabletrain.errors import ConfigError
+
+    recipe = next((ov.split("=", 1)[1] for ov in overrides if ov.lstrip("+").startswith("experiment=")), None)
+    if recipe is None:
+        return
+    for ov in overrides:
+        group, _, option = ov.partition("=")
+        node = cfg.get(group) if "." not in group and (CONFIG_DIR / group).is_dir() else None
+        got = node.get("name") if node is not None and hasattr(node, "get") else None
+        if got is not None and str(getattr(got, "value", got)) != option and option in group_options(group):
+            raise ConfigError(f"experiment={recipe} sets its own {group} ({group}.name={got}), which replaces "
+                              f"{group}={option}; change the recipe's {group} with {group}.KEY=VALUE overrides, "
+                              f"or copy configs/experiment/{recipe}.yaml")
 
 
 def _fail(msg: str) -> None:

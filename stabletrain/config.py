@@ -96,7 +96,7 @@ class ModelConfig:
     family: str = MISSING  # vit | swin | gpt: a builder registered in stabletrain.models
     # vit / swin
     img_size: int = 224
-    in_chans: int = 3
+    in_chans: int = 3  # vision data sets set this (and num_classes) from their images
     patch_size: int = 16
     num_classes: int = 1000  # vision data sets override this with their class count
     drop_path: float = 0.0
@@ -309,6 +309,7 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     name: str = "run"
+    dry_run: bool = False  # build model, optimizer and data, print the parameter table, train nothing
 
 
 def _required(key: str):

@@ -30,6 +30,10 @@ def run(cfg, run_dir: str | Path) -> dict:
         D.init(info, D.pick_device(cfg.device, info))
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
         trainer = build_trainer(cfg, run_dir, info)
+        if cfg.dry_run:
+            if info.is_main:
+                print(dry_run_report(trainer), file=sys.stderr)
+            return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
             config = run_dir / "config.yaml"
             # Written once the model is built, so it records what the data set (class count,
@@ -44,6 +48,19 @@ def run(cfg, run_dir: str | Path) -> dict:
     if summary["status"] == "interrupted":
         requeue_after(trainer.stop_signal, info)
     return summary
+
+
+def dry_run_report(trainer) -> str:
+    """What ``dry_run=true`` prints: the parameters per module, the optimizer's groups, the data
+    and the length of the run."""
+    from stabletrain.optim.param_groups import parameter_table
+
+    t = trainer
+    lines = [parameter_table(t.model), *t.notes,
+             f"data: {t.data.kind}, {t.data.n_train} training {'tokens' if t.data.kind == 'text' else 'samples'}; "
+             f"{t.total_steps} steps of {t.settings.batch_size} ({t.steps_per_epoch} per epoch) on {t.device}",
+             "dry run: nothing trained, nothing written"]
+    return "\n".join(lines)
 
 
 def requeue_after(signum: int, info: D.DistInfo) -> None:

@@ -72,8 +72,10 @@ class SigmaPart(nn.Module):
         self.register_buffer("v", random_unit(cols, device=device) if v is None else v.float().clone())
 
     def sigma(self, w: Tensor) -> Tensor:
-        """``u^T W v`` for the fp32 matrix ``w``; differentiable in ``w``, not in ``u, v``."""
-        return self.u @ (w @ self.v)
+        """``u^T W v`` in ``w``'s dtype (fp32 or wider); differentiable in ``w``, not in ``u, v``.
+        The vectors follow a cast of the model (``.double()``, ``.bfloat16()``) and are brought
+        to ``w``'s dtype here, so a cast model computes as before."""
+        return self.u.to(w.dtype) @ (w @ self.v.to(w.dtype))
 
 
 class SigmaReparam(nn.Module):
@@ -122,7 +124,7 @@ class SigmaReparam(nn.Module):
 
     def forward(self, w: Tensor) -> Tensor:
         with torch.autocast(w.device.type, enabled=False):
-            wf = w.float()
+            wf = w.to(torch.promote_types(w.dtype, torch.float32))  # fp32 at least, float64 kept
             mats = self.part_matrices(wf)
             scales = [part.gamma / part.sigma(mat) for part, mat in zip(self.parts, mats)]
             if len(self.ranges) == 1:

@@ -161,3 +161,20 @@ def _count(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f}{unit}"
     return str(n)
+
+
+def parameter_table(model: nn.Module, depth: int = 2) -> str:
+    """Parameters per module path (down to ``depth`` dots; a stack of equal blocks as one row)."""
+    import re
+
+    rows: OrderedDict[str, list[int]] = OrderedDict()
+    for name, p in model.named_parameters():
+        key = re.sub(r"\.\d+(?=\.|$)", ".*", ".".join(name.split(".")[:depth]))
+        row = rows.setdefault(key, [0, 0])
+        row[0], row[1] = row[0] + 1, row[1] + p.numel()
+    total = sum(p.numel() for p in model.parameters())
+    width = max(len(k) for k in rows) if rows else 10
+    lines = [f"{'module':<{width}}  tensors  params"]
+    lines += [f"{k:<{width}}  {t:>7}  {_count(n):>8}" for k, (t, n) in rows.items()]
+    lines.append(f"{'total':<{width}}  {sum(t for t, _ in rows.values()):>7}  {_count(total):>8} ({total:,})")
+    return "\n".join(lines)

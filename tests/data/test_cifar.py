@@ -135,7 +135,7 @@ def test_augmented_runs_repeat_from_a_seed_and_resume_exactly(tmp_path, no_md5):
     is seeded by its place in the stream, not by the worker that loads it)."""
     from stabletrain.build import build_trainer
     from tests.helpers import losses
-    from tests.test_engine import _run_until
+    from tests.engine.test_loop import _run_until
 
     fake_cifar(tmp_path / "data", "cifar10")
     args = ["model=vit_test", "model.img_size=32", "data=cifar10", f"data.root={tmp_path / 'data'}",

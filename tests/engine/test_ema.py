@@ -83,7 +83,7 @@ def test_trainer_reports_the_average_and_resumes_it(tmp_path):
 
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET
-    from tests.test_engine import _run_until
+    from tests.engine.test_loop import _run_until
 
     t = build_trainer(make_cfg(*QUIET, *FAST, "steps=6", "eval_every=3", "ckpt_every=3"), tmp_path / "half")
     _run_until(t, 3)

@@ -230,3 +230,19 @@ def test_all_zero_weight_is_refused():
         model[2].weight.zero_()
     with pytest.raises(ConfigError, match="all-zero"):
         apply_reparam(model, ReparamConfig(name="sigma"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_a_cast_model_runs_and_float64_matches_the_formula(dtype):
+    """``.double()`` / ``.bfloat16()`` / ``.half()`` cast the u, v buffers but not the fp32 copy
+    of W the parametrization computes with; the forward must follow the cast."""
+    model = apply_reparam(_mlp(), ReparamConfig(name="sigma")).to(dtype)
+    x = torch.randn(3, 24, dtype=dtype)
+    out = model(x)
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+    if dtype == torch.float64:
+        lin = model[0]
+        w = lin.parametrizations.weight.original
+        part = lin.parametrizations.weight[0].parts[0]
+        want = part.gamma * w / (part.u @ w @ part.v)
+        torch.testing.assert_close(lin.weight, want)

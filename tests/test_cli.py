@@ -1,0 +1,54 @@
+"""What a new user meets on the command line: one line for each mistake, and a dry run."""
+
+import pytest
+
+from stabletrain.build import validate
+from stabletrain.errors import ConfigError
+from tests.helpers import cli, make_cfg, model_of
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["+foo=1"], "unknown key 'foo'"),
+    (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
+    (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
+])
+def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
+    r = cli(*args, f"hydra.run.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
+    run = tmp_path / "run"
+    r = cli("model=vit_test", "dry_run=true", "logger=none", f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "blocks.*" in r.stderr and "total" in r.stderr and "dry run: nothing trained" in r.stderr
+    assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
+
+
+def test_gpt_refuses_non_causal_deescalation():
+    with pytest.raises(ConfigError, match="deescalate.causal=false would mix later tokens"):
+        validate(make_cfg("model=gpt_test", "deescalate=block", "deescalate.causal=false"))
+
+
+def test_image_augmentation_on_text_is_refused():
+    with pytest.raises(ConfigError, match="data.mixup is image augmentation"):
+        validate(make_cfg("model=gpt_test", "data.mixup=0.8"))
+
+
+def test_gpt_dropout_sits_where_nanogpt_has_it():
+    """Embeddings, attention probabilities, after each branch's projection; none after the GELU."""
+    model = model_of(make_cfg("model=gpt_test", "model.dropout=0.1"))
+    blk = model.blocks[0]
+    assert model.drop.p == 0.1 and blk.attn.attn_drop.p == 0.1 and blk.attn.proj_drop.p == 0.1
+    assert blk.mlp.drop1.p == 0.0 and blk.mlp.drop2.p == 0.1
+
+
+def test_config_yaml_records_what_the_data_built_and_says_what_it_replaced(tmp_path):
+    r = cli("model=vit_test", "steps=1", "logger=none", "model.num_classes=1000", "model.in_chans=3",
+            f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = (tmp_path / "config.yaml").read_text()
+    assert "num_classes: 10" in text and "in_chans: 1" in text
+    assert "from the data (data=auto): model.num_classes=10 (was 1000), model.in_chans=1 (was 3)" in r.stderr
