@@ -138,7 +138,7 @@ def test_a_resumed_run_logs_the_monitor_values_of_the_whole_run(tmp_path):
     the alert watch and the forensics history travel in the checkpoint."""
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
-    from tests.test_engine import _run_until
+    from tests.engine.test_loop import _run_until
 
     args = ["model=vit_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "steps=8", *MON]
     train(tmp_path / "full", *args)
