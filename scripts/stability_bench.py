@@ -31,9 +31,8 @@ Then writes OUT/stability.md, OUT/stability.csv and OUT/stability.png
 
 Presets (``--preset``; every key can still be overridden with ``--extra``):
   tiny  byte-level GPT, 2 layers, width 64, context 64, batch 16, 300 steps, lr 1e-3 to 1
-        (5 points), no clipping: 35 runs for the 7 default fixes. Measured on a 2-core CPU shared
-        with other jobs (load ~7): ~40 s per run (0.04-0.06 s/step), ~24 min for the full grid;
-        the 15-minute target needs an idle CPU or --fixes/--lrs to trim the grid.
+        (5 points), no clipping: 35 runs for the 7 default fixes. Measured: 12.7 min for the full
+        grid on a 2-core CPU shared with other jobs (README "Stability benchmark").
   cpu   (default) gpt_mini (4 layers, width 128, context 128), batch 32, 1000 steps, lr 3e-4 to 3e-1.
   gpu   the scale of Wortsman et al. (2023)'s small models: pre-LN GPT, width 512 (8 heads of 64),
         depth 8, context 512, batch 256, 10k steps, warmup 5k for adamw_warmup, AdamW betas
