@@ -61,3 +61,22 @@ def test_repro_warmup(tmp_path):
     results = (tmp_path / "results.md").read_text()
     for variant in ("adamw_nowarmup", "adamw_warmup", "adamw2_nowarmup"):
         assert variant in results or variant.replace("_", " ") in results, results
+
+
+def test_stability_bench(tmp_path):
+    quick = ["--extra", "steps=5", "eval_every=5", "eval_batches=1", "monitor.probe_every=5", "logger.log_every=5"]
+    out = script("stability_bench.py", "--out", str(tmp_path), "--preset", "tiny", "--lrs", "1e-3,1e-1",
+                 "--fixes", "adamw", "--fix", "mine=optim=adamw2 warmup={warmup}", *quick)
+    table = {r[0]: r for r in rows(out, "")[1:]}  # after the header
+    assert set(table) == {"adamw", "mine"}
+    assert all(c not in ("", "unfinished") for c in table["adamw"][1:3])
+    assert (tmp_path / "stability.png").is_file() and (tmp_path / "stability.csv").is_file()
+    assert (tmp_path / "mine" / "lr0.1" / "summary.json").is_file()
+    metrics = (tmp_path / "adamw" / "lr0.001" / "metrics.jsonl").read_text()
+    assert "attn_logit_max/blocks.0" in metrics and "logits/log_z" in metrics
+    # resumable: a rerun launches nothing; --summarize-only rewrites the same table
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "stability_bench.py"), "--out", str(tmp_path),
+                        "--preset", "tiny", "--lrs", "1e-3,1e-1", "--fixes", "adamw", *quick],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "all 2 learning rates done, skipped" in p.stderr, p.stderr
+    assert script("stability_bench.py", "--summarize-only", str(tmp_path)) == out

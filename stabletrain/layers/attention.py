@@ -12,8 +12,10 @@ them run through ``F.scaled_dot_product_attention`` and its fused kernels:
   ``tau * max|gamma_q * gamma_k|`` for any input scale. ``N`` is fixed at construction.
 
 A monitor can set ``module.probe = {}`` on any attention here; the next forward then also
-stores the explicit attention probabilities (``probs``, B x H x T x T) and the attention
-input (``x``) in it. The returned output always comes from SDPA, so probing changes nothing.
+stores the explicit attention probabilities (``probs``, B x H x T x T), the attention
+input (``x``) and the largest attention logit (``logit_max``, a 0-dim fp32 tensor; see
+:func:`logit_max`) in it. The returned output always comes from SDPA, so probing changes
+nothing, and a forward that is not probed does no extra work.
 """
 
 from __future__ import annotations
@@ -74,9 +76,12 @@ def stable(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
     return qn, kn, tau * head_dim ** (-2 * alpha)
 
 
-def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
-    """softmax(scale q k^T + mask) in fp32, what SDPA computes internally (for monitors)."""
-    logits = scale * (q.float() @ k.float().transpose(-2, -1))
+def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tensor], causal: bool,
+                   logits: Optional[Tensor] = None) -> Tensor:
+    """softmax(scale q k^T + mask) in fp32, what SDPA computes internally (for monitors).
+    ``logits``: ``scale q k^T`` in fp32 when already computed."""
+    if logits is None:
+        logits = scale * (q.float() @ k.float().transpose(-2, -1))
     if attn_mask is not None:
         logits = logits + attn_mask.float()
     if causal:
@@ -86,13 +91,39 @@ def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tenso
     return logits.softmax(-1)
 
 
+def logit_max(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
+    """The largest attention logit over batch, heads, queries and keys (0-dim fp32 tensor).
+
+    **Decision:** the logit is ``scale * q_n . k_n`` (``logits``), with ``q_n, k_n`` after the
+    variant's q/k transform (QKNorm's RMSNorm, StableAtten's StableNorm) and the scale SDPA
+    uses, *before* any additive bias or mask: the quantity whose growth Wortsman et al. (2023)
+    and ViT-22B track. Swin's relative position bias is therefore not included. Masked pairs
+    are excluded: future keys under ``causal``, and pairs a mask removes entirely (``False`` in
+    a boolean mask, ``-inf`` in a float one). Swin's shifted-window mask is finite (-100), so
+    for Swin the max runs over every query-key pair of a window, cross-region pairs included.
+    """
+    keep = None
+    if attn_mask is not None:
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    if causal:
+        t, s = logits.shape[-2:]
+        tri = torch.ones(t, s, dtype=torch.bool, device=logits.device).tril(s - t)
+        keep = tri if keep is None else keep & tri
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits.amax()
+
+
 def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
            attn_mask: Optional[Tensor] = None, causal: bool = False) -> Tensor:
     """Shared core: q/k transform, optional fp32 attention, SDPA, optional probe capture."""
     q, k = mod.q_norm(q), mod.k_norm(k)
     drop = mod.attn_drop.p if mod.training else 0.0
     if mod.probe is not None:
-        mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, causal).detach()
+        with torch.no_grad():
+            logits = mod.scale * (q.detach().float() @ k.detach().float().transpose(-2, -1))
+            mod.probe["logit_max"] = logit_max(logits, attn_mask, causal)
+            mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, causal, logits)
         mod.probe["x"] = x.detach()
     if mod.attn_fp32:
         with torch.autocast(q.device.type, enabled=False):

@@ -386,14 +386,18 @@ def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: 
                         wq: Tensor | None = None, wk: Tensor | None = None, num_heads: int = 1,
                         block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
                         mask: Tensor | None = None, causal: bool = False,
-                        per_head: bool = False) -> dict[str, float]:
+                        per_head: bool = False, logit_max: Tensor | float | None = None) -> dict[str, float]:
     """Activation-side metrics of one block on the probe batch, under full names.
 
     ``probs`` (B, H, T, S) gives the entropy; with ``attn_input`` (the attention's input
     after the pre-norm) and ``wq, wk`` also the Theorem 3.1 bound; ``block_input`` gives the
-    token similarity and ``norm/<block>/x``, ``block_input_grad`` ``norm/<block>/grad_x``.
+    token similarity and ``norm/<block>/x``, ``block_input_grad`` ``norm/<block>/grad_x``;
+    ``logit_max`` (what ``attend()`` stores as ``probe["logit_max"]``, the largest scaled
+    pre-bias attention logit) ``attn_logit_max/<block>``.
     """
     rel: dict[str, float] = {}
+    if logit_max is not None:
+        rel[N.ATTN_LOGIT_MAX] = float(logit_max)
     if probs is not None:
         rel.update(attention_entropy(probs, mask, causal, per_head))
         if attn_input is not None and wq is not None and wk is not None:

@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
+from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
 from stabletrain.monitor.quantities import block_probe_metrics, model_weight_metrics
 
@@ -115,11 +117,13 @@ class MonitorRunner:
             if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
                 return {}
             with torch.enable_grad():
-                loss = self._probe_loss(model, x, y)
+                logits = self._probe_logits(model, x)
+                loss = self._loss_of(logits, y)
                 names = list(inputs)
                 grads = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True)
+            # logits/log_z: mean over positions (GPT tokens, images) of logsumexp of the output logits
+            out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
             grad_of = dict(zip(names, grads))
-            out: dict[str, float] = {}
             for name, blk in self.blocks:
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
@@ -128,7 +132,7 @@ class MonitorRunner:
                     name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
                     wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
                     block_input_grad=_tokens(g), causal=_is_causal(blk),
-                    per_head=self.cfg.per_head))
+                    per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
             return out
         finally:
             for h in hooks:
@@ -141,8 +145,15 @@ class MonitorRunner:
         ``i``'s gradient (docs/methods.md §7: per sample, then the mean over the batch). It is the
         held-out loss on hard labels, whatever the training criterion (mixup's soft targets,
         label smoothing): the probe batch comes from the validation split."""
+        return self._loss_of(self._probe_logits(model, x), y)
+
+    def _probe_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's output logits on the probe batch, in fp32."""
         with self.autocast():
-            out = model(x).float()
+            return model(x).float()
+
+    @staticmethod
+    def _loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if out.dim() == 3:  # (B, T, vocab): a sample's loss is the mean over its tokens
             return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") / y.shape[1]
         return F.cross_entropy(out, y, reduction="sum")

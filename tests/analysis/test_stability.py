@@ -1,0 +1,80 @@
+"""The stability benchmark's score, table and figure on hand-written run directories."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from stabletrain.analysis import stability as S
+from stabletrain.monitor import names as N
+
+
+def test_lr_sensitivity_hand_computed():
+    # L0 = 5; losses 3, 2, 4, diverged (None -> 5), 7 (capped at 5): capped 3, 2, 4, 5, 5
+    # mean 19/5 = 3.8, min 2 -> 1.8
+    assert S.lr_sensitivity([3.0, 2.0, 4.0, None, 7.0], 5.0) == pytest.approx(1.8)
+    assert S.lr_sensitivity([2.0, 2.0], 5.0) == 0.0
+    assert S.lr_sensitivity([None, float("nan")], 5.0) == 0.0  # nothing trained: all at L0
+    assert math.isnan(S.lr_sensitivity([], 5.0))
+
+
+def _run(d, lr, status=None, final=None, family="gpt", records=(), alerts=()):
+    d.mkdir(parents=True)
+    model = {"family": family, "vocab_size": 256} if family == "gpt" else {"family": family, "num_classes": 10}
+    (d / "config.yaml").write_text(yaml.safe_dump({"model": model, "optim": {"name": "adamw", "lr": lr}}))
+    if status is not None:
+        (d / "summary.json").write_text(json.dumps({"status": status, "step": 10, "total_steps": 10,
+                                                    "final": final or {}, "alerts": list(alerts)}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_table_on_synthetic_runs(tmp_path):
+    out = tmp_path / "bench"
+    lz = N.LOG_Z
+    _run(out / "adamw" / "lr0.001", 0.001, "completed", {"loss": 3.5, "val/loss": 3.0},
+         records=[{"step": 0, "loss": 5.5}, {"step": 5, lz: 6.0, "attn_logit_max/blocks.0": 4.0,
+                                               "attn_logit_max/blocks.1": 9.0}])
+    _run(out / "adamw" / "lr0.01", 0.01, "completed", {"loss": 2.5},  # no val: train loss
+         records=[{"step": 5, lz: 7.5, "attn_logit_max/blocks.0": float("nan")}], alerts=[{"layer": "blocks.0"}])
+    _run(out / "adamw" / "lr0.1", 0.1, "diverged", {"loss": float("nan")},
+         records=[{"step": 5, lz: 50.0, "attn_logit_max/blocks.0": 300.0}])
+    _run(out / "adamw2" / "lr0.001", 0.001, "completed", {"val/loss": 3.2, "loss": 3.3})
+    _run(out / "adamw2" / "lr0.01", 0.01, "completed", {"val/loss": 2.2, "loss": 2.3})
+    _run(out / "adamw2" / "lr0.1", 0.1, None)  # unfinished: config, no summary
+    (out / "adamw2" / "lr0.1" / ".hydra").mkdir()
+    (out / "adamw2" / "lr0.1" / ".hydra" / "overrides.yaml").write_text("- optim.lr=0.1\n")
+
+    groups = S.collect(out)
+    assert set(groups) == {"adamw", "adamw2"}
+    columns, rows = S.table(groups, order=["adamw2", "adamw"])
+    assert columns[:4] == ["fix", "lr=0.001", "lr=0.01", "lr=0.1"]
+    a2, a = rows
+    assert a2["fix"] == "adamw2" and a["fix"] == "adamw"
+    l0 = math.log(256)
+    assert a["L0"] == pytest.approx(l0)
+    assert a["lr=0.001"] == 3.0 and a["lr=0.01"] == 2.5 and a["lr=0.1"] == "diverged"
+    assert a["best_loss"] == 2.5
+    assert a["lr_sensitivity"] == pytest.approx((3.0 + 2.5 + l0) / 3 - 2.5)
+    assert (a["diverged"], a["alerted"], a["finished"]) == (1, 1, "3/3")
+    assert a["max_attn_logit"] == 300.0 and a["max_log_z"] == 50.0
+    assert a2["lr=0.1"] == "unfinished" and a2["finished"] == "2/3" and a2["diverged"] == 0
+    assert a2["lr_sensitivity"] == pytest.approx((3.2 + 2.2) / 2 - 2.2)  # unfinished points left out
+    assert a2["max_attn_logit"] == "" and a2["max_log_z"] == ""
+
+    md, paths = S.write(out, order=["adamw", "adamw2"])
+    assert md.splitlines()[2].startswith("| adamw | 3 | 2.5 | diverged |")
+    assert (out / "stability.md").read_text().strip() == md
+    assert (out / "stability.csv").read_text().splitlines()[0].startswith("fix,lr=0.001")
+    assert paths["png"].stat().st_size > 1000
+
+
+def test_l0_vision_and_first_logged_loss(tmp_path):
+    _run(tmp_path / "v", 0.01, "completed", {"loss": 1.0}, family="vit")
+    assert S.read_point("g", tmp_path / "v").l0 == pytest.approx(math.log(10))
+    d = tmp_path / "w"
+    d.mkdir()
+    (d / "config.yaml").write_text(yaml.safe_dump({"model": {"family": "swin"}, "optim": {"lr": 0.1}}))
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "lr": 0.0}) + "\n" + json.dumps({"step": 1, "loss": 4.2}))
+    assert S.read_point("g", d).l0 == 4.2
+    assert S.read_point("g", tmp_path / "missing") is None
