@@ -25,11 +25,20 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import last_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from stabletrain.engine.checkpoint import (all_finite, last_checkpoint, load_checkpoint, rng_state, save_checkpoint,
+                                          set_rng_state)
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.errors import ConfigError
 from stabletrain.metrics import write_json
 from stabletrain.monitor import names as N
+
+
+def _optim_name(config_yaml: str) -> str | None:
+    """``optim.name`` of a resolved config's yaml (a checkpoint's, or this run's)."""
+    if not config_yaml:
+        return None
+    name = OmegaConf.select(OmegaConf.create(config_yaml), "optim.name", default=None)
+    return None if name is None else str(name)
 
 
 @dataclass
@@ -244,10 +253,30 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
-    def save(self) -> None:
+    def save(self) -> bool:
+        """Write last.pt unless the weights or optimizer state hold a NaN/inf (a finite loss
+        does not prove them finite): a finite last.pt is never replaced by a non-finite one.
+        Returns False, with ``nonfinite_reason`` set, when the save was skipped for that."""
+        ok = True
         if self.info.is_main:
-            save_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.checkpoint_payload())
+            payload = self.checkpoint_payload()
+            # one fused reduction on the device, read back with the sync the save makes anyway
+            ok = bool(all_finite(payload["model"], payload["optimizer"]["state"]))
+            if ok:
+                payload["optim_name"] = self.optim_name
+                save_checkpoint(self.run_dir / "checkpoints" / "last.pt", payload)
+        ok = D.broadcast_object(ok, self.info)
+        if not ok:
+            self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
+                                     f"still finite): checkpoint not written, last.pt keeps the previous one")
+            self.diverged_at = self.diverged_at or self.step
         D.barrier(self.info)
+        return ok
+
+    @property
+    def optim_name(self) -> str:
+        """The optimizer's name in the config (``optim.name``), stored in each checkpoint."""
+        return _optim_name(self.settings.config_yaml) or type(self.optimizer).__name__
 
     def maybe_resume(self) -> int | None:
         """Load ``resume`` (auto: the run dir's last.pt) on every rank; returns its step.
@@ -387,10 +416,12 @@ class Trainer:
                     self.stop_signal = agreed
                     status = "interrupted"
                     reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
-                    self.save()
+                    if not self.save():
+                        status, reason = "diverged", self.nonfinite_reason
                     break
-                if save_due:
-                    self.save()
+                if save_due and not self.save():
+                    status, reason = "diverged", self.nonfinite_reason
+                    break
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
