@@ -41,6 +41,23 @@ def _optim_name(config_yaml: str) -> str | None:
     return None if name is None else str(name)
 
 
+def _read_summary(path: Path) -> dict | None:
+    """A run's summary.json, or None when there is none or it is unreadable (a torn write)."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _last_logged(path: Path, key: str, step: int) -> float:
+    """The value of ``key`` logged at ``step`` in metrics.jsonl (NaN when absent)."""
+    from stabletrain.metrics import read_records
+
+    vals = [r[key] for r in read_records(path) if r.get("step") == step and key in r]
+    return float(vals[-1]) if vals else float("nan")
+
+
 @dataclass
 class LoopSettings:
     """The few values the loop itself reads; everything else arrives built."""
@@ -361,11 +378,15 @@ class Trainer:
         if resumed is not None:
             m.message(f"resumed from step {resumed}")
             done = self.run_dir / "summary.json"
-            if self.step >= self.total_steps and done.is_file():
+            previous = _read_summary(done) if self.step >= self.total_steps else None
+            if previous is not None and previous.get("status") == "completed":
                 m.message(f"the checkpoint is at step {self.step} of {self.total_steps}: nothing to train; "
                           f"{done} stays as it is")
                 m.close()
-                return json.loads(done.read_text())
+                return previous
+            if self.step >= self.total_steps:  # e.g. a signal during the last step: finish the run
+                m.message(f"the checkpoint is at step {self.step} of {self.total_steps} but the run has no completed "
+                          f"summary: running the final evaluation")
         if self.monitor is not None and resumed is None:
             self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
         old_handlers = self._install_signals()
@@ -425,6 +446,12 @@ class Trainer:
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
+        if status == "completed" and not last_vals and resumed is not None and resumed >= self.total_steps:
+            last_vals = self.evaluate()  # the final evaluation a run ended during its last step may lack
+            if math.isnan(_last_logged(self.run_dir / "metrics.jsonl", next(iter(last_vals)), self.step)):
+                m.log(self.step, last_vals)  # once: a signal after the evaluation has logged it already
+            if math.isnan(train_loss):
+                train_loss = _last_logged(self.run_dir / "metrics.jsonl", N.LOSS, self.step)
         summary = {
             "status": status,
             "step": self.step,

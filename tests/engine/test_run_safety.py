@@ -31,3 +31,34 @@ def test_a_checkpoint_never_holds_non_finite_weights_or_optimizer_state(tmp_path
     state = torch.load(tmp_path / "two/checkpoints/last.pt", weights_only=True)
     assert state["step"] == 2 and _finite(state["model"]) and _finite(state["optimizer"]["state"])
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
+
+
+def _interrupt_during_step(trainer, n):
+    """A SIGTERM caught while step ``n`` runs (the loop checkpoints after it and stops)."""
+    import signal
+
+    orig = trainer.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if trainer.step + 1 == n:
+            trainer.stop_signal = signal.SIGTERM
+        return out
+
+    trainer.train_step = step
+    return trainer.fit()
+
+
+def test_a_run_interrupted_in_its_last_step_completes_on_resume(tmp_path, capsys):
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET, make_cfg
+
+    s = _interrupt_during_step(build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path), 4)
+    assert s["status"] == "interrupted" and s["step"] == 4
+    again = train(tmp_path, *GPT, "steps=4", "resume=auto")
+    assert again["status"] == "completed" and again["step"] == 4 and "val/loss" in again["final"]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+    assert "running the final evaluation" in capsys.readouterr().err
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum("val/loss" in r for r in recs) == 1  # the evaluation the interrupted run logged, once
+    assert train(tmp_path, *GPT, "steps=4", "resume=auto") == again  # now nothing to train
