@@ -299,6 +299,9 @@ class TrainConfig:
     warmup: float = 0.0  # in schedule.unit
     seed: int = 0
     resume: Optional[str] = None  # auto | a checkpoint path
+    # resume=auto refuses overrides that change the resumed run (its model, optim, data, seed...);
+    # true continues with them anyway (cadences, steps, logger and device may always change)
+    resume_allow_changes: bool = False
     batch_size: int = 64  # global, per optimizer step
     micro_batch_size: Optional[int] = None  # per device; None = batch_size / world size
     grad_clip: Optional[float] = None

@@ -15,6 +15,9 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a quota); the previous one is kept.
     Its message is one line."""
 
+    def __str__(self) -> str:
+        return str(self.strerror)
+
 
 def save_checkpoint(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)

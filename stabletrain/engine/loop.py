@@ -58,6 +58,26 @@ def _last_logged(path: Path, key: str, step: int) -> float:
     return float(vals[-1]) if vals else float("nan")
 
 
+# keys a resumed run may change: how it is run and recorded, not what it trains
+RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
+                     "steps", "epochs", "name", "device", "compile")
+
+
+def changed_keys(saved_yaml: str, mine_yaml: str) -> list[str]:
+    """The dotted keys whose values differ between two resolved configs, outside RESUME_MAY_CHANGE."""
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: node}
+
+    a, b = (flat(OmegaConf.to_container(OmegaConf.create(y))) for y in (saved_yaml, mine_yaml))
+    return sorted(k for k in set(a) | set(b)
+                  if a.get(k) != b.get(k) and k.split(".")[0] not in RESUME_MAY_CHANGE)
+
+
 @dataclass
 class LoopSettings:
     """The few values the loop itself reads; everything else arrives built."""
@@ -72,6 +92,7 @@ class LoopSettings:
     log_every: int = 10
     adamw2_every: int = 50  # AdamW²'s per-tensor curves at the log steps holding a multiple of this
     resume: str | None = None  # auto | a checkpoint path
+    resume_allow_changes: bool = False  # resume=auto with a changed model/optim/data/seed
     bf16: bool = False
     compile: bool = False
     config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
@@ -116,6 +137,7 @@ class Trainer:
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
+        self.on_start: list = []  # called once fit() has resumed (or not), before the first step
 
     # --- the step -------------------------------------------------------------------
 
@@ -323,6 +345,17 @@ class Trainer:
             if {**saved, "resume": None} != {**mine, "resume": None}:
                 raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
                                   f"continue it anyway, or give this run its own hydra.run.dir")
+        # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
+        theirs, mine = ck.get("optim_name") or _optim_name(ck.get("config", "")), self.optim_name
+        if theirs is not None and mine is not None and theirs != mine:
+            raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={mine}: an optimizer's "
+                              f"state does not carry over; resume with optim={theirs} or start a new run")
+        if r == "auto" and not self.settings.resume_allow_changes and ck.get("config") and self.settings.config_yaml:
+            changed = changed_keys(ck["config"], self.settings.config_yaml)
+            if changed:
+                raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
+                                  f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
+                                  f"resume_allow_changes=true to continue with them")
         try:
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
@@ -359,6 +392,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.settings
         resumed = self.maybe_resume()
+        for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
+            hook()
         main = self.info.is_main
         self.metrics = self.open_sink(resumed)
         if self.monitor is not None:

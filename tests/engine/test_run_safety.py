@@ -2,8 +2,10 @@
 
 import json
 
+import pytest
 import torch
 
+from stabletrain.errors import ConfigError
 from tests.helpers import train
 
 GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
@@ -62,3 +64,38 @@ def test_a_run_interrupted_in_its_last_step_completes_on_resume(tmp_path, capsys
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum("val/loss" in r for r in recs) == 1  # the evaluation the interrupted run logged, once
     assert train(tmp_path, *GPT, "steps=4", "resume=auto") == again  # now nothing to train
+
+
+def test_a_refused_resume_changes_nothing_and_names_the_changed_keys(tmp_path):
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    config = (tmp_path / "config.yaml").read_text()
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"resume=auto would change the resumed run's .*model.dropout.*seed"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "model.dropout=0.1", "resume=auto")
+    assert (tmp_path / "config.yaml").read_text() == config  # today it was rewritten before the refusal
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    # cadences and length may change; with resume_allow_changes=true, anything may
+    s = train(tmp_path, *GPT, "steps=3", "optim=adamw", "eval_every=7", "ckpt_every=9", "resume=auto")
+    assert s["status"] == "completed" and s["step"] == 3
+    s = train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "resume=auto", "resume_allow_changes=true")
+    assert s["status"] == "completed" and "seed: 3" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, allow):
+    """AdamW² -> AdamW loads without an error (the same state keys) and would silently train on."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match="written with optim=adamw2, this run uses optim=adamw"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", f"resume_allow_changes={allow}")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_the_optimizer_of_a_checkpoint_without_its_name_comes_from_its_config(tmp_path):
+    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    ck = tmp_path / "checkpoints/last.pt"
+    state = torch.load(ck, weights_only=True)
+    del state["optim_name"]  # as written before it was stored
+    torch.save(state, ck)
+    with pytest.raises(ConfigError, match="written with optim=adamw2"):
+        train(tmp_path / "other", *GPT, "steps=4", "optim=adamw", f"resume={ck}")
