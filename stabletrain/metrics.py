@@ -64,6 +64,13 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in read_lines(path)]
 
 
+# wandb offline makes no network attempt: no system stats (their samplers probe cloud metadata
+# endpoints), no git/code/machine info, no console capture, no viewer lookup (fields of wandb 0.31's Settings)
+OFFLINE_SETTINGS = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
+                    "x_disable_viewer": True, "disable_git": True, "disable_code": True, "save_code": False,
+                    "console": "off"}
+
+
 class Metrics:
     """``logger`` is the ``logger`` config group; ``name`` the run's name in wandb; ``config_dict``
     the resolved config wandb records."""
@@ -110,9 +117,13 @@ class Metrics:
             id_file = run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
+            settings = {"silent": True}
+            if mode == "offline":
+                settings.update(OFFLINE_SETTINGS)
+                os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports (sentry)
             self.wandb = wandb.init(project=logger.project, entity=logger.entity, mode=mode,
                                     dir=str(run_dir), id=run_id, resume="allow", name=name,
-                                    config=config_dict, settings=wandb.Settings(silent=True))
+                                    config=config_dict, settings=wandb.Settings(**settings))
         except Exception as e:  # a tracking hiccup must not cost the run
             print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)
             self.wandb = None
