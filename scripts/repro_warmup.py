@@ -13,7 +13,6 @@ sigma1(Wq^T Wk), min attention entropy) and overlays the curves with ``compare_r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.cli import compose_config  # noqa: E402
 from stabletrain.analysis.plots import compare_runs  # noqa: E402
+from stabletrain.metrics import read_records  # noqa: E402
 from stabletrain.run import run  # noqa: E402
 
 MODEL = ["model=gpt_mini", "model.depth=6", "model.embed_dim=256", "model.num_heads=4", "model.block_size=256"]
@@ -63,7 +63,7 @@ def main() -> None:
                                    "monitor.probe_every=100", "eval_every=250", "logger.log_every=50", *a.extra]
             d = out / f"lr{lr}_{name}"
             s = run(compose_config(args), d)
-            recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            recs = read_records(d / "metrics.jsonl")  # torn lines dropped
             rows.append((lr, name, s["status"], last(recs, "val/loss"), len(s.get("alerts", [])),
                          extreme(recs, "/wq_t_wk_max", max), extreme(recs, "entropy/blocks.0/min", min)))
             dirs.append(d)

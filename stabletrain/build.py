@@ -161,7 +161,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     settings = LoopSettings(
         total_steps=total, batch_size=cfg.batch_size, steps_per_epoch=spe, grad_clip=cfg.grad_clip,
         eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, ckpt_every=cfg.ckpt_every,
-        log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume, bf16=bf16,
+        log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume,
+        resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
         compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name)
 
     def open_sink(resume_step: int | None) -> Metrics:

@@ -9,7 +9,9 @@ the fix. Option names follow docs/methods.md; each decision there is a documente
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -299,6 +301,9 @@ class TrainConfig:
     warmup: float = 0.0  # in schedule.unit
     seed: int = 0
     resume: Optional[str] = None  # auto | a checkpoint path
+    # resume=auto refuses overrides that change the resumed run (its model, optim, data, seed...);
+    # true continues with them anyway (cadences, steps, logger and device may always change)
+    resume_allow_changes: bool = False
     batch_size: int = 64  # global, per optimizer step
     micro_batch_size: Optional[int] = None  # per device; None = batch_size / world size
     grad_clip: Optional[float] = None
@@ -363,6 +368,7 @@ def validate(cfg: Any) -> None:
 
     The checks that need to know the options (names, what a model family or data set allows)
     are :func:`stabletrain.build.validate`'s, which runs these too."""
+    _check_finite(cfg)
     o, m = cfg.optim, cfg.model
     _need(o.lr > 0, f"optim.lr={o.lr} must be > 0 (e.g. optim.lr=1e-3)")
     _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
@@ -411,8 +417,6 @@ def validate(cfg: Any) -> None:
     _need(m.act in ("gelu", "relu"), f"model.act={m.act} is not an option: use gelu or relu")
     for key in ("eval_every", "eval_batches", "ckpt_every"):
         _need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be >= 1")
-    _need(cfg.device == "auto" or cfg.device == "cpu" or str(cfg.device).startswith(("cuda", "mps")),
-          f"device={cfg.device} is not an option: use auto, cpu, cuda or cuda:N")
     _need(cfg.schedule.min_lr >= 0, f"schedule.min_lr={cfg.schedule.min_lr} must be >= 0")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
@@ -422,6 +426,51 @@ def validate(cfg: Any) -> None:
     _need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     _need(d.mixup >= 0 and d.cutmix >= 0, f"data.mixup={d.mixup} and data.cutmix={d.cutmix} must be >= 0 (0 is off)")
     _need(0 <= d.label_smoothing < 1, f"data.label_smoothing={d.label_smoothing} must be in [0, 1)")
+    _need(m.block_size >= 1, f"model.block_size={m.block_size} must be >= 1")
+    _need(m.patch_size >= 1, f"model.patch_size={m.patch_size} must be >= 1")
+    _need(m.window_size >= 1, f"model.window_size={m.window_size} must be >= 1")
+    img = d.img_size or m.img_size
+    _need(img >= 1, f"model.img_size={img} must be >= 1")
+    _need(m.family != "vit" or img % m.patch_size == 0,
+          f"model.img_size={img} is not a multiple of model.patch_size={m.patch_size}: the patches must tile the image")
+    _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
+    _need(0 <= m.drop_path < 1, f"model.drop_path={m.drop_path} must be in [0, 1)")
+    _need(0 <= cfg.seed <= 2**63 - 1, f"seed={cfg.seed} must be in [0, 2**63 - 1]")
+    _need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)) is not None,
+          f"device={cfg.device} is not an option: use auto, cpu, cuda or cuda:N")
+    dv = cfg.divergence
+    _need(dv.window >= 1, f"divergence.window={dv.window} must be >= 1")
+    _need(dv.spike_factor > 1, f"divergence.spike_factor={dv.spike_factor} must be > 1 (a factor over the mean)")
+    sc = cfg.schedule
+    _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
+    _need(sc.min_lr <= o.lr, f"schedule.min_lr={sc.min_lr} must be <= optim.lr={o.lr}")
+    _need(0 < sc.gamma <= 1, f"schedule.gamma={sc.gamma} must be in (0, 1] (the factor of each step decay)")
+
+
+# float keys for which inf means something (no clipping, no growth alert, no spike check)
+_INF_ALLOWED = {"grad_clip", "monitor.qk_growth", "divergence.spike_factor"}
+
+
+def _check_finite(cfg: Any) -> None:
+    """Every float value is finite: nan nowhere, inf only where it means something."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.is_config(cfg):
+        return
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{prefix[:-1]}[{i}].")
+        else:
+            yield prefix[:-1], node
+
+    for key, v in walk(OmegaConf.to_container(cfg, resolve=True), ""):
+        if isinstance(v, float) and not math.isfinite(v):
+            _need(math.isinf(v) and key in _INF_ALLOWED, f"{key}={v} must be a finite number")
 
 
 def _exists(p: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -28,7 +29,46 @@ def _clean(v):
 
 
 def write_json(path: Path, obj) -> None:
-    Path(path).write_text(json.dumps(_clean(obj), indent=2, default=str))
+    """Atomically: a temp file beside ``path``, fsync, then rename over it, so a kill mid-write
+    leaves the old file or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(_clean(obj), indent=2, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_lines(path: Path) -> list[str]:
+    """The complete records of a ``metrics.jsonl``: a line that is not UTF-8 JSON (a write torn by a
+    kill or a full disk, normally the last one) is dropped, never an error."""
+    out = []
+    for raw in Path(path).read_bytes().split(b"\n"):
+        try:
+            line = raw.decode("utf-8").strip()
+            if line and isinstance(json.loads(line), dict):
+                out.append(line)
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
+            continue
+    return out
+
+
+def read_records(path: Path) -> list[dict]:
+    """``metrics.jsonl`` as dicts, torn lines dropped (:func:`read_lines`); [] when it is missing."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(ln) for ln in read_lines(path)]
+
+
+# wandb offline makes no network attempt: no system stats (their samplers probe cloud metadata
+# endpoints), no git/code/machine info, no console capture, no viewer lookup (fields of wandb 0.31's Settings)
+OFFLINE_SETTINGS = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
+                    "x_disable_viewer": True, "disable_git": True, "disable_code": True, "save_code": False,
+                    "console": "off"}
 
 
 class Metrics:
@@ -59,8 +99,16 @@ class Metrics:
 
     def _truncate_after(self, step: int) -> None:
         """A resumed run redoes the steps after its checkpoint: drop their old records."""
-        keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
-        self.path.write_text("".join(ln + "\n" for ln in keep))
+        keep = [ln for ln in read_lines(self.path) if json.loads(ln).get("step", 0) <= step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        try:  # a kill while rewriting leaves the old file, not a shortened one
+            with open(tmp, "w") as f:
+                f.write("".join(ln + "\n" for ln in keep))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _start_wandb(self, run_dir: Path, logger, name: str, mode: str, config_dict: dict | None) -> None:
         try:
@@ -69,9 +117,13 @@ class Metrics:
             id_file = run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
+            settings = {"silent": True}
+            if mode == "offline":
+                settings.update(OFFLINE_SETTINGS)
+                os.environ.setdefault("WANDB_ERROR_REPORTING", "false")  # no crash reports (sentry)
             self.wandb = wandb.init(project=logger.project, entity=logger.entity, mode=mode,
                                     dir=str(run_dir), id=run_id, resume="allow", name=name,
-                                    config=config_dict, settings=wandb.Settings(silent=True))
+                                    config=config_dict, settings=wandb.Settings(**settings))
         except Exception as e:  # a tracking hiccup must not cost the run
             print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)
             self.wandb = None

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from stabletrain.errors import ConfigError
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import last_checkpoint
+from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
+from stabletrain.engine.rundir import RunDirLock
 
 
 def run(cfg, run_dir: str | Path) -> dict:
@@ -26,24 +27,38 @@ def run(cfg, run_dir: str | Path) -> dict:
 
     validate(cfg)
     info = D.detect()
+    lock = None
     try:
         D.init(info, D.pick_device(cfg.device, info))
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
-        trainer = build_trainer(cfg, run_dir, info)
-        if cfg.dry_run:
+        if cfg.dry_run:  # builds everything, takes no lock and writes nothing into the run directory
+            trainer = build_trainer(cfg, run_dir, info)
             if info.is_main:
                 print(dry_run_report(trainer), file=sys.stderr)
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
+            # one run per directory; its lock also makes the temp files of earlier, killed writes stale
+            lock = RunDirLock(run_dir).acquire()
+            for tmp in remove_stale_temps(run_dir / "checkpoints"):
+                print(f"removed {tmp.name}, left by a checkpoint write that was interrupted", file=sys.stderr)
+        trainer = build_trainer(cfg, run_dir, info)
+
+        def write_config() -> None:
             config = run_dir / "config.yaml"
             # Written once the model is built, so it records what the data set (class count,
-            # channels). A requeued attempt keeps the first attempt's file: the loop refuses to
-            # resume a checkpoint of another config, and that file must still say which it was.
+            # channels), and once a resume has succeeded, so a refused one leaves the file of the
+            # run it refused. A requeued attempt keeps the first attempt's file: the loop refuses
+            # to resume a checkpoint of another config, and that file must still say which it was.
             requeued = cfg.resume is None and D.may_be_requeued() and last_checkpoint(run_dir) is not None
             if not (requeued and config.is_file()):
                 config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+        if info.is_main:
+            trainer.on_start.append(write_config)
         summary = trainer.fit()
     finally:
+        if lock is not None:
+            lock.release()
         D.shutdown(info)
     if summary["status"] == "interrupted":
         requeue_after(trainer.stop_signal, info)
@@ -98,6 +113,9 @@ def main_guarded(cfg, run_dir) -> dict | None:
         summary = run(cfg, run_dir)
     except ConfigError as e:
         fail(str(e))
+        return None
+    except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
+        fail(str(e), 1)
         return None
     except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
         fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)

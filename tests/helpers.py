@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,9 +26,10 @@ def train(run_dir: Path, *overrides: str, quiet: bool = True) -> dict:
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    from stabletrain.metrics import read_records
+
     out = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(Path(run_dir) / "metrics.jsonl"):
         if "loss" in rec:
             out[rec["step"]] = rec["loss"]
     return out

@@ -59,3 +59,49 @@ def test_mixup_needs_an_even_micro_batch(tmp_path, overrides, micro):
 
     with pytest.raises(ConfigError, match=f"micro-batch {micro} must be even"):
         build_trainer(make_cfg(*QUIET, "model=vit_test", "data.mixup=0.8", *overrides), tmp_path)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["warmup=inf"], "warmup=inf must be a finite number"),
+    (["epochs=inf"], "epochs=inf must be a finite number"),
+    (["optim.lr=inf"], "optim.lr=inf must be a finite number"),
+    (["optim.lr=nan"], "optim.lr=nan must be a finite number"),
+    (["optim.eps=inf"], "optim.eps=inf must be a finite number"),
+    (["optim.tau=inf"], "optim.tau=inf must be a finite number"),
+    (["optim.weight_decay=inf"], "optim.weight_decay=inf must be a finite number"),
+    (["norm.alpha=nan"], "norm.alpha=nan must be a finite number"),
+    (["grad_clip=nan"], "grad_clip=nan must be a finite number"),
+    (["model=gpt_test", "model.block_size=0"], "model.block_size=0 must be >= 1"),
+    (["model=gpt_test", "model.dropout=1.5"], "model.dropout=1.5 must be in [0, 1)"),
+    (["model=gpt_test", "model.dropout=-0.1"], "model.dropout=-0.1 must be in [0, 1)"),
+    (["model.patch_size=0"], "model.patch_size=0 must be >= 1"),
+    (["model.img_size=30", "model.patch_size=4"], "model.img_size=30 is not a multiple of model.patch_size=4"),
+    (["model.drop_path=1.0"], "model.drop_path=1.0 must be in [0, 1)"),
+    (["model.drop_path=-0.5"], "model.drop_path=-0.5 must be in [0, 1)"),
+    (["model=swin_test", "model.window_size=0"], "model.window_size=0 must be >= 1"),
+    (["seed=9223372036854775808"], "seed=9223372036854775808 must be in [0, 2**63 - 1]"),
+    (["seed=-1"], "seed=-1 must be in [0, 2**63 - 1]"),
+    (["device=cudaX"], "device=cudaX is not an option"),
+    (["device=mps"], "device=mps is not an option"),
+    (["device=cuda:x"], "device=cuda:x is not an option"),
+    (["divergence.window=0"], "divergence.window=0 must be >= 1"),
+    (["divergence.spike_factor=1.0"], "divergence.spike_factor=1.0 must be > 1"),
+    (["schedule.horizon=0"], "schedule.horizon=0.0 must be > 0"),
+    (["optim.lr=0.001", "schedule.min_lr=0.01"], "schedule.min_lr=0.01 must be <= optim.lr=0.001"),
+    (["schedule.gamma=0"], "schedule.gamma=0.0 must be in (0, 1]"),
+    (["schedule.gamma=1.5"], "schedule.gamma=1.5 must be in (0, 1]"),
+])
+def test_values_that_crashed_or_were_silently_accepted_are_one_line_errors(overrides, needle):
+    cfg = make_cfg("model=vit_test", "steps=10", *overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["device=cuda:1"], ["device=cuda"], ["grad_clip=inf"], ["divergence.spike_factor=inf"],
+    ["seed=9223372036854775807"],
+    ["model.img_size=32", "model.patch_size=4"], ["schedule.gamma=1.0"],
+])
+def test_the_edges_that_mean_something_pass(overrides):
+    validate(make_cfg("model=vit_test", "steps=10", *overrides))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -10,14 +11,68 @@ import numpy as np
 import torch
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a quota); the previous one is kept.
+    Its message is one line."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 def save_checkpoint(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        kept = f"{path} still holds the previous checkpoint" if path.is_file() else "no checkpoint was kept"
+        why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
+        raise CheckpointWriteError(e.errno, f"cannot write {path.name}: {why}; {kept}") from None
+
+
+def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
+    """Temp files of checkpoint writes that a kill interrupted (``.last.pt.tmp<pid>``); call it
+    only while holding the run directory's lock, when no other process can be writing one."""
+    ckpt_dir = Path(ckpt_dir)
+    gone = sorted(ckpt_dir.glob(".*.tmp*")) if ckpt_dir.is_dir() else []
+    for p in gone:
+        p.unlink(missing_ok=True)
+    return gone
+
+
+def _floating(obj, out: list) -> list:
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point() or obj.is_complex():
+            out.append(obj.detach())
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _floating(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _floating(v, out)
+    return out
+
+
+def all_finite(*states) -> torch.Tensor:
+    """Whether every floating tensor in ``states`` (state dicts, nested) is finite, as a bool
+    tensor on the CPU: one fused max-abs reduction per device and dtype (``torch._foreach_norm``
+    with ord=inf, which cannot overflow as a 2-norm can), read back with a single copy."""
+    groups: dict = {}
+    for t in _floating(list(states), []):
+        if t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    verdict = []
+    for ts in groups.values():
+        norms = torch._foreach_norm(ts, float("inf"))
+        verdict.append(torch.stack(norms).isfinite().all())
+    if not verdict:
+        return torch.tensor(True)
+    return torch.stack([v.to("cpu", non_blocking=False) for v in verdict]).all()
 
 
 def load_checkpoint(path: Path, map_location="cpu") -> dict:

@@ -25,11 +25,57 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import last_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from stabletrain.engine.checkpoint import (all_finite, last_checkpoint, load_checkpoint, rng_state, save_checkpoint,
+                                          set_rng_state)
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.errors import ConfigError
 from stabletrain.metrics import write_json
 from stabletrain.monitor import names as N
+
+
+def _optim_name(config_yaml: str) -> str | None:
+    """``optim.name`` of a resolved config's yaml (a checkpoint's, or this run's)."""
+    if not config_yaml:
+        return None
+    name = OmegaConf.select(OmegaConf.create(config_yaml), "optim.name", default=None)
+    return None if name is None else str(name)
+
+
+def _read_summary(path: Path) -> dict | None:
+    """A run's summary.json, or None when there is none or it is unreadable (a torn write)."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def _last_logged(path: Path, key: str, step: int) -> float:
+    """The value of ``key`` logged at ``step`` in metrics.jsonl (NaN when absent)."""
+    from stabletrain.metrics import read_records
+
+    vals = [r[key] for r in read_records(path) if r.get("step") == step and key in r]
+    return float(vals[-1]) if vals else float("nan")
+
+
+# keys a resumed run may change: how it is run and recorded, not what it trains
+RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
+                     "steps", "epochs", "name", "device", "compile")
+
+
+def changed_keys(saved_yaml: str, mine_yaml: str) -> list[str]:
+    """The dotted keys whose values differ between two resolved configs, outside RESUME_MAY_CHANGE."""
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                out.update(flat(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: node}
+
+    a, b = (flat(OmegaConf.to_container(OmegaConf.create(y))) for y in (saved_yaml, mine_yaml))
+    return sorted(k for k in set(a) | set(b)
+                  if a.get(k) != b.get(k) and k.split(".")[0] not in RESUME_MAY_CHANGE)
 
 
 @dataclass
@@ -46,6 +92,7 @@ class LoopSettings:
     log_every: int = 10
     adamw2_every: int = 50  # AdamW²'s per-tensor curves at the log steps holding a multiple of this
     resume: str | None = None  # auto | a checkpoint path
+    resume_allow_changes: bool = False  # resume=auto with a changed model/optim/data/seed
     bf16: bool = False
     compile: bool = False
     config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
@@ -90,6 +137,7 @@ class Trainer:
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
+        self.on_start: list = []  # called once fit() has resumed (or not), before the first step
 
     # --- the step -------------------------------------------------------------------
 
@@ -244,10 +292,30 @@ class Trainer:
             "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
-    def save(self) -> None:
+    def save(self) -> bool:
+        """Write last.pt unless the weights or optimizer state hold a NaN/inf (a finite loss
+        does not prove them finite): a finite last.pt is never replaced by a non-finite one.
+        Returns False, with ``nonfinite_reason`` set, when the save was skipped for that."""
+        ok = True
         if self.info.is_main:
-            save_checkpoint(self.run_dir / "checkpoints" / "last.pt", self.checkpoint_payload())
+            payload = self.checkpoint_payload()
+            # one fused reduction on the device, read back with the sync the save makes anyway
+            ok = bool(all_finite(payload["model"], payload["optimizer"]["state"]))
+            if ok:
+                payload["optim_name"] = self.optim_name
+                save_checkpoint(self.run_dir / "checkpoints" / "last.pt", payload)
+        ok = D.broadcast_object(ok, self.info)
+        if not ok:
+            self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
+                                     f"still finite): checkpoint not written, last.pt keeps the previous one")
+            self.diverged_at = self.diverged_at or self.step
         D.barrier(self.info)
+        return ok
+
+    @property
+    def optim_name(self) -> str:
+        """The optimizer's name in the config (``optim.name``), stored in each checkpoint."""
+        return _optim_name(self.settings.config_yaml) or type(self.optimizer).__name__
 
     def maybe_resume(self) -> int | None:
         """Load ``resume`` (auto: the run dir's last.pt) on every rank; returns its step.
@@ -277,6 +345,17 @@ class Trainer:
             if {**saved, "resume": None} != {**mine, "resume": None}:
                 raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
                                   f"continue it anyway, or give this run its own hydra.run.dir")
+        # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
+        theirs, mine = ck.get("optim_name") or _optim_name(ck.get("config", "")), self.optim_name
+        if theirs is not None and mine is not None and theirs != mine:
+            raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={mine}: an optimizer's "
+                              f"state does not carry over; resume with optim={theirs} or start a new run")
+        if r == "auto" and not self.settings.resume_allow_changes and ck.get("config") and self.settings.config_yaml:
+            changed = changed_keys(ck["config"], self.settings.config_yaml)
+            if changed:
+                raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
+                                  f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
+                                  f"resume_allow_changes=true to continue with them")
         try:
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
@@ -313,6 +392,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.settings
         resumed = self.maybe_resume()
+        for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
+            hook()
         main = self.info.is_main
         self.metrics = self.open_sink(resumed)
         if self.monitor is not None:
@@ -332,11 +413,15 @@ class Trainer:
         if resumed is not None:
             m.message(f"resumed from step {resumed}")
             done = self.run_dir / "summary.json"
-            if self.step >= self.total_steps and done.is_file():
+            previous = _read_summary(done) if self.step >= self.total_steps else None
+            if previous is not None and previous.get("status") == "completed":
                 m.message(f"the checkpoint is at step {self.step} of {self.total_steps}: nothing to train; "
                           f"{done} stays as it is")
                 m.close()
-                return json.loads(done.read_text())
+                return previous
+            if self.step >= self.total_steps:  # e.g. a signal during the last step: finish the run
+                m.message(f"the checkpoint is at step {self.step} of {self.total_steps} but the run has no completed "
+                          f"summary: running the final evaluation")
         if self.monitor is not None and resumed is None:
             self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
         old_handlers = self._install_signals()
@@ -387,13 +472,21 @@ class Trainer:
                     self.stop_signal = agreed
                     status = "interrupted"
                     reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
-                    self.save()
+                    if not self.save():
+                        status, reason = "diverged", self.nonfinite_reason
                     break
-                if save_due:
-                    self.save()
+                if save_due and not self.save():
+                    status, reason = "diverged", self.nonfinite_reason
+                    break
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
+        if status == "completed" and not last_vals and resumed is not None and resumed >= self.total_steps:
+            last_vals = self.evaluate()  # the final evaluation a run ended during its last step may lack
+            if math.isnan(_last_logged(self.run_dir / "metrics.jsonl", next(iter(last_vals)), self.step)):
+                m.log(self.step, last_vals)  # once: a signal after the evaluation has logged it already
+            if math.isnan(train_loss):
+                train_loss = _last_logged(self.run_dir / "metrics.jsonl", N.LOSS, self.step)
         summary = {
             "status": status,
             "step": self.step,

@@ -1,0 +1,46 @@
+"""The run directory's lock: one process (rank 0 of one job) trains in a run directory at a time.
+
+``fcntl.flock`` on ``run_dir/.lock``, held while the run lasts. The kernel releases it when the
+holder exits however it exits, so a killed run leaves no stale lock; the holder's pid is written
+into the file for the refusal message.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from stabletrain.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
+
+
+class RunDirLock:
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / ".lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        if fcntl is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder} holds {self.path}); "
+                              f"wait for it to end or give this run its own hydra.run.dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None

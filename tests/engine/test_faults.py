@@ -1,0 +1,151 @@
+"""Fault injection on the run directory's files: each fault as a crash or a full disk leaves it,
+then what the next run or resume must make of it (#18)."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stabletrain.errors import ConfigError
+from tests.helpers import QUIET, ROOT, train
+
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
+
+
+def _steps(run_dir) -> list[int]:
+    from stabletrain.metrics import read_records
+
+    return [r["step"] for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def test_summary_is_written_atomically(tmp_path, monkeypatch):
+    """A kill mid-write leaves the previous summary.json whole (a temp file is what is torn)."""
+    from stabletrain import metrics
+
+    path = tmp_path / "summary.json"
+    metrics.write_json(path, {"status": "interrupted"})
+
+    def torn_replace(src, dst):
+        raise KeyboardInterrupt  # killed after the temp file was written, before the rename
+
+    monkeypatch.setattr(metrics.os, "replace", torn_replace)
+    with pytest.raises(KeyboardInterrupt):
+        metrics.write_json(path, {"status": "completed"})
+    assert json.loads(path.read_text()) == {"status": "interrupted"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_a_torn_summary_is_no_completed_run(tmp_path):
+    train(tmp_path, *GPT, "steps=2")
+    (tmp_path / "summary.json").write_text('{"status": "compl')  # torn by a kill (pre-atomic writes)
+    s = train(tmp_path, *GPT, "steps=2", "resume=auto")
+    assert s["status"] == "completed" and json.loads((tmp_path / "summary.json").read_text())["step"] == 2
+
+
+@pytest.mark.parametrize("tail", [b'{"step": 4, "loss": 1.2', b'{"step": 4, "loss": \xff\xfe}\n', b"\x00\x00\x00"])
+def test_a_torn_or_non_utf8_metrics_line_is_dropped_on_resume(tmp_path, tail):
+    from stabletrain.build import build_trainer
+    from tests.engine.test_run_safety import _interrupt_during_step
+    from tests.helpers import make_cfg
+
+    _interrupt_during_step(build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2"), tmp_path), 2)
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(tail)
+    s = train(tmp_path, *GPT, "steps=4", "resume=auto")
+    assert s["status"] == "completed"
+    assert _steps(tmp_path) == [1, 2, 3, 4]
+    for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+
+
+def test_metrics_history_is_kept_when_the_checkpoint_is_unreadable(tmp_path):
+    train(tmp_path, *GPT, "steps=4", "ckpt_every=2")
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    ck = tmp_path / "checkpoints/last.pt"
+    ck.write_bytes(ck.read_bytes()[:1000])  # a corrupt checkpoint
+    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+        train(tmp_path, *GPT, "steps=4", "resume=auto")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert (tmp_path / "config.yaml").is_file()
+
+
+def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
+    (tmp_path / "checkpoints").mkdir(parents=True)
+    stale = tmp_path / "checkpoints/.last.pt.tmp99999"
+    stale.write_bytes(b"half a checkpoint")
+    train(tmp_path, *GPT, "steps=1")
+    assert not stale.exists() and "removed .last.pt.tmp99999" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from stabletrain.engine import checkpoint
+    from stabletrain.engine.checkpoint import CheckpointWriteError
+
+    train(tmp_path, *GPT, "steps=2")
+    before = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"]
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)  # part of it was written ...
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(CheckpointWriteError) as e:
+        train(tmp_path, *GPT, "steps=4", "resume=auto")
+    msg = str(e.value)
+    assert "\n" not in msg and "disk is full" in msg and "still holds the previous checkpoint" in msg
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"] == before
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]
+
+
+def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):
+    from stabletrain.engine import checkpoint
+    from stabletrain.run import main_guarded
+    from tests.helpers import make_cfg
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(SystemExit) as e:
+        main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: cannot write last.pt: the disk is full") and "Traceback" not in "".join(err)
+
+
+def test_a_second_run_in_a_locked_directory_is_refused_naming_the_pid(tmp_path):
+    from stabletrain.engine.rundir import RunDirLock
+
+    lock = RunDirLock(tmp_path).acquire()  # as another run holding it would
+    try:
+        with pytest.raises(ConfigError, match=f"in use by another run \\(pid {os.getpid()} holds"):
+            train(tmp_path, *GPT, "steps=1")
+        assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        lock.release()
+    assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # released: the next run may
+
+
+def test_the_lock_of_another_process_refuses_train_py(tmp_path):
+    """Held by a live process, refused with its pid; a dead holder's lock is gone with it."""
+    code = ("import sys, time; from stabletrain.engine.rundir import RunDirLock; "
+            "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        from tests.helpers import cli
+
+        r = cli(*QUIET, *GPT, "steps=1", f"hydra.run.dir={tmp_path}")
+        assert r.returncode == 2
+        assert f"error: {tmp_path} is in use by another run (pid {holder.pid} holds" in r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock

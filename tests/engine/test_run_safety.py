@@ -1,0 +1,101 @@
+"""Never lose a run (#18): finite checkpoints, completing a run whose steps are done, resume checks."""
+
+import json
+
+import pytest
+import torch
+
+from stabletrain.errors import ConfigError
+from tests.helpers import train
+
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
+
+
+def _finite(state) -> bool:
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(_finite(v) for v in state)
+    return True
+
+
+def test_a_checkpoint_never_holds_non_finite_weights_or_optimizer_state(tmp_path):
+    """lr=1000 makes the weights and Adam's moments non-finite at step 4 while the loss is still
+    finite (it turns NaN at step 5): last.pt must keep the finite step-0..3 state, not step 4's."""
+    s = train(tmp_path, "model=gpt_test", "optim=adamw", "optim.lr=1000", "warmup=0", "steps=200", "ckpt_every=4")
+    assert s["status"] == "diverged" and "non-finite weights" in s["reason"] and s["step"] == 4
+    assert not (tmp_path / "checkpoints/last.pt").exists()  # step 4's was the first: none is better than NaN
+    t = train(tmp_path / "two", "model=gpt_test", "optim=adamw", "optim.lr=1000", "warmup=0", "steps=200",
+              "ckpt_every=2")
+    assert t["status"] == "diverged" and t["diverged_at"] == 4
+    state = torch.load(tmp_path / "two/checkpoints/last.pt", weights_only=True)
+    assert state["step"] == 2 and _finite(state["model"]) and _finite(state["optimizer"]["state"])
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
+
+
+def _interrupt_during_step(trainer, n):
+    """A SIGTERM caught while step ``n`` runs (the loop checkpoints after it and stops)."""
+    import signal
+
+    orig = trainer.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if trainer.step + 1 == n:
+            trainer.stop_signal = signal.SIGTERM
+        return out
+
+    trainer.train_step = step
+    return trainer.fit()
+
+
+def test_a_run_interrupted_in_its_last_step_completes_on_resume(tmp_path, capsys):
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET, make_cfg
+
+    s = _interrupt_during_step(build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path), 4)
+    assert s["status"] == "interrupted" and s["step"] == 4
+    again = train(tmp_path, *GPT, "steps=4", "resume=auto")
+    assert again["status"] == "completed" and again["step"] == 4 and "val/loss" in again["final"]
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+    assert "running the final evaluation" in capsys.readouterr().err
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum("val/loss" in r for r in recs) == 1  # the evaluation the interrupted run logged, once
+    assert train(tmp_path, *GPT, "steps=4", "resume=auto") == again  # now nothing to train
+
+
+def test_a_refused_resume_changes_nothing_and_names_the_changed_keys(tmp_path):
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    config = (tmp_path / "config.yaml").read_text()
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match=r"resume=auto would change the resumed run's .*model.dropout.*seed"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "model.dropout=0.1", "resume=auto")
+    assert (tmp_path / "config.yaml").read_text() == config  # today it was rewritten before the refusal
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    # cadences and length may change; with resume_allow_changes=true, anything may
+    s = train(tmp_path, *GPT, "steps=3", "optim=adamw", "eval_every=7", "ckpt_every=9", "resume=auto")
+    assert s["status"] == "completed" and s["step"] == 3
+    s = train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "resume=auto", "resume_allow_changes=true")
+    assert s["status"] == "completed" and "seed: 3" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, allow):
+    """AdamW² -> AdamW loads without an error (the same state keys) and would silently train on."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ConfigError, match="written with optim=adamw2, this run uses optim=adamw"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", f"resume_allow_changes={allow}")
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_the_optimizer_of_a_checkpoint_without_its_name_comes_from_its_config(tmp_path):
+    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    ck = tmp_path / "checkpoints/last.pt"
+    state = torch.load(ck, weights_only=True)
+    del state["optim_name"]  # as written before it was stored
+    torch.save(state, ck)
+    with pytest.raises(ConfigError, match="written with optim=adamw2"):
+        train(tmp_path / "other", *GPT, "steps=4", "optim=adamw", f"resume={ck}")
