@@ -34,8 +34,9 @@ class DivergenceWatch:
             self.skips += 1
             if self.skips >= self.max_skips:
                 self.onset = step - self.skips + 1
-                return (f"{self.skips} consecutive non-finite step(s) skipped (steps {self.onset}-{step}, "
-                        f"divergence.max_skips={self.max_skips})")
+                after = f" and the {self.skips - 1} step(s) after it" if self.skips > 1 else ""
+                return (f"non-finite gradients at step {self.onset}{after}, skipped "
+                        f"(divergence.max_skips={self.max_skips})")
             return None
         self.skips = 0
         if not math.isfinite(loss):

@@ -264,7 +264,7 @@ class Trainer:
             s = p[0]
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
             if reason:
-                self.diverged_at = s + 1
+                self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
                 self.trigger = (self.divergence.onset or s + 1, "divergence")
                 break
         if reason is None and stop > 0:
@@ -540,7 +540,8 @@ class Trainer:
                     reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
                     self.save()
                     break
-                if save_due:
+                # no checkpoint inside a run of skipped (non-finite) steps, but for the last one
+                if save_due and (self.divergence.skips == 0 or self.step == self.total_steps):
                     self.save()
                     self.save_ring()
         finally:
