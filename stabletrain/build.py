@@ -163,7 +163,10 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, ckpt_every=cfg.ckpt_every,
         log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume,
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
-        compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name)
+        compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
+        ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
+        nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
+        spike_factor=cfg.debug.spike_factor)
 
     def open_sink(resume_step: int | None) -> Metrics:
         config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else None

@@ -247,6 +247,7 @@ class MonitorConfig:
     per_head: bool = False  # log every head, not only max/mean
     alerts: bool = True
     stop_on_alert: bool = False  # sweeps: end an entropy-collapsed run as diverged
+    rollback_on_alert: bool = False  # with stop_on_alert and divergence.action=rollback: roll back instead
     entropy_floor: float = 0.1  # nats; entropy below this with growing sigma1(QK) alerts
     qk_growth: float = 10.0  # sigma1(W_q^T W_k) growth factor within qk_window steps that alerts
     qk_window: int = 1000  # steps over which that growth is measured
@@ -275,6 +276,28 @@ class DivergenceConfig:
     window: int = 20  # ... for this many consecutive steps ends the run as diverged
     warmup_steps: int = 20  # running mean needs this many steps before spikes count
     ema: float = 0.98
+    # Surviving a spike (README "Surviving a spike", docs/architecture.md):
+    skip_nonfinite: bool = True  # a step whose gradients are non-finite changes no weight nor optimizer state
+    max_skips: int = 10  # this many consecutive skipped steps count as a divergence
+    action: str = "stop"  # stop | rollback: on a divergence, restore the newest ring checkpoint before it
+    skip_window: int = 1  # a rollback skips at least this many steps of data (else: checkpoint..trigger)
+    max_rollbacks: int = 3  # per run; one more divergence ends the run as diverged
+    lr_scale_on_rollback: float = 1.0  # the lr is multiplied by this at each rollback (compounding)
+
+
+@dataclass
+class CkptConfig:
+    keep: int = 3  # ring of checkpoints/step_NNNNNN.pt besides last.pt, written every ckpt_every steps
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests and demos (steps are 1-based, like ``diverged_at``). The fault
+    belongs to the batch of step K (stream position K - 1): a rollback that skips it skips the fault."""
+
+    nan_at_step: Optional[int] = None  # the loss of this step is multiplied by NaN before backward (every rank)
+    spike_at_step: Optional[int] = None  # the loss of this step is multiplied by spike_factor before backward
+    spike_factor: float = 1e4
 
 
 @dataclass
@@ -295,6 +318,8 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     steps: Optional[int] = None  # optimizer steps; overrides epochs when set
     epochs: Optional[float] = None
@@ -421,6 +446,23 @@ def validate(cfg: Any) -> None:
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
+    dv = cfg.divergence
+    _need(dv.action in ("stop", "rollback"), f"divergence.action={dv.action} is not an option: use stop or rollback")
+    _need(dv.max_skips >= 1, f"divergence.max_skips={dv.max_skips} must be >= 1")
+    _need(dv.skip_window >= 1, f"divergence.skip_window={dv.skip_window} must be >= 1")
+    _need(dv.max_rollbacks >= 0, f"divergence.max_rollbacks={dv.max_rollbacks} must be >= 0")
+    _need(0 < dv.lr_scale_on_rollback <= 1,
+          f"divergence.lr_scale_on_rollback={dv.lr_scale_on_rollback} must be in (0, 1]")
+    _need(cfg.ckpt.keep >= 0, f"ckpt.keep={cfg.ckpt.keep} must be >= 0")
+    _need(dv.action != "rollback" or cfg.ckpt.keep >= 1,
+          "divergence.action=rollback restores a ring checkpoint: set ckpt.keep >= 1 (e.g. 3)")
+    _need(not mon.rollback_on_alert or (dv.action == "rollback" and mon.stop_on_alert),
+          "monitor.rollback_on_alert=true needs divergence.action=rollback and monitor.stop_on_alert=true")
+    dbg = cfg.debug
+    for key in ("nan_at_step", "spike_at_step"):
+        v = getattr(dbg, key)
+        _need(v is None or v >= 1, f"debug.{key}={v} must be >= 1 (1-based) or null")
+    _need(dbg.spike_factor > 0, f"debug.spike_factor={dbg.spike_factor} must be > 0")
     d = cfg.data
     _need(d.repeated_aug >= 1, f"data.repeated_aug={d.repeated_aug} must be >= 1 (1 disables it)")
     _need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")

@@ -111,3 +111,57 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- the ring: the last ``ckpt.keep`` checkpoints besides last.pt, for rollbacks ---------------
+
+RING_PREFIX = "step_"
+
+
+def ring_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{RING_PREFIX}{step:06d}.pt"
+
+
+def ring_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the ring's checkpoints, oldest first."""
+    out = []
+    for p in (Path(run_dir) / "checkpoints").glob(f"{RING_PREFIX}*.pt"):
+        try:
+            out.append((int(p.stem[len(RING_PREFIX):]), p))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def save_to_ring(run_dir: Path, step: int, keep: int, source: Path | None = None) -> Path | None:
+    """Add the checkpoint of ``step`` to the ring and drop the oldest beyond ``keep``.
+
+    ``source`` (last.pt, just written) is hard-linked into place (no second write), copied
+    where links are not possible; either way through a temp file and a rename (atomic)."""
+    if keep <= 0:
+        return None
+    source = source or last_checkpoint(run_dir)
+    if source is None:
+        return None
+    dest = ring_path(run_dir, step)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        import shutil
+
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, dest)
+    for _, old in ring_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return dest
+
+
+def drop_ring_after(run_dir: Path, step: int) -> None:
+    """A rollback abandons the checkpoints after the step it restored."""
+    for s, p in ring_checkpoints(run_dir):
+        if s > step:
+            p.unlink(missing_ok=True)

@@ -1,5 +1,10 @@
 """Divergence is a result: a non-finite loss, or a loss far above its running level for a
-window of steps, ends the run cleanly with status ``diverged`` and the reason."""
+window of steps, ends the run cleanly with status ``diverged`` and the reason, unless
+``divergence.action=rollback`` restores a ring checkpoint from before it (engine/loop.py).
+
+With ``divergence.skip_nonfinite`` a step whose gradients are non-finite was skipped (its
+update never applied, see engine/guard.py); such a step feeds nothing to the running level,
+and ``max_skips`` consecutive skipped steps count as a divergence."""
 
 from __future__ import annotations
 
@@ -13,19 +18,36 @@ class DivergenceWatch:
         cfg = cfg or DivergenceConfig()
         self.enabled, self.factor, self.window = cfg.enabled, cfg.spike_factor, cfg.window
         self.warmup, self.decay = cfg.warmup_steps, cfg.ema
+        self.skip_nonfinite, self.max_skips = bool(cfg.skip_nonfinite), int(cfg.max_skips)
+        self.action, self.skip_window = str(cfg.action), int(cfg.skip_window)
+        self.max_rollbacks, self.lr_scale_on_rollback = int(cfg.max_rollbacks), float(cfg.lr_scale_on_rollback)
         self.ema: float | None = None
         self.seen = 0
         self.over = 0
+        self.skips = 0  # consecutive skipped steps
+        self.onset: int | None = None  # the first step of the trouble the last reason names
 
-    def update(self, step: int, loss: float) -> str | None:
-        """Feed one step's loss; returns the reason the run diverged, or None."""
+    def update(self, step: int, loss: float, skipped: bool = False) -> str | None:
+        """Feed one step's loss (``skipped``: its update was not applied); returns the reason
+        the run diverged, or None. ``onset`` is then the first step of the trouble."""
+        if skipped:
+            self.skips += 1
+            if self.skips >= self.max_skips:
+                self.onset = step - self.skips + 1
+                after = f" and the {self.skips - 1} step(s) after it" if self.skips > 1 else ""
+                return (f"non-finite gradients at step {self.onset}{after}, skipped "
+                        f"(divergence.max_skips={self.max_skips})")
+            return None
+        self.skips = 0
         if not math.isfinite(loss):
+            self.onset = step
             return f"non-finite loss ({loss}) at step {step}"
         if not self.enabled:
             return None
         spiking = self.seen >= self.warmup and self.ema is not None and loss > self.factor * self.ema
         self.over = self.over + 1 if spiking else 0
         if self.over >= self.window:
+            self.onset = step - self.over + 1
             return (f"loss {loss:.4g} stayed above {self.factor:g}x its running mean {self.ema:.4g} "
                     f"for {self.window} steps (step {step})")
         if not spiking:  # the running level tracks healthy steps only
@@ -34,7 +56,8 @@ class DivergenceWatch:
         return None
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "seen": self.seen, "over": self.over}
+        return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
+        self.skips = s.get("skips", 0)

@@ -25,12 +25,24 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import (all_finite, last_checkpoint, load_checkpoint, rng_state, save_checkpoint,
-                                          set_rng_state)
+from stabletrain.engine.checkpoint import (
+    all_finite,
+    drop_ring_after,
+    last_checkpoint,
+    load_checkpoint,
+    ring_checkpoints,
+    rng_state,
+    save_checkpoint,
+    save_to_ring,
+    set_rng_state,
+)
 from stabletrain.engine.divergence import DivergenceWatch
+from stabletrain.engine.guard import StepGuard
 from stabletrain.errors import ConfigError
 from stabletrain.metrics import write_json
 from stabletrain.monitor import names as N
+
+SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
 
 
 def _optim_name(config_yaml: str) -> str | None:
@@ -97,6 +109,11 @@ class LoopSettings:
     compile: bool = False
     config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
     title: str = "model"  # the start line's name for the model
+    ckpt_keep: int = 0  # ring checkpoints (checkpoints/step_NNNNNN.pt) besides last.pt
+    rollback_on_alert: bool = False  # the monitors' stop request rolls back (divergence.action=rollback)
+    nan_at_step: int | None = None  # fault injection (debug.*): the loss of this 1-based step times NaN
+    spike_at_step: int | None = None  # ... times spike_factor
+    spike_factor: float = 1e4
 
 
 class Trainer:
@@ -138,6 +155,12 @@ class Trainer:
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
+        # surviving a spike: skipped steps, and rollbacks (saved in checkpoints under "survival")
+        self.guard = StepGuard(model, optimizer, ema) if self.divergence.skip_nonfinite else None
+        self.data_offset = 0  # the batch of step s is the stream's position s + data_offset
+        self.lr_scale = 1.0  # divergence.lr_scale_on_rollback, compounded per rollback
+        self.rollbacks: list[dict] = []
+        self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
 
     # --- the step -------------------------------------------------------------------
 
@@ -158,10 +181,32 @@ class Trainer:
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
+    def _inject(self, loss: torch.Tensor) -> torch.Tensor:
+        """debug.nan_at_step / debug.spike_at_step: a fault in this step's loss, before backward.
+
+        The fault belongs to the batch (the stream position ``K - 1``, step K of a run that never
+        rolled back), as bad data would: a rollback that skips that batch skips the fault."""
+        done = self.step + self.data_offset + 1  # 1-based, like diverged_at
+        if done == self.settings.nan_at_step:
+            loss = loss * float("nan")  # a product, so the gradients are NaN too
+        if done == self.settings.spike_at_step:
+            loss = loss * self.settings.spike_factor
+        return loss
+
     def train_step(self, micro_batches, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step over this rank's micro-batches; the loss stays on the device."""
+        """One optimizer step over this rank's micro-batches; the loss stays on the device.
+
+        With ``divergence.skip_nonfinite`` a step whose gradient norm is not finite changes
+        nothing (engine/guard.py); ``self.last_skipped`` is then 1 (a device tensor, no sync)."""
         self.schedule(self.optimizer, self.step)
+        if self.lr_scale != 1.0:
+            for g in self.optimizer.param_groups:
+                g["lr"] *= self.lr_scale
         self.train_model.train()
+        guard = self.guard
+        if guard is not None:
+            guard.begin()
+        inject = self.step + self.data_offset + 1 in (self.settings.nan_at_step, self.settings.spike_at_step)
         total = torch.zeros((), device=self.device)
         n = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
@@ -172,20 +217,32 @@ class Trainer:
             ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
             with ctx:
                 loss = self.loss_on(self.train_model, x, y)
+                if inject:
+                    loss = self._inject(loss)
                 (loss / n).backward()
             total += loss.detach() / n
         grad_norm = None  # before clipping; computed only when clipping or logging needs it
         if self.settings.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip, foreach=True)
-        elif want_grad_norm:
+        elif want_grad_norm or guard is not None:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
                                                       foreach=True)
-        self.optimizer.step()
+
+        def update():
+            self.optimizer.step()
+            for hook in self.step_hooks:
+                hook()
+            if self.ema is not None:
+                self.ema.after_step(self.model, self.step)
+
+        if guard is None:
+            update()
+            self.last_skipped = None
+        else:
+            finite = torch.isfinite(grad_norm)  # the same on every rank: the grads are all-reduced
+            guard.step(finite, update)
+            self.last_skipped = (~finite).float()
         self.optimizer.zero_grad(set_to_none=True)
-        for hook in self.step_hooks:
-            hook()
-        if self.ema is not None:
-            self.ema.after_step(self.model, self.step)
         return total, grad_norm
 
     # --- evaluation -----------------------------------------------------------------
@@ -234,26 +291,39 @@ class Trainer:
         shared, so every rank reaches the same verdict at the same step. Returns the reason to
         stop, or None."""
         stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
-        k = len(self.loss_terms)
-        values = torch.cat([torch.stack([p[1] for p in pending]), self.term_sums,
+        k, n = len(self.loss_terms), len(pending)
+        guarded = self.guard is not None
+        # the skip flags are the same on every rank (from the all-reduced gradients): averaging keeps them
+        flags = [torch.stack([p[4] for p in pending])] if guarded else []
+        values = torch.cat([torch.stack([p[1] for p in pending]), *flags, self.term_sums,
                             torch.tensor([stop], device=self.device)])
         self.term_sums = torch.zeros(k, device=self.device)
         if self.info.enabled:
             torch.distributed.all_reduce(values)
             values[:-1] /= self.info.world
         values = values.tolist()
-        losses, terms, stop = values[:len(pending)], values[len(pending):len(pending) + k], values[-1]
+        losses, values = values[:n], values[n:]
+        skipped = [v > 0.5 for v in values[:n]] if guarded else [False] * n
+        values = values[n:] if guarded else values
+        terms, stop = values[:k], values[-1]
         reason = None
-        for (s, _, _, _), value in zip(pending, losses):
-            reason = self.divergence.update(s + 1, value)  # steps done, as everywhere else
+        self.trigger = None
+        for p, value, skip in zip(pending, losses, skipped):
+            s = p[0]
+            reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
             if reason:
-                self.diverged_at = s + 1
+                self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
+                self.trigger = (self.divergence.onset or s + 1, "divergence")
                 break
         if reason is None and stop > 0:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
-        self.last_train_loss = sum(losses) / len(losses)
+            self.trigger = (self.step, "alert")
+        healthy = [v for v, skip in zip(losses, skipped) if not skip]  # a skipped step's loss is nan
+        self.last_train_loss = sum(healthy) / len(healthy) if healthy else float("nan")
         rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: dt / len(pending)}
+        if guarded:
+            rec[SKIPPED_STEPS] = sum(skipped)
         if k:
             rec[N.LOSS_PENALTY] = sum(terms) / len(pending)
         if k > 1:
@@ -290,7 +360,17 @@ class Trainer:
             "config": self.settings.config_yaml,
             "monitor": self.monitor.state_dict() if self.monitor is not None else {},
             "ema": self.ema.state_dict() if self.ema is not None else None,
+            "survival": self.survival_state(),
         }
+
+    def survival_state(self) -> dict:
+        """What a rollback changed: the data offset, the lr scale, the rollbacks so far."""
+        return {"data_offset": self.data_offset, "lr_scale": self.lr_scale, "rollbacks": list(self.rollbacks)}
+
+    def load_survival_state(self, s: dict | None) -> None:
+        s = s or {}
+        self.data_offset, self.lr_scale = int(s.get("data_offset", 0)), float(s.get("lr_scale", 1.0))
+        self.rollbacks = list(s.get("rollbacks", []))
 
     def save(self) -> bool:
         """Write last.pt unless the weights or optimizer state hold a NaN/inf (a finite loss
@@ -364,6 +444,7 @@ class Trainer:
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({first}); resume it with "
                               f"the config it was written with ({path.parent.parent / 'config.yaml'})") from None
         self.divergence.load_state_dict(ck["divergence"])
+        self.load_survival_state(ck.get("survival"))
         set_rng_state(ck["rng"])
         if self.monitor is not None and ck.get("monitor"):
             self.monitor.load_state_dict(ck["monitor"])
@@ -371,6 +452,69 @@ class Trainer:
             self.ema.load_state_dict(ck.get("ema"), self.model)
         self.step = ck["step"]
         return self.step
+
+    # --- surviving a spike: the checkpoint ring and rollbacks -------------------------
+
+    def save_ring(self) -> None:
+        """last.pt, just written by :meth:`save`, joins the ring of ``ckpt.keep`` checkpoints (rank 0)."""
+        if self.info.is_main and self.settings.ckpt_keep > 0:
+            save_to_ring(self.run_dir, self.step, self.settings.ckpt_keep)
+
+    def survive(self, reason: str) -> str | None:
+        """``divergence.action=rollback``: restore the newest ring checkpoint from before the
+        trouble began, skip the data from there to the trouble (at least ``skip_window`` steps),
+        scale the lr, and go on; returns None then. Returns the reason to stop otherwise.
+
+        Every rank comes here at the same step with the same reason (it was reached through the
+        all-reduce of :meth:`_log_interval`); rank 0 picks the checkpoint. metrics.jsonl keeps one
+        consistent history: the records after the restored step are dropped, as on a resume."""
+        w = self.divergence
+        onset, kind = self.trigger or (self.step, "divergence")
+        if w.action != "rollback" or (kind == "alert" and not self.settings.rollback_on_alert):
+            return reason
+        if len(self.rollbacks) >= w.max_rollbacks:
+            return f"{reason}; divergence.max_rollbacks={w.max_rollbacks} reached"
+        found = None
+        if self.info.is_main:
+            before = [(s, p) for s, p in ring_checkpoints(self.run_dir) if s < onset]
+            found = before[-1] if before else None
+        found = D.broadcast_object(found, self.info)
+        if found is None:
+            return f"{reason}; no ring checkpoint before step {onset} to roll back to"
+        restored, path = found
+        ck = load_checkpoint(path, map_location=self.device)
+        self.model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.divergence.load_state_dict(ck["divergence"])
+        set_rng_state(ck["rng"])
+        if self.monitor is not None:
+            if ck.get("monitor"):
+                self.monitor.load_state_dict(ck["monitor"])
+            self.monitor.stop_reason = None
+        if self.ema is not None:
+            self.ema.load_state_dict(ck.get("ema"), self.model)
+        detected = self.step
+        skipped = max(onset - restored, w.skip_window)
+        self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped
+        self.lr_scale *= w.lr_scale_on_rollback
+        self.step = restored
+        self.diverged_at = None
+        entry = {"trigger_step": onset, "detected_step": detected, "restored_step": restored,
+                 "skipped_steps": skipped, "reason": reason}
+        self.rollbacks.append(entry)
+        m = self.metrics
+        if self.info.is_main:
+            drop_ring_after(self.run_dir, restored)
+            if m.enabled:
+                m._truncate_after(restored)  # the file is opened for appending: later records follow
+        m.log(restored, {"rollback/restored_step": restored, "rollback/skipped_steps": skipped,
+                         "rollback/trigger_step": onset, "rollback/reason": reason})
+        m.message(f"rollback {len(self.rollbacks)}/{w.max_rollbacks} at step {detected}: {reason}; restored step "
+                  f"{restored} ({path.name}), skipping the data of {skipped} step(s)"
+                  + (f", lr x{self.lr_scale:.4g}" if self.lr_scale != 1.0 else ""))
+        self.save()  # last.pt and the ring now hold the restored state with its new data offset
+        self.save_ring()
+        return None
 
     # --- the run --------------------------------------------------------------------
 
@@ -426,9 +570,12 @@ class Trainer:
             self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
         old_handlers = self._install_signals()
         status, reason = "completed", None
-        stream = self.data.train_iter(self.step, self.shard)
+        if self.divergence.action == "rollback" and resumed is None:
+            self.save()  # step 0 in the ring: a rollback is possible from the first step
+            self.save_ring()
+        stream = self.data.train_iter(self.step + self.data_offset, self.shard)
         log_every = max(1, cfg.log_every)
-        pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float]] = []
+        pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]] = []
         t_last, samples = time.perf_counter(), 0
         last_vals: dict = {}
         train_loss = float("nan")
@@ -443,12 +590,12 @@ class Trainer:
         try:
             while self.step < self.total_steps:
                 step = self.step
-                lr = self.lr_at(step)  # what the schedule sets in train_step, for the log line
+                lr = self.lr_at(step) * self.lr_scale  # what train_step sets, for the log line
                 save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
                 # a checkpoint is written only after its steps' losses were checked
                 log_now = (step + 1) % log_every == 0 or save_due
                 loss, gnorm = self.train_step(next(stream), want_grad_norm=log_now)
-                pending.append((step, loss, gnorm, lr))
+                pending.append((step, loss, gnorm, lr, self.last_skipped))
                 samples += cfg.batch_size
                 self.step = step + 1
                 if self.monitor is not None:
@@ -460,6 +607,10 @@ class Trainer:
                 if log_now:
                     reason = flush(lr, t_end)
                     if reason:
+                        reason = self.survive(reason)
+                        if reason is None:  # rolled back: the step counter and the data stream moved
+                            stream = self.data.train_iter(self.step + self.data_offset, self.shard)
+                            continue
                         status = "diverged"
                         break
                 # A signal landing during the agreement counts at the next step, on every rank.
@@ -475,9 +626,12 @@ class Trainer:
                     if not self.save():
                         status, reason = "diverged", self.nonfinite_reason
                     break
-                if save_due and not self.save():
-                    status, reason = "diverged", self.nonfinite_reason
-                    break
+                # no checkpoint inside a run of skipped (non-finite) steps, but for the last one
+                if save_due and (self.divergence.skips == 0 or self.step == self.total_steps):
+                    if not self.save():  # non-finite weights: last.pt and the ring keep the last finite
+                        status, reason = "diverged", self.nonfinite_reason
+                        break
+                    self.save_ring()
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
@@ -499,6 +653,8 @@ class Trainer:
             summary["diverged_at"] = self.diverged_at or self.step  # may precede the step it was seen at
         if status == "interrupted":
             summary["signal"] = int(self.stop_signal)
+        if self.divergence.action == "rollback":
+            summary["rollbacks"] = self.rollbacks
         if self.monitor is not None:
             summary.update(self.monitor.summary(status))
         if main:

@@ -1,0 +1,163 @@
+"""Surviving a spike (#15): skipped non-finite steps, the checkpoint ring, rollbacks."""
+
+import itertools
+import json
+import signal
+
+import pytest
+import torch
+
+from tests.helpers import QUIET, losses, make_cfg, train
+
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "precision=fp32"]
+ROLLBACK = ["divergence.action=rollback", "divergence.max_skips=1", "ckpt_every=4"]
+
+
+def _load(path):
+    return torch.load(path, weights_only=True)
+
+
+def _assert_equal(a, b, where=""):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}/{i}")
+
+
+def _records(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("extra", [
+    ["optim=adamw"],  # torch's fused AdamW on CPU: found_inf
+    ["optim=adamw", "optim.fused=false"],
+    ["optim=adamw2", "reparam=sigma", "ema.decay=0.9"],  # hooks and EMA guarded too
+    ["optim=sgd", "grad_clip=1.0"],
+    ["optim=lars"],
+])
+def test_nan_step_leaves_weights_and_state_untouched(tmp_path, extra):
+    """A NaN in the last step's loss: the weights and optimizer state equal those after the step
+    before it (bit-exact), as if that update was never applied."""
+    args = [*GPT, *extra, "steps=4"]
+    s = train(tmp_path / "nan", *args, "debug.nan_at_step=4")
+    assert s["status"] == "completed"
+    train(tmp_path / "ref", *args, "ckpt_every=1", "ckpt.keep=4")
+    a = _load(tmp_path / "nan/checkpoints/last.pt")
+    b = _load(tmp_path / "ref/checkpoints/step_000003.pt")
+    _assert_equal(a["model"], b["model"], "model")
+    _assert_equal(a["optimizer"]["state"], b["optimizer"]["state"], "optimizer")
+    if a["ema"] is not None:  # its sigmaReparam vectors are fitted at the final evaluation: the weights only
+        keep = [k for k in a["ema"]["module"] if not k.endswith((".u", ".v"))]
+        _assert_equal({k: a["ema"]["module"][k] for k in keep}, {k: b["ema"]["module"][k] for k in keep}, "ema")
+    skipped = {r["step"]: r["train/skipped_steps"] for r in _records(tmp_path / "nan") if "loss" in r}
+    assert skipped == {1: 0, 2: 0, 3: 0, 4: 1}
+
+
+def test_nan_in_the_middle_is_skipped_and_the_run_goes_on(tmp_path):
+    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "logger.log_every=3")
+    assert s["status"] == "completed" and s["step"] == 6
+    recs = [r for r in _records(tmp_path) if "loss" in r]
+    assert [r["train/skipped_steps"] for r in recs] == [1, 0]
+    assert all(isinstance(r["loss"], float) for r in recs)  # the mean of the healthy steps
+
+
+def test_persistent_nan_stops_without_rollback(tmp_path):
+    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "divergence.max_skips=1")
+    assert s["status"] == "diverged" and s["diverged_at"] == 3 and "non-finite" in s["reason"]
+    s = train(tmp_path / "off", *GPT, "steps=6", "debug.nan_at_step=3", "divergence.skip_nonfinite=false")
+    assert s["status"] == "diverged" and s["diverged_at"] == 3
+
+
+def _skipping(data, at: int, skip: int):
+    """``data.train_iter`` that jumps ``skip`` positions at step ``at``, as a rollback does."""
+    orig = data.train_iter
+
+    def train_iter(start, shard):
+        for s in itertools.count(start):
+            yield next(orig(s + (skip if s >= at else 0), shard))
+
+    return train_iter
+
+
+def test_rollback_equals_a_run_that_skipped_the_data(tmp_path):
+    """NaN at step 6 (max_skips=1): the ring's step 4 is restored, the data of steps 5-6 is
+    skipped, and the run goes on exactly as a fresh run that skipped that data."""
+    s = train(tmp_path / "rb", *GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6")
+    assert s["status"] == "completed" and s["step"] == 12
+    assert s["rollbacks"] == [{"trigger_step": 6, "detected_step": 6, "restored_step": 4, "skipped_steps": 2,
+                               "reason": s["rollbacks"][0]["reason"]}]
+    recs = _records(tmp_path / "rb")
+    rb = [r for r in recs if "rollback/restored_step" in r]
+    assert len(rb) == 1 and rb[0]["step"] == 4 and rb[0]["rollback/skipped_steps"] == 2
+    steps = [r["step"] for r in recs if "loss" in r]
+    assert steps == list(range(1, 13))  # one consistent history: the records of steps 5-6 were dropped
+    assert _load(tmp_path / "rb/checkpoints/last.pt")["survival"]["data_offset"] == 2
+
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=12"), tmp_path / "ref")
+    t.data.train_iter = _skipping(t.data, 4, 2)
+    t.fit()
+    assert losses(tmp_path / "rb") == losses(tmp_path / "ref")
+
+
+def test_resume_after_a_rollback_continues_exactly(tmp_path):
+    args = [*GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6"]
+    train(tmp_path / "full", *args)
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path / "half")
+    orig = t.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if t.rollbacks and t.step + 1 == 9:
+            t.stop_signal = signal.SIGTERM
+        return out
+
+    t.train_step = step
+    assert t.fit()["status"] == "interrupted"
+    s = train(tmp_path / "half", *args, "resume=auto")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")
+
+
+def test_max_rollbacks_reached_is_diverged(tmp_path):
+    s = train(tmp_path, *GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "divergence.max_rollbacks=0")
+    assert s["status"] == "diverged" and "max_rollbacks=0 reached" in s["reason"] and s["rollbacks"] == []
+
+
+def test_lr_scale_compounds_and_is_saved(tmp_path):
+    s = train(tmp_path, *GPT, *ROLLBACK, "steps=8", "debug.nan_at_step=6", "divergence.lr_scale_on_rollback=0.5")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    assert _load(tmp_path / "checkpoints/last.pt")["survival"]["lr_scale"] == 0.5
+
+
+def test_ring_keeps_the_last_k(tmp_path):
+    train(tmp_path, *GPT, "steps=10", "ckpt_every=2", "ckpt.keep=2")
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")) == \
+        ["step_000008.pt", "step_000010.pt"]
+
+
+@pytest.mark.parametrize("override, message", [
+    (["divergence.action=rollback", "ckpt.keep=0"], "set ckpt.keep >= 1"),
+    (["divergence.skip_window=0"], "skip_window=0 must be >= 1"),
+    (["divergence.max_rollbacks=-1"], "max_rollbacks=-1 must be >= 0"),
+    (["divergence.lr_scale_on_rollback=1.5"], "must be in (0, 1]"),
+    (["divergence.lr_scale_on_rollback=0"], "must be in (0, 1]"),
+    (["divergence.action=retry"], "use stop or rollback"),
+    (["monitor.rollback_on_alert=true"], "needs divergence.action=rollback"),
+])
+def test_bad_combinations_are_one_line_errors(override, message):
+    from stabletrain.build import validate
+    from stabletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(make_cfg(*GPT, "steps=4", *override))
+    assert message in str(err.value) and "\n" not in str(err.value)
