@@ -164,6 +164,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume,
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
         compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
+        flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
         spike_factor=cfg.debug.spike_factor)

@@ -109,6 +109,7 @@ class LoopSettings:
     compile: bool = False
     config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
     title: str = "model"  # the start line's name for the model
+    flops_per_sample: float = 0.0  # training FLOPs of one sample (sequence or image), for MFU
     ckpt_keep: int = 0  # ring checkpoints (checkpoints/step_NNNNNN.pt) besides last.pt
     rollback_on_alert: bool = False  # the monitors' stop request rolls back (divergence.action=rollback)
     nan_at_step: int | None = None  # fault injection (debug.*): the loss of this 1-based step times NaN
@@ -155,6 +156,7 @@ class Trainer:
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
+        self.step_time: float | None = None  # smoothed seconds per step, for the progress line's ETA
         # surviving a spike: skipped steps, and rollbacks (saved in checkpoints under "survival")
         self.guard = StepGuard(model, optimizer, ema) if self.divergence.skip_nonfinite else None
         self.data_offset = 0  # the batch of step s is the stream's position s + data_offset
@@ -329,7 +331,11 @@ class Trainer:
         if k > 1:
             rec.update({N.loss_term(t.name): v / len(pending) for t, v in zip(self.loss_terms, terms)})
         unit = self.data.seq_len or 1
-        rec[N.throughput("tokens" if self.data.kind == "text" else "samples")] = samples * unit / dt
+        per_s = samples * unit / dt
+        rec[N.throughput("tokens" if self.data.kind == "text" else "samples")] = per_s
+        mfu = self._mfu(samples / dt)
+        if mfu is not None:
+            rec[N.MFU] = mfu
         gnorm = pending[-1][2]
         if gnorm is not None:
             rec[N.GRAD_NORM] = float(gnorm)
@@ -344,9 +350,24 @@ class Trainer:
                 tel = {key: v for key, v in tel.items() if key == N.FRAC_BOUNDED}
             rec.update(tel)
         self.metrics.log(self.step, rec)
+        # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
         shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
-        self.metrics.progress(self.step, self.total_steps, {N.LOSS: self.last_train_loss, N.LR: lr, **shown})
+        step_s = dt / len(pending)
+        self.step_time = step_s if self.step_time is None else 0.7 * self.step_time + 0.3 * step_s
+        speed = {"tok/s" if self.data.kind == "text" else "img/s": _si(per_s), "s/step": f"{step_s:.3g}",
+                 **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
+                 "eta": _duration((self.total_steps - self.step) * self.step_time)}
+        self.metrics.progress(self.step, self.total_steps, {N.LOSS: self.last_train_loss, N.LR: lr, **shown, **speed})
         return reason
+
+    def _mfu(self, samples_per_s: float) -> float | None:
+        """Model FLOPs utilisation on CUDA: the model's training FLOPs per sample (nanoGPT's
+        count, ``settings.flops_per_sample``) times samples per second over the device's dense
+        bf16 peak; None on a CPU or an unknown GPU."""
+        if self.device.type != "cuda" or not self.settings.flops_per_sample:
+            return None
+        peak = peak_flops(torch.cuda.get_device_name(self.device))
+        return None if peak is None else self.settings.flops_per_sample * samples_per_s / (peak * self.info.world)
 
     # --- checkpoints ----------------------------------------------------------------
 
@@ -579,10 +600,11 @@ class Trainer:
         t_last, samples = time.perf_counter(), 0
         last_vals: dict = {}
         train_loss = float("nan")
-        def flush(lr: float, t_end: float) -> str | None:
-            """Log the steps since the last log (the one host sync) and check them."""
+        def flush(lr: float, t_end: float, fresh: dict) -> str | None:
+            """Log the steps since the last log (the one host sync) and check them; ``fresh`` is
+            this step's evaluation, if it had one."""
             nonlocal pending, samples, t_last, train_loss
-            reason = self._log_interval(pending, samples, t_end - t_last, lr, last_vals)
+            reason = self._log_interval(pending, samples, t_end - t_last, lr, fresh)
             train_loss = self.last_train_loss
             pending, samples, t_last = [], 0, time.perf_counter()
             return reason
@@ -592,20 +614,23 @@ class Trainer:
                 step = self.step
                 lr = self.lr_at(step) * self.lr_scale  # what train_step sets, for the log line
                 save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
-                # a checkpoint is written only after its steps' losses were checked
-                log_now = (step + 1) % log_every == 0 or save_due
+                eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
+                # a checkpoint is written only after its steps' losses were checked; an evaluation
+                # is shown on the log line of its own step
+                log_now = (step + 1) % log_every == 0 or save_due or eval_due
                 loss, gnorm = self.train_step(next(stream), want_grad_norm=log_now)
                 pending.append((step, loss, gnorm, lr, self.last_skipped))
                 samples += cfg.batch_size
                 self.step = step + 1
                 if self.monitor is not None:
-                    self.monitor.after_step(step)
+                    self.monitor.after_step(step, last=self.step == self.total_steps)
                 t_end = time.perf_counter()  # the interval's time excludes evaluation
-                if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
-                    last_vals = self.evaluate()  # before the log line, which shows it
+                fresh = {}
+                if eval_due:
+                    last_vals = fresh = self.evaluate()  # before the log line, which shows it
                     m.log(self.step, last_vals)
                 if log_now:
-                    reason = flush(lr, t_end)
+                    reason = flush(lr, t_end, fresh)
                     if reason:
                         reason = self.survive(reason)
                         if reason is None:  # rolled back: the step counter and the data stream moved
@@ -616,7 +641,7 @@ class Trainer:
                 # A signal landing during the agreement counts at the next step, on every rank.
                 agreed = D.agree_on_signal(self.stop_signal, self.info)
                 if agreed is not None:
-                    reason = flush(lr, time.perf_counter()) if pending else None
+                    reason = flush(lr, time.perf_counter(), {}) if pending else None
                     if reason:
                         status = "diverged"
                         break
@@ -663,3 +688,27 @@ class Trainer:
                       + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         m.close()
         return summary
+
+
+# Dense bf16 peak FLOP/s by device name (the vendors' datasheets, no sparsity).
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+             "4090": 165e12, "3090": 71e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named like ``NVIDIA H100 80GB HBM3``; None if unknown."""
+    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)
+
+
+def _si(x: float) -> str:
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"

@@ -29,7 +29,16 @@ def check_gpt(m, components: Components) -> None:
                           "(the full-sequence mean sees the future); leave deescalate.causal null")
 
 
-@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt)
+def gpt_flops(model: nn.Module, m) -> float:
+    """Training FLOPs of one sequence of ``block_size`` tokens, as nanoGPT counts them:
+    ``(6 N + 12 L d T) T`` with ``N`` the parameters without the position embedding (the tied
+    output layer counted once) and ``12 L d T`` per token for the attention scores and mixing."""
+    n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
+    t = m.block_size
+    return (6 * n + 12 * m.depth * m.embed_dim * t) * t
+
+
+@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops)
 class GPT(nn.Module):
     """GPT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``.
 

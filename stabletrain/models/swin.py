@@ -57,7 +57,21 @@ def check_swin(m, components: Components) -> None:
                           f"one entry per stage each")
 
 
-@MODELS.register("swin", kind="vision", data="digits", check=check_swin)
+def swin_flops(model: nn.Module, m) -> float:
+    """Training FLOPs of one image: ``6 x params x tokens`` of every block at its stage's
+    resolution, plus ``12 d T W`` for attention within windows of ``W`` tokens; the patch
+    embedding, patch merging and head are counted on the tokens they see."""
+    total, counted = 0.0, set()
+    for blk in (b for b in model.modules() if isinstance(b, SwinTransformerBlock)):
+        t = blk.input_resolution[0] * blk.input_resolution[1]
+        params = list(blk.parameters())
+        counted |= {id(p) for p in params}
+        total += 6 * sum(p.numel() for p in params) * t + 12 * blk.dim * t * blk.window_area
+    tokens = (m.img_size // m.patch_size) ** 2  # the rest, generously, at the first resolution
+    return total + 6 * sum(p.numel() for p in model.parameters() if id(p) not in counted) * tokens
+
+
+@MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops)
 def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
     cfg = components

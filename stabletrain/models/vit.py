@@ -25,7 +25,16 @@ def check_heads(m, components: Components) -> None:
         raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
 
 
-@MODELS.register("vit", kind="vision", data="digits", check=check_heads)
+def vit_flops(model: nn.Module, m) -> float:
+    """Training FLOPs of one image, nanoGPT's count with the ``T`` tokens of an image:
+    ``(6 N + 12 L d T) T``, ``N`` without the position embedding and class token (the patch
+    embedding applied to each patch counts as a linear layer on every token)."""
+    t = (m.img_size // m.patch_size) ** 2 + int(m.class_token)
+    n = sum(p.numel() for name, p in model.named_parameters() if name not in ("pos_embed", "cls_token"))
+    return (6 * n + 12 * m.depth * m.embed_dim * t) * t
+
+
+@MODELS.register("vit", kind="vision", data="digits", check=check_heads, flops=vit_flops)
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)

@@ -29,6 +29,7 @@ GRAD_NORM = "grad_norm"  # before clipping
 LOSS_PENALTY = "loss/penalty"  # the loss terms' share of LOSS
 STEP_TIME = "time/step_s"
 PEAK_MEMORY = "memory/peak_gb"
+MFU = "throughput/mfu"  # model FLOPs utilisation (CUDA only)
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"
 VAL_ACC = "val/acc"

@@ -74,16 +74,19 @@ class MonitorRunner:
 
     # --- cadence --------------------------------------------------------------------
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, last: bool = False) -> None:
+        """The passes due after optimizer step ``step`` (0-based; -1 is the initial snapshot).
+        ``last``: the run's final step, where both passes run whatever the cadence, so a run
+        shorter than ``probe_every`` still ends with a probe."""
         if not self.active:
             return
         done = step + 1
         rec: dict[str, float] = {}
         with self._isolated():
-            if done % self.cfg.weight_every == 0:
+            if done % self.cfg.weight_every == 0 or last:
                 rec.update(self.weight_metrics())
                 self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
-            if done % self.cfg.probe_every == 0:
+            if done % self.cfg.probe_every == 0 or last:
                 rec.update(self.probe_metrics())
         if not rec:
             return

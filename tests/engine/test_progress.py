@@ -1,0 +1,70 @@
+"""The progress line as a user reads it: validation only where it was computed, speed and ETA,
+and MFU from the model's FLOPs on a GPU."""
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stabletrain.engine.loop import Trainer, _duration, peak_flops
+from tests.helpers import make_cfg, model_of, train
+
+
+def _lines(text):
+    return [ln for ln in text.splitlines() if ln.startswith("step ")]
+
+
+def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
+    train(tmp_path, "model=gpt_test", "steps=12", "logger=none", "monitor=off", "logger.log_every=2",
+          "eval_every=5", "batch_size=8", quiet=False)
+    lines = _lines(capsys.readouterr().err)
+    steps = [int(re.match(r"step (\d+)/", ln).group(1)) for ln in lines]
+    assert {5, 10, 12} <= set(steps)  # an evaluation step is logged even off the log cadence
+    for s, ln in zip(steps, lines):
+        assert ("val/loss" in ln) == (s in (5, 10, 12)), ln
+        assert re.search(r"tok/s [\d.]+k? \| s/step [\d.e-]+ \| eta \d", ln), ln
+
+
+def test_a_run_shorter_than_the_probe_cadence_ends_with_a_probe(tmp_path):
+    import json
+
+    train(tmp_path, "model=vit_test", "steps=3", "monitor=standard", "batch_size=8", "logger=none")
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["step"] == 3 and "entropy/blocks.0/min" in r for r in recs)
+
+
+def test_duration_and_peaks():
+    assert [_duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
+    assert peak_flops("Some CPU") is None
+
+
+def test_mfu_is_flops_per_sample_times_rate_over_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    fake = SimpleNamespace(device=SimpleNamespace(type="cuda"), info=SimpleNamespace(world=2),
+                           settings=SimpleNamespace(flops_per_sample=1e12))
+    assert Trainer._mfu(fake, 100.0) == pytest.approx(1e12 * 100 / (989e12 * 2))
+    fake.device.type = "cpu"
+    assert Trainer._mfu(fake, 100.0) is None
+
+
+def test_gpt_flops_are_nanogpts_count():
+    """GPT-2 small at T=1024: 6N + 12 L d T per token, N without the position embedding."""
+    from stabletrain.models.gpt import gpt_flops
+
+    cfg = make_cfg("model=gpt2_s")
+    model = model_of(cfg)
+    n = sum(p.numel() for p in model.parameters()) - 1024 * 768
+    assert n == pytest.approx(123.7e6, rel=1e-2)  # nanoGPT: "number of parameters: 123.69M" (vocab 50304)
+    assert gpt_flops(model, cfg.model) == (6 * n + 12 * 12 * 768 * 1024) * 1024
+
+
+def test_vit_flops_count_every_token():
+    from stabletrain.models.vit import vit_flops
+
+    cfg = make_cfg("model=vit_test")
+    model = model_of(cfg)
+    t = (16 // 4) ** 2 + 1
+    n = sum(p.numel() for k, p in model.named_parameters() if k not in ("pos_embed", "cls_token"))
+    assert vit_flops(model, cfg.model) == (6 * n + 12 * 2 * 32 * t) * t
