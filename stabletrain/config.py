@@ -339,6 +339,7 @@ class TrainConfig:
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     name: str = "run"
+    dist_timeout: float = 900.0  # seconds a collective waits for the other ranks before the job ends
     dry_run: bool = False  # build model, optimizer and data, print the parameter table, train nothing
 
 
@@ -463,6 +464,8 @@ def validate(cfg: Any) -> None:
         v = getattr(dbg, key)
         _need(v is None or v >= 1, f"debug.{key}={v} must be >= 1 (1-based) or null")
     _need(dbg.spike_factor > 0, f"debug.spike_factor={dbg.spike_factor} must be > 0")
+    _need(math.isfinite(cfg.dist_timeout) and cfg.dist_timeout > 0,
+          f"dist_timeout={cfg.dist_timeout} must be > 0 seconds (e.g. 900)")
     d = cfg.data
     _need(d.repeated_aug >= 1, f"data.repeated_aug={d.repeated_aug} must be >= 1 (1 disables it)")
     _need(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
@@ -473,8 +476,6 @@ def validate(cfg: Any) -> None:
     _need(m.window_size >= 1, f"model.window_size={m.window_size} must be >= 1")
     img = d.img_size or m.img_size
     _need(img >= 1, f"model.img_size={img} must be >= 1")
-    _need(m.family != "vit" or img % m.patch_size == 0,
-          f"model.img_size={img} is not a multiple of model.patch_size={m.patch_size}: the patches must tile the image")
     _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
     _need(0 <= m.drop_path < 1, f"model.drop_path={m.drop_path} must be in [0, 1)")
     _need(0 <= cfg.seed <= 2**63 - 1, f"seed={cfg.seed} must be in [0, 2**63 - 1]")

@@ -29,7 +29,7 @@ def run(cfg, run_dir: str | Path) -> dict:
     info = D.detect()
     lock = None
     try:
-        D.init(info, D.pick_device(cfg.device, info))
+        D.init(info, D.pick_device(cfg.device, info), cfg.dist_timeout)
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
         if cfg.dry_run:  # builds everything, takes no lock and writes nothing into the run directory
             trainer = build_trainer(cfg, run_dir, info)
@@ -102,8 +102,13 @@ def requeue_after(signum: int, info: D.DistInfo) -> None:
         subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
 
 
-def fail(msg: str, code: int = 2) -> None:
-    print(f"error: {msg}", file=sys.stderr)
+def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
+    """One line and an exit code. A config mistake is the same on every rank of a job: only
+    rank 0 prints it (``every_rank`` for what one rank alone may know)."""
+    info = D.detect()
+    if every_rank or info.rank == 0:
+        prefix = f"rank {info.rank}: " if every_rank and info.enabled else ""
+        print(f"error: {prefix}{msg}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -116,6 +121,13 @@ def main_guarded(cfg, run_dir) -> dict | None:
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
         fail(str(e), 1)
+        return None
+    except Exception as e:
+        if not D.is_timeout(e):
+            raise
+        fail(f"a collective waited dist_timeout={cfg.dist_timeout:g} s for another rank, which stopped "
+             f"answering (hung, stopped or dead); the job ends here, and resume=auto continues it from "
+             f"its last checkpoint", 1, every_rank=True)
         return None
     except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
         fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)

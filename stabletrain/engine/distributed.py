@@ -9,6 +9,7 @@ all-reduce: see docs/distributed.md for which numbers are identical on every ran
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
@@ -87,8 +88,10 @@ def slurm_rendezvous(env=os.environ) -> dict[str, str]:
     return out
 
 
-def init(info: DistInfo, device: torch.device) -> None:
-    """Join the process group: NCCL on GPUs, gloo on CPU."""
+def init(info: DistInfo, device: torch.device, timeout_s: float | None = None) -> None:
+    """Join the process group: NCCL on GPUs, gloo on CPU. ``timeout_s``: how long a collective
+    waits for the other ranks before it fails (``dist_timeout``), so a stopped or hung rank
+    ends the job with :class:`CollectiveTimeout` instead of leaving the others waiting."""
     global _cpu_group
     if not info.enabled or dist.is_initialized():
         return
@@ -99,6 +102,8 @@ def init(info: DistInfo, device: torch.device) -> None:
     os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend=backend, rank=info.rank, world_size=info.world, **kwargs)
     _cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
 
@@ -136,3 +141,9 @@ def shutdown(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
     _cpu_group = None
+
+
+def is_timeout(err: BaseException) -> bool:
+    """A collective that gave up waiting for another rank (gloo's and NCCL's wordings)."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return isinstance(err, (RuntimeError, dist.DistError)) and ("timed out" in text or "timeout" in text)

@@ -25,6 +25,13 @@ def check_heads(m, components: Components) -> None:
         raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
 
 
+def check_vit(m, components: Components) -> None:
+    check_heads(m, components)
+    if m.img_size % m.patch_size:
+        raise ConfigError(f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size}: "
+                          f"the patches must tile the image")
+
+
 def vit_flops(model: nn.Module, m) -> float:
     """Training FLOPs of one image, nanoGPT's count with the ``T`` tokens of an image:
     ``(6 N + 12 L d T) T``, ``N`` without the position embedding and class token (the patch
@@ -34,7 +41,7 @@ def vit_flops(model: nn.Module, m) -> float:
     return (6 * n + 12 * m.depth * m.embed_dim * t) * t
 
 
-@MODELS.register("vit", kind="vision", data="digits", check=check_heads, flops=vit_flops)
+@MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops)
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)
