@@ -1,10 +1,15 @@
 """logger.wandb=offline makes no network attempt from the training process (#18)."""
 
+import os
+import re
+import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from tests.helpers import train
+from tests.helpers import ROOT, train
 
 LOCAL = ("127.0.0.1", "::1", "localhost", "0.0.0.0")
 
@@ -38,3 +43,26 @@ def test_offline_wandb_connects_to_nothing_but_localhost(tmp_path, monkeypatch):
     assert s["status"] == "completed"
     assert remote == []
     assert (tmp_path / "wandb").is_dir()  # wandb ran (offline), it was not disabled by a failure
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace to watch the wandb service process")
+def test_offline_wandb_and_its_service_connect_to_nothing_outside_the_machine(tmp_path):
+    """Every process of the run, wandb's service and system monitor included, traced: the only
+    connects are to local sockets (before, the system monitor resolved a name through the
+    network's DNS server)."""
+    pytest.importorskip("wandb")
+    trace = tmp_path / "connect.log"
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env.pop("WANDB_SILENT", None)
+    r = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "-o", str(trace), sys.executable,
+                        str(ROOT / "train.py"), "model=gpt_test", "batch_size=8", "steps=2", "eval_every=1000",
+                        "monitor=off", "logger.wandb=offline", f"hydra.run.dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "ptrace" in r.stderr:
+        pytest.skip(f"strace cannot trace here: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "run" / "wandb").is_dir()
+    calls = [ln for ln in trace.read_text().splitlines() if "connect(" in ln]
+    outside = [ln for ln in calls if re.search(r"AF_INET6?\b", ln)
+               and not re.search(r'inet_addr\("127\.|inet_pton\(AF_INET6, "::1"', ln)]
+    assert calls and outside == [], outside
