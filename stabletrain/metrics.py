@@ -97,6 +97,15 @@ class Metrics:
         if mode != "disabled":
             self._start_wandb(Path(run_dir), logger, name, mode, config_dict)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the records after ``step`` while the run goes on (a rollback): the file is
+        rewritten, then opened again for the records that follow."""
+        if not self.enabled:
+            return
+        self.file.close()
+        self._truncate_after(step)
+        self.file = open(self.path, "a", buffering=1)
+
     def _truncate_after(self, step: int) -> None:
         """A resumed run redoes the steps after its checkpoint: drop their old records."""
         keep = [ln for ln in read_lines(self.path) if json.loads(ln).get("step", 0) <= step]

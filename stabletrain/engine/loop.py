@@ -42,7 +42,6 @@ from stabletrain.errors import ConfigError
 from stabletrain.metrics import write_json
 from stabletrain.monitor import names as N
 
-SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
 
 
 def _optim_name(config_yaml: str) -> str | None:
@@ -72,7 +71,8 @@ def _last_logged(path: Path, key: str, step: int) -> float:
 
 # keys a resumed run may change: how it is run and recorded, not what it trains
 RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
-                     "steps", "epochs", "name", "device", "compile")
+                     "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
+                     "ema")  # a weight average added on resume starts from the resumed weights
 
 
 def changed_keys(saved_yaml: str, mine_yaml: str) -> list[str]:
@@ -325,7 +325,7 @@ class Trainer:
         self.last_train_loss = sum(healthy) / len(healthy) if healthy else float("nan")
         rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: dt / len(pending)}
         if guarded:
-            rec[SKIPPED_STEPS] = sum(skipped)
+            rec[N.SKIPPED_STEPS] = sum(skipped)
         if k:
             rec[N.LOSS_PENALTY] = sum(terms) / len(pending)
         if k > 1:
@@ -527,9 +527,9 @@ class Trainer:
         if self.info.is_main:
             drop_ring_after(self.run_dir, restored)
             if m.enabled:
-                m._truncate_after(restored)  # the file is opened for appending: later records follow
-        m.log(restored, {"rollback/restored_step": restored, "rollback/skipped_steps": skipped,
-                         "rollback/trigger_step": onset, "rollback/reason": reason})
+                m.truncate_after(restored)
+        m.log(restored, {N.rollback("restored_step"): restored, N.rollback("skipped_steps"): skipped,
+                         N.rollback("trigger_step"): onset, N.rollback("reason"): reason})
         m.message(f"rollback {len(self.rollbacks)}/{w.max_rollbacks} at step {detected}: {reason}; restored step "
                   f"{restored} ({path.name}), skipping the data of {skipped} step(s)"
                   + (f", lr x{self.lr_scale:.4g}" if self.lr_scale != 1.0 else ""))

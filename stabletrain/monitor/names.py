@@ -30,6 +30,7 @@ LOSS_PENALTY = "loss/penalty"  # the loss terms' share of LOSS
 STEP_TIME = "time/step_s"
 PEAK_MEMORY = "memory/peak_gb"
 MFU = "throughput/mfu"  # model FLOPs utilisation (CUDA only)
+SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"
 VAL_ACC = "val/acc"
@@ -39,6 +40,11 @@ TRAINING_SCALARS = (LOSS, LR, GRAD_NORM, VAL_LOSS, VAL_ACC)
 def loss_term(name: str) -> str:
     """One loss term's share of LOSS (logged when several are active): ``loss/zloss``."""
     return f"loss/{name}"
+
+
+def rollback(field: str) -> str:
+    """A rollback's record: ``rollback/restored_step``, ``rollback/skipped_steps``, ..."""
+    return f"rollback/{field}"
 
 
 def throughput(unit: str) -> str:

@@ -324,7 +324,7 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     xd = x.detach().double()
     # ||X||_2^2 = ||X X^T||_2 (the theorem's sigma_x): the top eigenvalue of the smaller Gram
     gram = xd @ xd.transpose(1, 2) if xd.shape[1] <= xd.shape[2] else xd.transpose(1, 2) @ xd
-    sigma_x = torch.linalg.eigvalsh(gram)[:, -1].clamp_min(0.0)  # (B,)
+    sigma_x = _top_eigenvalue(gram).clamp_min(0.0)  # (B,)
     s = sigma.to(sigma_x.device)[None, :, None] * sigma_x[:, None, None]  # (B, H, 1)
     t = x.shape[1]
     if causal:
@@ -725,4 +725,17 @@ def _to_host(results: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         for name in res:
             dev, i, shape = next(it)
             out[-1][name] = host[dev][i].view(shape)
+    return out
+
+
+def _top_eigenvalue(gram: torch.Tensor) -> torch.Tensor:
+    """The largest eigenvalue of each symmetric matrix; NaN where it is not finite or the solver
+    gives up (a diverging run's activations), so a monitor reports the state instead of failing."""
+    out = torch.full(gram.shape[:1], float("nan"), dtype=gram.dtype, device=gram.device)
+    ok = torch.isfinite(gram).flatten(1).all(1)
+    if ok.any():
+        try:
+            out[ok] = torch.linalg.eigvalsh(gram[ok])[:, -1]
+        except torch.linalg.LinAlgError:
+            pass
     return out

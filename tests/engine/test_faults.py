@@ -79,7 +79,7 @@ def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
     stale.write_bytes(b"half a checkpoint")
     train(tmp_path, *GPT, "steps=1")
     assert not stale.exists() and "removed .last.pt.tmp99999" in capsys.readouterr().err
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_000001.pt"]
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -101,7 +101,8 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     assert "\n" not in msg and "disk is full" in msg and "still holds the previous checkpoint" in msg
     monkeypatch.undo()
     assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"] == before
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]
+    # no temp file left; the ring holds the checkpoints written before the disk filled
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", f"step_{before:06d}.pt"]
 
 
 def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):

@@ -23,12 +23,16 @@ def _finite(state) -> bool:
 
 def test_a_checkpoint_never_holds_non_finite_weights_or_optimizer_state(tmp_path):
     """lr=1000 makes the weights and Adam's moments non-finite at step 4 while the loss is still
-    finite (it turns NaN at step 5): last.pt must keep the finite step-0..3 state, not step 4's."""
-    s = train(tmp_path, "model=gpt_test", "optim=adamw", "optim.lr=1000", "warmup=0", "steps=200", "ckpt_every=4")
+    finite (it turns NaN at step 5): last.pt must keep the finite step-0..3 state, not step 4's.
+    (With divergence.skip_nonfinite on, the default, such steps are skipped instead: this is the
+    check behind it, for runs that turn skipping off.)"""
+    off = "divergence.skip_nonfinite=false"
+    s = train(tmp_path, "model=gpt_test", "optim=adamw", "optim.lr=1000", "warmup=0", "steps=200", "ckpt_every=4",
+              off)
     assert s["status"] == "diverged" and "non-finite weights" in s["reason"] and s["step"] == 4
     assert not (tmp_path / "checkpoints/last.pt").exists()  # step 4's was the first: none is better than NaN
     t = train(tmp_path / "two", "model=gpt_test", "optim=adamw", "optim.lr=1000", "warmup=0", "steps=200",
-              "ckpt_every=2")
+              "ckpt_every=2", off)
     assert t["status"] == "diverged" and t["diverged_at"] == 4
     state = torch.load(tmp_path / "two/checkpoints/last.pt", weights_only=True)
     assert state["step"] == 2 and _finite(state["model"]) and _finite(state["optimizer"]["state"])
