@@ -56,8 +56,10 @@ def _assert_same_losses(a_dir, b_dir, rel):
         assert a[s] == pytest.approx(b[s], rel=rel), f"step {s}: {a[s]} vs {b[s]}"
 
 
-@pytest.mark.parametrize("optim,extra", [("adamw2", []),
-                                         ("adamw", ["micro_batch_size=16", "grad_clip=0.5", "activation_checkpointing=true"])])
+ACCUM_CLIP_AC = ["micro_batch_size=16", "grad_clip=0.5", "activation_checkpointing=true"]
+
+
+@pytest.mark.parametrize("optim,extra", [("adamw2", []), ("adamw", ACCUM_CLIP_AC)])
 def test_fsdp_trains_like_ddp_and_resumes_identically(tmp_path, optim, extra):
     args = [f"optim={optim}", *extra]
     _torchrun(tmp_path / "ddp", *args, "steps=4", "parallel=ddp")
