@@ -40,7 +40,7 @@ from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
 from stabletrain.metrics import Metrics
-from stabletrain.models.registry import MODELS, build_model_and_hook
+from stabletrain.models.registry import MODELS, build_model_and_hook, transformer_blocks
 from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
 from stabletrain.optim.schedule import SCHEDULES
 from stabletrain.registry import option_value
@@ -74,6 +74,41 @@ def validate(cfg) -> None:
     for name in cfg.regularizer or {}:
         LOSS_TERMS.entry(name)
     build_loss_terms(cfg.regularizer)
+    check_parallel(cfg)
+
+
+# what parallel=fsdp does not do (yet), each refused in one line; docs/distributed.md "FSDP2"
+_FSDP_REFUSED = (
+    (lambda c: option_value(c.reparam.name) != "none", "reparam={v}: sigmaReparam's parametrization and its power "
+     "iteration hook are not supported on sharded weights; use reparam=none (or parallel=ddp)",
+     lambda c: option_value(c.reparam.name)),
+    (lambda c: c.ema.decay is not None, "ema.decay={v}: the weight EMA copies the whole model on every rank; "
+     "use ema.decay=null (or parallel=ddp)", lambda c: c.ema.decay),
+    (lambda c: option_value(c.monitor.name) != "off", "monitor={v}: the monitors read whole weights on rank 0 "
+     "only; use monitor=off (or parallel=ddp)", lambda c: option_value(c.monitor.name)),
+    (lambda c: c.divergence.action == "rollback", "divergence.action={v}: the checkpoint ring is not written "
+     "for sharded checkpoints; use divergence.action=stop (or parallel=ddp)", lambda c: c.divergence.action),
+    (lambda c: c.ckpt.keep > 0, "ckpt.keep={v}: the checkpoint ring is not written for sharded checkpoints "
+     "(only checkpoints/last.pt + last_dcp/); set ckpt.keep=0", lambda c: c.ckpt.keep),
+    (lambda c: bool(c.regularizer), "regularizer={v}: loss terms that read the weights are not supported on "
+     "sharded weights; drop the regularizer (or parallel=ddp)", lambda c: ",".join(c.regularizer)),
+)
+
+
+def check_parallel(cfg, world: int | None = None) -> None:
+    """``parallel=fsdp``: a distributed launch and none of the combinations it does not support."""
+    if cfg.parallel != "fsdp":
+        return
+    if world is None:
+        from stabletrain.topology import detect
+
+        world = detect().world
+    if world < 2:
+        raise ConfigError("parallel=fsdp shards over the ranks of a distributed launch (torchrun / srun with "
+                          "2+ processes); a single process trains with parallel=ddp")
+    for refused, msg, value in _FSDP_REFUSED:
+        if refused(cfg):
+            raise ConfigError("parallel=fsdp with " + msg.format(v=value(cfg)))
 
 
 def _data_entry(cfg):
@@ -131,6 +166,19 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     notes = fit_model_to_data(cfg, data)
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
+    blocks = transformer_blocks(model)
+    if cfg.activation_checkpointing:
+        from stabletrain.engine.sharding import apply_activation_checkpointing
+
+        apply_activation_checkpointing(blocks)
+    sharded = cfg.parallel == "fsdp"
+    if sharded:  # before the optimizer: FSDP2 replaces the parameters by sharded DTensors
+        from stabletrain.engine.sharding import shard_model
+
+        check_parallel(cfg, info.world)
+        shard_model(model, blocks, bf16, device)
+        notes.append(f"parallel=fsdp: {len(blocks)} blocks and the root sharded over {info.world} ranks"
+                     + (" (bf16 parameters, fp32 gradient reduction)" if bf16 else ""))
     optimizer, group_summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
                                                batch_size=cfg.batch_size)
     spe = data.steps_per_epoch(cfg.batch_size)
@@ -167,7 +215,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
-        spike_factor=cfg.debug.spike_factor)
+        spike_factor=cfg.debug.spike_factor, sharded=sharded)
 
     def open_sink(resume_step: int | None) -> Metrics:
         config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else None

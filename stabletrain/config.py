@@ -338,6 +338,14 @@ class TrainConfig:
     precision: Precision = Precision.auto
     compile: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # ddp: every rank holds the whole model and optimizer state (DistributedDataParallel);
+    # fsdp: FSDP2 fully_shard per transformer block and the root, parameters, gradients and
+    # optimizer state split on dim 0 across the ranks (torchrun/srun only; docs/distributed.md)
+    parallel: str = "ddp"
+    # recompute each transformer block's activations in the backward pass instead of keeping
+    # them (torch.utils.checkpoint, use_reentrant=False): less memory, ~one more forward of compute;
+    # same numbers (dropout/drop path masks are replayed from the saved RNG state)
+    activation_checkpointing: bool = False
     name: str = "run"
     dist_timeout: float = 900.0  # seconds a collective waits for the other ranks before the job ends
     dry_run: bool = False  # build model, optimizer and data, print the parameter table, train nothing
@@ -484,6 +492,7 @@ def validate(cfg: Any) -> None:
     dv = cfg.divergence
     _need(dv.window >= 1, f"divergence.window={dv.window} must be >= 1")
     _need(dv.spike_factor > 1, f"divergence.spike_factor={dv.spike_factor} must be > 1 (a factor over the mean)")
+    _need(cfg.parallel in ("ddp", "fsdp"), f"parallel={cfg.parallel} is not an option: use ddp or fsdp")
     sc = cfg.schedule
     _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
     _need(sc.min_lr <= o.lr, f"schedule.min_lr={sc.min_lr} must be <= optim.lr={o.lr}")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class StepGuard:
@@ -53,8 +54,10 @@ class StepGuard:
 
     @staticmethod
     def _get(entry) -> torch.Tensor:
+        """The tensor of ``entry``; of a DTensor (FSDP2), this rank's shard, which shares its storage."""
         c, k = entry
-        return c if k is None else c[k]
+        t = c if k is None else c[k]
+        return t.to_local() if isinstance(t, DTensor) else t
 
     @torch.no_grad()
     def begin(self) -> None:

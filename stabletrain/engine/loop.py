@@ -72,6 +72,7 @@ def _last_logged(path: Path, key: str, step: int) -> float:
 # keys a resumed run may change: how it is run and recorded, not what it trains
 RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
                      "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
+                     "activation_checkpointing",
                      "ema")  # a weight average added on resume starts from the resumed weights
 
 
@@ -115,6 +116,7 @@ class LoopSettings:
     nan_at_step: int | None = None  # fault injection (debug.*): the loss of this 1-based step times NaN
     spike_at_step: int | None = None  # ... times spike_factor
     spike_factor: float = 1e4
+    sharded: bool = False  # the model is FSDP2-sharded (parallel=fsdp): no DDP wrap, DCP checkpoints
 
 
 class Trainer:
@@ -146,7 +148,8 @@ class Trainer:
         self.train_model: nn.Module = model
         if settings.compile:
             self.train_model = torch.compile(model)
-        if self.info.enabled:
+        self.sharded = settings.sharded
+        if self.info.enabled and not self.sharded:  # an FSDP2 model reduces its own gradients
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [device.index] if device.type == "cuda" else None
@@ -216,7 +219,13 @@ class Trainer:
             if self.mixup is not None:
                 x, y = self.mixup(x, y)
             sync = i == n - 1 or not self.info.enabled
-            ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
+            if self.sharded:  # FSDP2: reduce-scatter only after the last micro-batch
+                from stabletrain.engine.sharding import set_gradient_sync
+
+                set_gradient_sync(self.model, sync)
+                ctx = contextlib.nullcontext()
+            else:
+                ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
             with ctx:
                 loss = self.loss_on(self.train_model, x, y)
                 if inject:
@@ -229,6 +238,10 @@ class Trainer:
         elif want_grad_norm or guard is not None:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
                                                       foreach=True)
+        if self.sharded and grad_norm is not None:  # a DTensor over sharded gradients: the whole norm
+            from stabletrain.engine.sharding import full
+
+            grad_norm = full(grad_norm)
 
         def update():
             self.optimizer.step()
@@ -265,7 +278,7 @@ class Trainer:
         loss_sum, correct, count = 0.0, 0, 0
         for x, y in self.data.val_batches(bs, self.settings.eval_batches):
             x, y = self._to_device(x[r::w], y[r::w])
-            if len(y) == 0:
+            if len(y) == 0 and not self.sharded:  # an FSDP2 forward needs every rank: run it empty
                 continue
             with self.autocast():
                 out = model(x)
@@ -397,6 +410,8 @@ class Trainer:
         """Write last.pt unless the weights or optimizer state hold a NaN/inf (a finite loss
         does not prove them finite): a finite last.pt is never replaced by a non-finite one.
         Returns False, with ``nonfinite_reason`` set, when the save was skipped for that."""
+        if self.sharded:
+            return self._save_sharded()
         ok = True
         if self.info.is_main:
             payload = self.checkpoint_payload()
@@ -412,6 +427,34 @@ class Trainer:
             self.diverged_at = self.diverged_at or self.step
         D.barrier(self.info)
         return ok
+
+    def _save_sharded(self) -> bool:
+        """parallel=fsdp: every rank checks its shards and writes them through
+        torch.distributed.checkpoint into ``checkpoints/last_dcp/``; rank 0 then writes the rest
+        of the payload (step, RNG, divergence, config...) into last.pt, which names that directory."""
+        from stabletrain.engine import sharding as S
+
+        local = [S.local(t) for t in self.model.state_dict().values() if torch.is_tensor(t)]
+        local += [S.local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        ok = S.all_finite_everywhere(all_finite(local))
+        if ok:
+            ckpt_dir = self.run_dir / "checkpoints"
+            S.save_dcp(ckpt_dir, self.model, self.optimizer, self.step)
+            if self.info.is_main:
+                payload = self.checkpoint_payload_rest()
+                payload.update(dcp=S.DCP_DIR, optim_name=self.optim_name)
+                save_checkpoint(ckpt_dir / "last.pt", payload)
+        else:
+            self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
+                                     f"still finite): checkpoint not written, last.pt keeps the previous one")
+            self.diverged_at = self.diverged_at or self.step
+        D.barrier(self.info)
+        return ok
+
+    def checkpoint_payload_rest(self) -> dict:
+        """The payload of last.pt without the model and optimizer (saved sharded, beside it)."""
+        return {"step": self.step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
+                "config": self.settings.config_yaml, "monitor": {}, "ema": None, "survival": self.survival_state()}
 
     @property
     def optim_name(self) -> str:
@@ -457,9 +500,20 @@ class Trainer:
                 raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
                                   f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
                                   f"resume_allow_changes=true to continue with them")
+        if bool(ck.get("dcp")) != self.sharded:
+            raise ConfigError(f"{path} was written with parallel={'fsdp' if ck.get('dcp') else 'ddp'}, this run uses "
+                              f"parallel={'fsdp' if self.sharded else 'ddp'}: resume it with the parallel it was "
+                              f"written with") from None
         try:
-            self.model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
+            if self.sharded:
+                from stabletrain.engine.sharding import load_dcp
+
+                saved_step = load_dcp(path.parent / ck["dcp"], self.model, self.optimizer)
+                if saved_step != ck["step"]:
+                    raise ValueError(f"{ck['dcp']}/ holds step {saved_step}, last.pt step {ck['step']}")
+            else:
+                self.model.load_state_dict(ck["model"])
+                self.optimizer.load_state_dict(ck["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0][:200]
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({first}); resume it with "

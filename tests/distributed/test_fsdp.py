@@ -1,11 +1,12 @@
-"""AdamW² with FSDP2 / HSDP sharded parameters (gloo on CPU, two ranks under torchrun)."""
+"""AdamW² with FSDP2 / HSDP sharded parameters, and the trainer with ``parallel=fsdp`` (gloo on CPU,
+two ranks under torchrun)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed.common import TORCHRUN, clean_env, run
+from tests.distributed.common import GPT, TORCHRUN, clean_env, run, torchrun_cmd
 from tests.helpers import ROOT
 
 
@@ -33,3 +34,64 @@ def test_adamw2_refuses_shardings_it_cannot_reassemble():
             AdamW2([w])
     finally:
         dist.destroy_process_group()
+
+
+# --- the trainer with parallel=fsdp (FSDP2 fully_shard per block and root, DCP checkpoints) -----
+
+FSDP_REL = 1e-4  # sharded reduce-scatter vs DDP all-reduce: float32 summation order (observed ~1e-7)
+FSDP_ARGS = [*GPT, "schedule=constant", "eval_every=2", "ckpt.keep=0"]  # constant lr: a shorter run is a prefix
+
+
+def _torchrun(run_dir, *overrides):
+    out = run(torchrun_cmd(2, *FSDP_ARGS, f"hydra.run.dir={run_dir}", *overrides), cwd=run_dir.parent)
+    return out.stdout + out.stderr
+
+
+def _assert_same_losses(a_dir, b_dir, rel):
+    from tests.helpers import losses
+
+    a, b = losses(a_dir), losses(b_dir)
+    assert sorted(a) == sorted(b) and len(a) >= 4
+    for s in b:
+        assert a[s] == pytest.approx(b[s], rel=rel), f"step {s}: {a[s]} vs {b[s]}"
+
+
+ACCUM_CLIP_AC = ["micro_batch_size=16", "grad_clip=0.5", "activation_checkpointing=true"]
+
+
+@pytest.mark.parametrize("optim,extra", [("adamw2", []), ("adamw", ACCUM_CLIP_AC)])
+def test_fsdp_trains_like_ddp_and_resumes_identically(tmp_path, optim, extra):
+    args = [f"optim={optim}", *extra]
+    _torchrun(tmp_path / "ddp", *args, "steps=4", "parallel=ddp")
+    fsdp = tmp_path / "fsdp"
+    _torchrun(fsdp, *args, "steps=4", "parallel=fsdp")
+    _assert_same_losses(fsdp, tmp_path / "ddp", FSDP_REL)
+    ck = torch.load(fsdp / "checkpoints" / "last.pt", weights_only=True)
+    assert ck["dcp"] == "last_dcp" and "model" not in ck and ck["step"] == 4
+    assert (fsdp / "checkpoints" / "last_dcp" / ".metadata").is_file()
+    if optim != "adamw2":
+        return
+    cut = tmp_path / "cut"
+    _torchrun(cut, *args, "steps=2", "parallel=fsdp")
+    log = _torchrun(cut, *args, "steps=4", "parallel=fsdp", "resume=auto")
+    assert "resumed from step 2" in log, log[-3000:]  # a fresh start would log the same losses
+    _assert_same_losses(cut, fsdp, 1e-6)
+
+
+def test_fsdp_refusals_are_one_line():
+    from stabletrain.build import check_parallel, validate
+    from stabletrain.errors import ConfigError
+    from tests.helpers import make_cfg
+
+    with pytest.raises(ConfigError, match=r"^parallel=zero is not an option: use ddp or fsdp$"):
+        validate(make_cfg("model=gpt_test", "parallel=zero"))
+    with pytest.raises(ConfigError, match=r"^parallel=fsdp shards over the ranks of a distributed launch"):
+        validate(make_cfg("model=gpt_test", "parallel=fsdp"))
+    ok = ["model=gpt_test", "parallel=fsdp", "monitor=off", "ckpt.keep=0"]
+    check_parallel(make_cfg(*ok), world=2)
+    for override, key in (("reparam=sigma", "reparam=sigma"), ("ema.decay=0.99", "ema.decay=0.99"),
+                          ("monitor=standard", "monitor=standard"), ("ckpt.keep=2", "ckpt.keep=2"),
+                          ("regularizer=zloss", "regularizer=zloss")):
+        with pytest.raises(ConfigError, match=rf"^parallel=fsdp with {key}: ") as e:
+            check_parallel(make_cfg(*ok, override), world=2)
+        assert "\n" not in str(e.value)

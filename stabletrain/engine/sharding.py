@@ -1,0 +1,155 @@
+"""Activation checkpointing and FSDP2 for the trainer (``activation_checkpointing``, ``parallel=fsdp``).
+
+Both act on the transformer blocks, which :mod:`stabletrain.build` finds and passes in (the
+engine imports no models/). Neither renames a module or a state_dict key:
+
+- Activation checkpointing re-classes each block (as Swin's blocks are re-classed) to a
+  subclass whose ``forward`` runs the block's own under
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` while training with grad
+  enabled; eval and ``torch.no_grad`` run it plainly. Forward pre-hooks (the monitors') still
+  see the block input, and a deep copy (the EMA) is checkpointed too. The RNG state is saved and
+  replayed on recomputation, so dropout / drop path masks are the same as without.
+- FSDP2: ``fully_shard`` on each block, then on the root (one all-gather per block in forward
+  and backward, a reduce-scatter of its gradients), on a 1-D mesh over every rank; with bf16, a
+  ``MixedPrecisionPolicy`` (bf16 parameters in compute, fp32 gradient reduction). Checkpoints go
+  through ``torch.distributed.checkpoint`` into ``checkpoints/last_dcp/`` (see :func:`save_dcp`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DCP_DIR = "last_dcp"  # beside last.pt: the sharded model and optimizer of the same step
+_CHECKPOINTED: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    if cls not in _CHECKPOINTED:
+        def forward(self, *args, **kwargs):
+            inner = super(sub, self).forward
+            if self.training and torch.is_grad_enabled():
+                from torch.utils.checkpoint import checkpoint
+
+                return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            return inner(*args, **kwargs)
+
+        sub = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__, "activation_checkpointed": True})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def apply_activation_checkpointing(blocks) -> int:
+    """Re-class every block of ``blocks`` (``(name, module)`` pairs) so that its forward is
+    checkpointed in training; returns how many. Idempotent."""
+    n = 0
+    for _, blk in blocks:
+        if not getattr(blk, "activation_checkpointed", False):
+            blk.__class__ = _checkpointed_class(type(blk))
+        n += 1
+    return n
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_model(model: nn.Module, blocks, bf16: bool, device: torch.device) -> nn.Module:
+    """FSDP2 ``fully_shard`` on each block of ``blocks``, then on ``model``; in place (the
+    parameters become DTensors sharded on dim 0). Call before the optimizer is built."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    kw = {"mesh": mesh}
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for _, blk in blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """FSDP2's ``no_sync``: without sync the gradients of a micro-batch stay unreduced (accumulated)."""
+    model.set_requires_gradient_sync(sync)
+
+
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor (e.g. a total norm over sharded gradients) as the plain tensor it stands for."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (sharing its storage), or ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_finite_everywhere(verdict: torch.Tensor) -> bool:
+    """A rank's finite-check verdict, AND-ed over the ranks (each checked only its shards)."""
+    flag = torch.tensor([1 if bool(verdict) else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_gloo())
+    return bool(flag.item())
+
+
+def _gloo():
+    from stabletrain.engine import distributed as D
+
+    return D._cpu_group
+
+
+def sharded_state(model: nn.Module, optimizer) -> dict:
+    """``{"model", "optim"}`` of this rank (FQN-keyed, DTensor values), as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    return {"model": msd, "optim": osd}
+
+
+def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int) -> None:
+    """Every rank writes its shards into ``ckpt_dir/.last_dcp.tmp``; rank 0 then swaps it into
+    ``ckpt_dir/last_dcp`` (the previous one kept until then). The step is saved with them, so a
+    ``last.pt`` from another step (a kill between the swap and writing last.pt) is detected on resume."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = Path(ckpt_dir)
+    tmp, final, old = ckpt_dir / f".{DCP_DIR}.tmp", ckpt_dir / DCP_DIR, ckpt_dir / f".{DCP_DIR}.old"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(group=_gloo())
+    state = sharded_state(model, optimizer)
+    state["step"] = torch.tensor(step)
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier(group=_gloo())
+    if dist.get_rank() == 0:
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier(group=_gloo())
+
+
+def load_dcp(path: Path, model: nn.Module, optimizer) -> int:
+    """Load ``path`` (a ``last_dcp`` directory) into the sharded model and optimizer on every
+    rank; returns the step it was saved at. Any world size that DCP can reshard to works."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(model, optimizer)
+    state["step"] = torch.tensor(-1)
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
