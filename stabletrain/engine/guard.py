@@ -29,9 +29,8 @@ Besides the optimizer, only what a step changes is guarded:
 
 Two things are not undone: the EMA's step counter (only ``ema.warmup=true`` reads it) and,
 with ``warm_start=False``, the random start vectors AdamW² drew in the skipped step. AdamW²'s
-bound telemetry of a skipped step shows ``lr_eff = 0``. On the copy path AdamW²'s
-``overlap_sigma_w`` would lose its overlap (the written-back weights are a new version); on the
-``found_inf`` path it keeps it.
+bound telemetry of a skipped step shows ``lr_eff = 0``. AdamW²'s ``overlap_sigma_w`` keeps its
+overlap under the guard (no weights are written back, so the sigma1(W) iterated ahead stays valid).
 """
 
 from __future__ import annotations
