@@ -6,6 +6,12 @@ The averaging is timm's ``ModelEmaV3`` (foreach lerp over the parameters); what 
   1/k of the memory traffic (one read of the weights and a read-modify-write of the average).
 - Buffers are copied, not averaged (``exclude_buffers``): sigmaReparam's ``u, v`` are unit
   vectors, and an average of unit vectors is not one.
+- A step can be skipped without a copy of the average (``found_inf``, set by engine/guard.py
+  around a step that AdamW² or a fused torch optimizer skips): the update then lerps with a
+  device-tensor weight, ``1 - decay`` or 0 for a skipped step (a lerp of weight 0 returns the
+  average bit-exactly; of weight ``1 - decay`` the numbers of timm's update), and keeps the
+  buffers with ``torch.where``. Only for averages of fp32/fp64 weights of the model's dtype
+  (``skips_exactly``); timm's stochastic rounding of bf16 averages is not conditional.
 - **Decision:** before each evaluation the average's sigmaReparam vectors get
   ``EVAL_POWER_ITERS`` power iterations on the averaged weights, so the EMA model divides by
   ``sigma1`` of its own ``W`` rather than by ``u^T W_ema v`` for the live model's vectors.
@@ -28,6 +34,10 @@ class WeightEma:
         self.ema = ModelEmaV3(model, decay=decay**self.every, use_warmup=warmup, exclude_buffers=True)
         self.module = self.ema.module
         self._reps = None
+        self.found_inf: torch.Tensor | None = None  # nonzero 0-dim device tensor: the step was skipped
+        pairs = list(zip(self.module.parameters(), model.parameters()))
+        self.skips_exactly = all(e.dtype == m.dtype and e.dtype in (torch.float32, torch.float64)
+                                 and e.device == m.device for e, m in pairs)
 
     @torch.no_grad()
     def after_step(self, model: nn.Module, step: int) -> None:
@@ -37,7 +47,26 @@ class WeightEma:
         self.updates += 1
         # timm's step-based decay is 0 (a copy) for the first two calls; without warmup we
         # start the average from the initial weights like the live model, decay from the start
-        self.ema.update(model, step=self.updates if self.ema.use_warmup else None)
+        step_ = self.updates if self.ema.use_warmup else None
+        if self.found_inf is None:
+            self.ema.update(model, step=step_)
+        else:
+            self._update_unless(model, self.ema.get_decay(step_), self.found_inf.reshape(()) > 0)
+
+    def _update_unless(self, model: nn.Module, decay: float, skip: torch.Tensor) -> None:
+        """timm's ``apply_update_no_buffers_`` with the weight ``1 - decay`` on the device, 0 where ``skip``."""
+        if not self.skips_exactly:
+            raise RuntimeError("WeightEma: found_inf needs an fp32/fp64 average of the model's dtype and device")
+        by_dtype: dict[torch.dtype, tuple[list, list]] = {}
+        for e, m in zip(self.module.parameters(), model.parameters()):
+            es, ms = by_dtype.setdefault(e.dtype, ([], []))
+            es.append(e)
+            ms.append(m)
+        for dtype, (es, ms) in by_dtype.items():
+            weight = torch.full((), 1.0 - decay, dtype=dtype, device=skip.device).masked_fill_(skip, 0.0)
+            torch._foreach_lerp_(es, ms, weight)
+        for e, m in zip(self.module.buffers(), model.buffers()):
+            torch.where(skip, e, m.to(e.device, e.dtype), out=e)
 
     @torch.no_grad()
     def for_eval(self) -> nn.Module:

@@ -52,6 +52,20 @@ the RNG at another time). The stack of weights, spent once iterated, is zeroed o
 stream too and serves step ``t`` as its direction buffer: one stacked copy of the bounded
 weights is held while step ``t`` runs, in place of the buffer step ``t`` would allocate.
 
+Skipping a step (``found_inf``, set by ``engine/guard.py`` or ``GradScaler``): a nonzero flag
+makes the step change nothing, bit-exactly, on the device and with no copy of the weights or
+the state. torch's fused kernels take the flag (they leave weights, moments and the direction
+buffer untouched) and the step counts get their increment taken back, as in torch's own
+``_fused_adam``; the bounded update runs with ``lr_eff = 0`` (a lerp of weight 0 returns ``W``
+exactly), and the warm-start vectors keep their start values (``torch.where`` on those small
+vectors). The non-fused path (``eps_inside_sqrt``, low-precision parameters) computes the
+moments and the free update out of place and keeps them with ``torch.where`` (transient
+copies). A skipped step's :attr:`last_bound` shows ``lr_eff = 0``, ``sigma_u = 0`` and no bound
+hit. With ``overlap_sigma_w`` the weights of a skipped step are unchanged, so the sigma1(W)
+iterated after it, from the kept vectors, is that of the step before. ``warm_start=False``
+still draws its random start vectors in a skipped step. Under FSDP the flag is the same on
+every rank (it comes from all-reduced gradients) and every rank runs the same collectives.
+
 Sharded parameters: under FSDP2 or HSDP (``fully_shard``; DTensor parameters split on dim 0)
 each rank steps its own rows, and the power iteration reassembles the whole matrices' sigma1
 with two all-reduces per iteration over the shard group (``spectral.power_iteration``). Fresh
@@ -109,6 +123,8 @@ class _SigmaAhead:
     sigma: Tensor
     u: Tensor
     v: Tensor
+    u0: Tensor  # the start vectors (the kept ones): what a skipped step keeps
+    v0: Tensor
     direction: Tensor  # the stacked weights' buffer, zeroed after the iteration: the next step's U
     ready: Any = None  # torch.cuda.Event recorded on the side stream, or None (computed in line)
 
@@ -147,7 +163,16 @@ class AdamW2(Optimizer):
     After :meth:`step`, :meth:`bound_stats` (nested) and :meth:`telemetry` (flat metric keys)
     report the bound per tensor, with one host sync only when called; :attr:`last_bound`
     holds the same as device tensors.
+
+    Skipping a step (the contract of torch's fused optimizers, ``_step_supports_amp_scaling``):
+    set :attr:`found_inf` to a 0-dim device tensor before :meth:`step` (nonzero: skip; ``None``:
+    step) and the step changes nothing, bit-exactly and without a host sync (module docstring).
+    ``grad_scale`` must be ``None``: unscale the gradients first (``GradScaler.unscale_``).
     """
+
+    _step_supports_amp_scaling = True
+    found_inf: Tensor | None = None
+    grad_scale: Tensor | None = None
 
     def __init__(
         self,
@@ -210,6 +235,7 @@ class AdamW2(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = self._skip_flag()
         for ahead in self._ahead.values():
             ahead.wait()  # the side stream's reads of W precede this step's writes
         records: list[BoundRecord] = []
@@ -232,13 +258,27 @@ class AdamW2(Optimizer):
                 else:
                     free.append(p)
             if free:
-                self._step_free(group, free)
+                self._step_free(group, free, skip)
             for key, members in bounded.items():
-                records.append(self._step_bucket(group, key, members))
+                records.append(self._step_bucket(group, key, members, skip))
                 buckets.append((group, key, [p for _, p in members]))
         self.last_bound = records
         self._ahead = self._iterate_ahead(buckets) if self.overlap_sigma_w else {}
         return loss
+
+    def _skip_flag(self) -> Tensor | None:
+        """``found_inf`` (GradScaler's and StepGuard's contract) as a 0-dim bool device tensor, or None."""
+        if getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                "AdamW2 does not unscale gradients: grad_scale must be None "
+                "(call GradScaler.unscale_(optimizer) before GradScaler.step)"
+            )
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return None
+        if _is_dtensor(found_inf):
+            found_inf = found_inf.full_tensor()
+        return found_inf.reshape(()) > 0
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._ahead = {}  # iterated from vectors the loaded state replaces
@@ -267,15 +307,21 @@ class AdamW2(Optimizer):
             raise RuntimeError("AdamW2(fused=True) needs eps_inside_sqrt=False and fp32/fp64 parameters on CPU or CUDA")
         return ok
 
-    def _adam_direction(self, group: dict, params: list[Tensor], out: list[Tensor], scale: float = 1.0) -> None:
-        """Advance step counts and moments of ``params``; add ``scale * U`` to ``out`` (zeros)."""
+    def _adam_direction(
+        self, group: dict, params: list[Tensor], out: list[Tensor], scale: float = 1.0, skip: Tensor | None = None
+    ) -> None:
+        """Advance step counts and moments of ``params``; add ``scale * U`` to ``out`` (zeros).
+
+        ``skip`` (a 0-dim bool device tensor): when true the counts and moments are left as they
+        were, bit-exactly; ``out`` then stays zero (fused kernel) or gets the direction of the
+        kept moments (finite), and the caller must not apply it."""
         beta1, beta2 = group["betas"]
         eps = group["eps"]
         states = [self.state[p] for p in params]
         grads = [_local(p.grad) for p in params]
         exp_avgs = [_local(s["exp_avg"]) for s in states]
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states]
-        steps = [s["step"] for s in states]
+        steps = steps_state = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         if self._use_fused(group, params):
             # Adam's update "out -= lr * m_hat / (sqrt(v_hat) + eps)" with lr = -scale and out = 0
@@ -294,11 +340,21 @@ class AdamW2(Optimizer):
                 eps=eps,
                 amsgrad=False,
                 maximize=False,
+                grad_scale=None,
+                found_inf=None if skip is None else skip.float(),
             )
+            _unstep(steps, skip)
             return
-        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        if skip is None:
+            torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+        else:  # the same numbers out of place, kept where not skipped (transient copies: this path only)
+            new_avgs = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
+            new_sqs = torch._foreach_mul(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(new_sqs, grads, grads, 1.0 - beta2)
+            _commit(exp_avgs, new_avgs, skip)
+            _commit(exp_avg_sqs, new_sqs, skip)
         # bias corrections in the update's precision (a no-op cast for fp32 parameters)
         steps = [s.to(u.dtype) for s, u in zip(steps, out)]
         bias1 = _one_minus_pow(beta1, steps)
@@ -313,8 +369,9 @@ class AdamW2(Optimizer):
             torch._foreach_add_(denom, eps)
         torch._foreach_mul_(denom, bias1)
         torch._foreach_addcdiv_(out, exp_avgs, denom, value=scale)
+        _unstep(steps_state, skip)  # after the direction: its bias corrections never divide by zero
 
-    def _step_free(self, group: dict, params: list[Tensor]) -> None:
+    def _step_free(self, group: dict, params: list[Tensor], skip: Tensor | None = None) -> None:
         """Plain AdamW (what torch.optim.AdamW does) for tensors outside the bound."""
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
@@ -335,16 +392,26 @@ class AdamW2(Optimizer):
                 eps=group["eps"],
                 amsgrad=False,
                 maximize=False,
+                grad_scale=None,
+                found_inf=None if skip is None else skip.float(),
             )
+            _unstep(steps, skip)
             return
         updates = [torch.zeros_like(_local(p), dtype=_compute_dtype(p)) for p in params]
-        self._adam_direction(group, params, updates)
+        self._adam_direction(group, params, updates, skip=skip)
         local = [_local(p) for p in params]
-        if wd != 0:
-            torch._foreach_mul_(local, 1.0 - lr * wd)
-        torch._foreach_add_(local, updates, alpha=-lr)
+        if skip is None:
+            if wd != 0:
+                torch._foreach_mul_(local, 1.0 - lr * wd)
+            torch._foreach_add_(local, updates, alpha=-lr)
+        else:  # the same numbers out of place, kept where not skipped
+            new = torch._foreach_mul(local, 1.0 - lr * wd) if wd != 0 else [p.clone() for p in local]
+            torch._foreach_add_(new, updates, alpha=-lr)
+            _commit(local, new, skip)
 
-    def _step_bucket(self, group: dict, key: tuple, members: list[tuple[str, Tensor]]) -> BoundRecord:
+    def _step_bucket(
+        self, group: dict, key: tuple, members: list[tuple[str, Tensor]], skip: Tensor | None = None
+    ) -> BoundRecord:
         """Bounded step for B tensors whose matrices share a shape (see module docstring)."""
         _, _, split, _, dtype = key
         shards = split[0] if split else None
@@ -369,22 +436,26 @@ class AdamW2(Optimizer):
         else:
             direction = ahead.direction  # zeroed on the side stream
         steps = [direction[i].view(t.shape) for i, t in enumerate(local)]
-        self._adam_direction(group, params, steps, scale)
+        self._adam_direction(group, params, steps, scale, skip)
 
         if len(shape) == 1:
             sigma = row_norms(buf, shards)
             sigma_w, sigma_u = sigma[:n], sigma[n:]
         elif ahead is not None:
-            sigma_u = self._sigma1_matrices(group, params, direction, (U_KEYS,), shards)
-            self._keep_vectors(group, params, (W_KEYS,), ahead.u, ahead.v)
+            sigma_u = self._sigma1_matrices(group, params, direction, (U_KEYS,), shards, skip)
+            self._keep_vectors(group, params, (W_KEYS,), *_unless(skip, (ahead.u, ahead.v), (ahead.u0, ahead.v0)))
             sigma_w = ahead.sigma
         else:
-            sigma = self._sigma1_matrices(group, params, buf, (W_KEYS, U_KEYS), shards)
+            sigma = self._sigma1_matrices(group, params, buf, (W_KEYS, U_KEYS), shards, skip)
             sigma_w, sigma_u = sigma[:n], sigma[n:]
         sigma_u = sigma_u * abs(1.0 / scale)
 
         hit = (sigma_w > 0) & (sigma_u * lr > sigma_w * tau)
         lr_eff = torch.where(hit, tau * sigma_w / sigma_u.clamp_min(_TINY), lr)
+        if skip is not None:  # a skipped step moves nothing: rate 0 (what its record shows), no bound hit
+            lr_eff = torch.where(skip, 0.0, lr_eff)
+            hit = hit & ~skip
+            sigma_u = torch.where(skip, 0.0, sigma_u)  # U of a skipped step is zero (fused) or never applied
 
         if wd != 0:
             rates = list((lr_eff * wd).unbind(0))
@@ -407,18 +478,21 @@ class AdamW2(Optimizer):
         return buf
 
     def _sigma1_matrices(
-        self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None
+        self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None,
+        skip: Tensor | None = None,
     ) -> Tensor:
         """sigma1 of ``mats`` = one block of B matrices per ``blocks`` entry (``W_KEYS``:
-        the weights, ``U_KEYS``: the directions), in one batched iteration; keeps the vectors.
+        the weights, ``U_KEYS``: the directions), in one batched iteration; keeps the vectors
+        (the start vectors instead when ``skip`` is true: a kept vector is then unchanged).
         ``shards``: the process group over which the matrices' rows are split, or None."""
-        sigma, u, v = self._iterate(group, params, mats, blocks, shards)
-        self._keep_vectors(group, params, blocks, u, v)
+        sigma, u, v, u0, v0 = self._iterate(group, params, mats, blocks, shards)
+        self._keep_vectors(group, params, blocks, *_unless(skip, (u, v), (u0, v0)))
         return sigma
 
     def _iterate(
         self, group: dict, params: list[Tensor], mats: Tensor, blocks: tuple, shards: Any = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``(sigma, u, v)`` of the power iteration and its start vectors ``u0, v0``."""
         _, rows, cols = mats.shape
         # Fresh u's are drawn for all rows of the whole matrix and cut to this rank's rows: the
         # start vectors, and so every number, are those of the unsharded optimizer with the same
@@ -437,7 +511,7 @@ class AdamW2(Optimizer):
             not group["warm_start"] or any(_stale(s, kv, cols) for _, kv in blocks for s in states)
         ):
             torch.distributed.broadcast(v0, group_src=0, group=shards)
-        return power_iteration(mats, u0, v0, group["power_iters"], shards)
+        return (*power_iteration(mats, u0, v0, group["power_iters"], shards), u0, v0)
 
     def _keep_vectors(self, group: dict, params: list[Tensor], blocks: tuple, u: Tensor, v: Tensor) -> None:
         if not group["warm_start"]:
@@ -465,16 +539,16 @@ class AdamW2(Optimizer):
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 mats = self._bucket_buffer(("ahead", *key), (len(params), *_local_matrix(params[0]).shape))
                 _stack_matrices(params, out=mats)
-                sigma, u, v = self._iterate(group, params, mats, (W_KEYS,))
+                sigma, u, v, u0, v0 = self._iterate(group, params, mats, (W_KEYS,))
                 mats.zero_()  # the stack is spent: it becomes the next step's direction buffer
             ready = None
             if stream is not None:
-                for t in (sigma, u, v, mats):  # allocated on the side stream, used on the main one
+                for t in (sigma, u, v, u0, v0, mats):  # allocated on the side stream, used on the main one
                     t.record_stream(main)
                 ready = torch.cuda.Event()
                 ready.record(stream)
             versions = [p._version for p in params]
-            ahead[key] = _SigmaAhead(params, versions, group["power_iters"], sigma, u, v, mats, ready)
+            ahead[key] = _SigmaAhead(params, versions, group["power_iters"], sigma, u, v, u0, v0, mats, ready)
         return ahead
 
     def _side_stream(self, device: torch.device) -> Any:
@@ -596,6 +670,26 @@ def _local_matrix(p: Tensor) -> Tensor:
 
 def _compute_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
+
+
+def _unstep(steps: list[Tensor], skip: Tensor | None) -> None:
+    """Take back the step count's increment where ``skip`` (torch's ``_fused_adam`` does the same)."""
+    if skip is not None:
+        torch._foreach_sub_(steps, [skip.to(steps[0].dtype)] * len(steps))
+
+
+def _commit(tensors: list[Tensor], new: list[Tensor], skip: Tensor) -> None:
+    """``tensors[i] = new[i]`` unless ``skip``, without a host sync (``new`` is reused)."""
+    for t, n in zip(tensors, new):
+        torch.where(skip, t, n, out=n)
+    torch._foreach_copy_(tensors, new)
+
+
+def _unless(skip: Tensor | None, new: tuple[Tensor, ...], old: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``new``, or ``old`` where ``skip`` is true (small vectors: a fresh tensor each)."""
+    if skip is None:
+        return new
+    return tuple(torch.where(skip, o, n) for n, o in zip(new, old))
 
 
 def _one_minus_pow(beta: float, steps: list[Tensor]) -> list[Tensor]:

@@ -38,6 +38,8 @@ def _records(run_dir):
     ["optim=adamw"],  # torch's fused AdamW on CPU: found_inf
     ["optim=adamw", "optim.fused=false"],
     ["optim=adamw2", "reparam=sigma", "ema.decay=0.9"],  # hooks and EMA guarded too
+    ["optim=adamw2", "optim.overlap_sigma_w=true", "optim.warm_start=true"],  # found_inf with sigma1(W) ahead
+    ["optim=adamw2", "optim.warm_start=false"],
     ["optim=sgd", "grad_clip=1.0"],
     ["optim=lars"],
 ])
@@ -161,3 +163,73 @@ def test_bad_combinations_are_one_line_errors(override, message):
     with pytest.raises(ConfigError) as err:
         validate(make_cfg(*GPT, "steps=4", *override))
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("extra, copies_weights", [
+    (["optim=adamw2"], False),  # found_inf: nothing of the optimizer copied
+    (["optim=adamw"], False),  # torch's fused AdamW
+    (["optim=adamw", "optim.fused=false"], True),
+    (["optim=lars"], True),
+])
+def test_guard_copies_only_what_cannot_skip(tmp_path, extra, copies_weights):
+    """With AdamW² (and fused AdamW) the guard's snapshots are sigmaReparam's u, v alone: no
+    copy of the weights, the optimizer state or the EMA, whose update is itself conditional."""
+    from stabletrain.build import build_trainer
+    from stabletrain.layers.reparam import SigmaPart
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *extra, "reparam=sigma", "ema.decay=0.9", "steps=2"), tmp_path)
+    t.fit()
+    guard = t.guard
+    sigma_bufs = [b for m in t.model.modules() if isinstance(m, SigmaPart) for b in m.buffers(recurse=False)]
+    assert sigma_bufs and guard.buffers == sigma_bufs
+    snap_bytes = sum(s.numel() * s.element_size() for s in guard.snapshots)
+    buf_bytes = sum(b.numel() * b.element_size() for b in sigma_bufs)
+    if copies_weights:
+        assert snap_bytes > sum(p.numel() * p.element_size() for p in t.model.parameters())
+    else:
+        assert guard.found_inf and guard.ema_skips
+        assert [s.shape for s in guard.snapshots] == [b.shape for b in sigma_bufs] and snap_bytes == buf_bytes
+
+
+def _ema_pair(decay=0.9, every=1, warmup=False):
+    from stabletrain.engine.ema import WeightEma
+    from stabletrain.layers.reparam import SigmaPart
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    model[0].part = SigmaPart(5, 6)  # buffers u, v, as sigmaReparam holds them
+    ema = WeightEma(model, decay, every, warmup)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+        model[0].part.u.copy_(torch.randn(5))
+    return model, ema
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_update_with_found_inf_zero_equals_timm(warmup):
+    model, ema = _ema_pair(warmup=warmup)
+    _, ref = _ema_pair(warmup=warmup)
+    for step in range(4):
+        ema.found_inf = torch.tensor(0.0)
+        ema.after_step(model, step)
+        ema.found_inf = None
+        ref.after_step(model, step)
+    _assert_equal(ema.module.state_dict(), ref.module.state_dict(), "ema")
+
+
+def test_ema_update_with_found_inf_leaves_the_average_bit_exact():
+    """A skipped step lerps with weight 0 (torch's foreach lerp returns the start exactly) and
+    keeps the buffers: the average equals what it was, with no copy taken."""
+    model, ema = _ema_pair()
+    ema.after_step(model, 0)
+    before = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e30)  # far from the average: any nonzero weight would show
+        model[0].part.u.copy_(torch.randn(5))
+    ema.found_inf = torch.tensor(1.0)
+    ema.after_step(model, 1)
+    ema.found_inf = None
+    _assert_equal(ema.module.state_dict(), before, "ema")
+    assert ema.skips_exactly

@@ -559,7 +559,8 @@ def test_overlap_stream_protocol(monkeypatch):
         opt.step()
 
     # the spent stack is zeroed on the side stream and becomes the next step's direction buffer
-    ahead = ["enter side", "stack", "zero", "exit side", *["record_stream(main)"] * 4]
+    # (sigma, u, v, the start vectors u0, v0 that a skipped step keeps, the stack)
+    ahead = ["enter side", "stack", "zero", "exit side", *["record_stream(main)"] * 6]
     first = log.index("step", 1)
     step1, later = log[:first], log[first:]
     # step 1: every bucket (two of matrices, the 1-D gain) iterated in line and written, then
@@ -596,3 +597,97 @@ def test_readme_example_runs_and_reports_per_tensor_rates():
     assert 0.0 <= stats["adamw2/frac_bounded"] <= 1.0
     assert "adamw2/lr_eff/blocks.0.attn.qkv.weight" in stats  # named per tensor
     assert "adamw2/lr_eff/blocks.0.attn.qkv.bias" not in stats  # vectors are not bounded
+
+
+# --- skipping a step: found_inf (GradScaler's and StepGuard's contract) ---------------------
+
+SKIP_CASES = {
+    "fused": {},
+    "cold": {"warm_start": False},
+    "overlap": {"overlap_sigma_w": True},
+    "foreach": {"eps_inside_sqrt": True},  # the non-fused direction and free step
+    "no_decay": {"weight_decay": 0.0},  # the bounded step's addcmul form
+}
+
+
+def _flat_state(opt):
+    return {(i, k): v.clone() for i, st in opt.state_dict()["state"].items() for k, v in st.items()}
+
+
+def _step_with(model, opt, x, y, found_inf, nan=False):
+    model.zero_grad()
+    loss_fn(model, x, y).backward()
+    if nan:
+        for p in model.parameters():
+            p.grad.view(-1)[0] = float("nan")
+    opt.found_inf = found_inf
+    try:
+        opt.step()
+    finally:
+        opt.found_inf = None
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_found_inf_leaves_weights_and_every_state_tensor_unchanged(case):
+    """found_inf = 1 with NaN gradients: weights and the whole state dict (moments, step counts,
+    warm-start vectors) equal those before the step; the next steps equal a run without it."""
+    data = batches(6)
+    model, ref = make_model(), make_model()
+    opt, ref_opt = make_adamw2(model, **SKIP_CASES[case]), make_adamw2(ref, **SKIP_CASES[case])
+    train_steps(model, opt, data[:3])
+    train_steps(ref, ref_opt, data[:3])
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    state = _flat_state(opt)
+    _step_with(model, opt, *data[3], torch.tensor(1.0), nan=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, weights[n]), n
+    after = _flat_state(opt)
+    assert after.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(after[k], v), k
+    stats = opt.bound_stats()
+    assert stats["bound_fraction"] == 0 and set(stats["lr_eff"].values()) == {0.0}  # marked: nothing moved
+    if SKIP_CASES[case].get("warm_start", True):  # cold starts draw from the global RNG in the skipped step too
+        rng = torch.get_rng_state()
+        for x, y in data[3:]:
+            _step_with(model, opt, x, y, None)
+        torch.set_rng_state(rng)
+        for x, y in data[3:]:
+            _step_with(ref, ref_opt, x, y, None)
+        assert_same_run(model, opt, ref, ref_opt)
+
+
+def test_found_inf_on_the_first_step_creates_clean_state():
+    data = batches(3)
+    model = make_model()
+    opt = make_adamw2(model)
+    weights = [p.clone() for p in model.parameters()]
+    _step_with(model, opt, *data[0], torch.tensor(1.0), nan=True)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    for st in opt.state.values():
+        assert st["step"].item() == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+        assert all(torch.isfinite(v).all() for v in st.values())
+    train_steps(model, opt, data[1:])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("case", list(SKIP_CASES))
+def test_found_inf_zero_is_a_plain_step(case):
+    data = batches(5)
+    model, ref = make_model(), make_model()
+    opt, ref_opt = make_adamw2(model, **SKIP_CASES[case]), make_adamw2(ref, **SKIP_CASES[case])
+    torch.manual_seed(5)
+    for x, y in data:
+        _step_with(model, opt, x, y, torch.tensor(0.0))
+    train_steps(ref, ref_opt, data)
+    assert_same_run(model, opt, ref, ref_opt)
+    assert opt.bound_stats() == ref_opt.bound_stats()
+
+
+def test_grad_scale_is_refused():
+    model = make_model()
+    opt = make_adamw2(model)
+    loss_fn(model, *batches(1)[0]).backward()
+    opt.grad_scale = torch.tensor(2.0)
+    with pytest.raises(RuntimeError, match="grad_scale must be None"):
+        opt.step()
