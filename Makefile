@@ -19,6 +19,12 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
+# GPU tables of docs/performance.md: framework overhead (eager and compiled) and AdamW² vs fused AdamW
+bench: setup
+	$(BIN)/python scripts/bench_train.py --models vit_b,gpt2_s $(ARGS)
+	$(BIN)/python scripts/bench_train.py --models vit_b,gpt2_s --compile $(ARGS)
+	$(BIN)/python scripts/bench_optim.py --optims adamw,adamw2,adamw2-overlap $(ARGS)
+
 lint: setup
 	$(BIN)/ruff check stabletrain tests scripts train.py
 

@@ -59,14 +59,6 @@ def lr_sensitivity(losses: Sequence[float | None], l0: float) -> float:
     return sum(capped) / len(capped) - min(capped)
 
 
-def _finite(v) -> float | None:
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
 def _records(run_dir: Path):
     try:
         text = (run_dir / "metrics.jsonl").read_text()
@@ -80,7 +72,7 @@ def _records(run_dir: Path):
 
 
 def _max(values) -> float | None:
-    vals = [x for v in values if (x := _finite(v)) is not None]
+    vals = [x for v in values if (x := sweeps.number(v)) is not None]
     return max(vals) if vals else None
 
 
@@ -91,7 +83,7 @@ def initial_loss(config: dict, run_dir: Path | None = None) -> float | None:
     if isinstance(k, (int, float)) and k > 1:
         return math.log(k)
     for rec in _records(run_dir) if run_dir is not None else ():
-        if (v := _finite(rec.get(N.LOSS))) is not None:
+        if (v := sweeps.number(rec.get(N.LOSS))) is not None:
             return v
     return None
 
@@ -102,7 +94,7 @@ def read_point(group: str, run_dir: Path) -> Point | None:
         config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except OSError:
         return None
-    lr = _finite((config.get("optim") or {}).get("lr"))
+    lr = sweeps.number((config.get("optim") or {}).get("lr"))
     if lr is None:
         return None
     try:
@@ -111,7 +103,7 @@ def read_point(group: str, run_dir: Path) -> Point | None:
         summary = {}
     status = summary.get("status") if summary.get("status") in DONE else "unfinished"
     final = summary.get("final") or {}
-    loss = _finite(final.get(N.VAL_LOSS, final.get(N.LOSS))) if status == "completed" else None
+    loss = sweeps.number(final.get(N.VAL_LOSS, final.get(N.LOSS))) if status == "completed" else None
     recs = list(_records(run_dir))
     return Point(group, lr, status, loss, initial_loss(config, run_dir), bool(summary.get("alerts")),
                  _max(v for r in recs for k, v in r.items() if k.startswith(N.ATTN_LOGIT_MAX + "/")),

@@ -133,7 +133,8 @@ def write_csv(path: Path, columns: list[str], table: list[dict]) -> None:
         w.writerows(table)
 
 
-def _number(v) -> float | None:
+def number(v) -> float | None:
+    """``v`` as a finite float, else None (a string, a missing or non-finite value)."""
     try:
         x = float(v)
     except (TypeError, ValueError):
@@ -153,15 +154,15 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
     from stabletrain.analysis.ticks import label_x_ticks, log_scale
 
     swept = sorted({r.get(x) for r in table if r.get(x) not in ("", None)}, key=_sort_key)
-    categories = None if all(_number(v) is not None for v in swept) else list(dict.fromkeys(map(str, swept)))
+    categories = None if all(number(v) is not None for v in swept) else list(dict.fromkeys(map(str, swept)))
 
     def at(v) -> float | None:
         if v in ("", None):
             return None
-        return float(categories.index(str(v))) if categories is not None else _number(v)
+        return float(categories.index(str(v))) if categories is not None else number(v)
 
     def points(rs, diverged: bool):
-        pts = [(at(r.get(x)), _number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]
+        pts = [(at(r.get(x)), number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]
         return [(a, b) for a, b in pts if a is not None and (diverged or b is not None)]
 
     healthy = [b for _, b in points(table, False)]

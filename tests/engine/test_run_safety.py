@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from stabletrain.errors import ConfigError
+from tests.engine.test_loop import _run_until
 from tests.helpers import train
 
 GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
@@ -39,27 +40,11 @@ def test_a_checkpoint_never_holds_non_finite_weights_or_optimizer_state(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
 
 
-def _interrupt_during_step(trainer, n):
-    """A SIGTERM caught while step ``n`` runs (the loop checkpoints after it and stops)."""
-    import signal
-
-    orig = trainer.train_step
-
-    def step(*a, **k):
-        out = orig(*a, **k)
-        if trainer.step + 1 == n:
-            trainer.stop_signal = signal.SIGTERM
-        return out
-
-    trainer.train_step = step
-    return trainer.fit()
-
-
 def test_a_run_interrupted_in_its_last_step_completes_on_resume(tmp_path, capsys):
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    s = _interrupt_during_step(build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path), 4)
+    s = _run_until(build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path), 4)
     assert s["status"] == "interrupted" and s["step"] == 4
     again = train(tmp_path, *GPT, "steps=4", "resume=auto")
     assert again["status"] == "completed" and again["step"] == 4 and "val/loss" in again["final"]

@@ -233,3 +233,34 @@ def test_ema_update_with_found_inf_leaves_the_average_bit_exact():
     ema.found_inf = None
     _assert_equal(ema.module.state_dict(), before, "ema")
     assert ema.skips_exactly
+
+
+def test_a_sustained_spike_rolls_back_past_its_first_step(tmp_path):
+    """debug.spike_at_step=6 multiplies step 6's loss by 1e4; with a one-step spike window the
+    divergence watch calls it at once, and the ring's step 4 is restored, skipping 5-6."""
+    s = train(tmp_path, *GPT, *ROLLBACK, "steps=10", "debug.spike_at_step=6", "divergence.window=1",
+              "divergence.warmup_steps=2")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    rb = s["rollbacks"][0]
+    assert (rb["trigger_step"], rb["restored_step"], rb["skipped_steps"]) == (6, 4, 2)
+    assert "stayed above" in rb["reason"]
+
+
+def test_an_entropy_collapse_alert_rolls_back_when_asked(tmp_path):
+    """monitor.rollback_on_alert: the monitor's stop request (here raised by hand at step 7, as
+    the alert does) restores the newest ring checkpoint instead of ending the run."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *ROLLBACK, "steps=12", "monitor=standard", "monitor.stop_on_alert=true",
+                               "monitor.rollback_on_alert=true"), tmp_path)
+    real = t.monitor.after_step
+
+    def after_step(step, last=False):
+        real(step, last)
+        if step + 1 == 7 and not t.rollbacks:
+            t.monitor.stop_reason = "entropy collapse at blocks.0 (step 7)"
+
+    t.monitor.after_step = after_step
+    s = t.fit()
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    assert s["rollbacks"][0]["restored_step"] == 4 and "entropy collapse" in s["rollbacks"][0]["reason"]
