@@ -88,8 +88,6 @@ _FSDP_REFUSED = (
      "only; use monitor=off (or parallel=ddp)", lambda c: option_value(c.monitor.name)),
     (lambda c: c.divergence.action == "rollback", "divergence.action={v}: the checkpoint ring is not written "
      "for sharded checkpoints; use divergence.action=stop (or parallel=ddp)", lambda c: c.divergence.action),
-    (lambda c: c.ckpt.keep > 0, "ckpt.keep={v}: the checkpoint ring is not written for sharded checkpoints "
-     "(only checkpoints/last.pt + last_dcp/); set ckpt.keep=0", lambda c: c.ckpt.keep),
     (lambda c: bool(c.regularizer), "regularizer={v}: loss terms that read the weights are not supported on "
      "sharded weights; drop the regularizer (or parallel=ddp)", lambda c: ",".join(c.regularizer)),
 )
@@ -178,7 +176,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         check_parallel(cfg, info.world)
         shard_model(model, blocks, bf16, device)
         notes.append(f"parallel=fsdp: {len(blocks)} blocks and the root sharded over {info.world} ranks"
-                     + (" (bf16 parameters, fp32 gradient reduction)" if bf16 else ""))
+                     + (" (bf16 parameters, fp32 gradient reduction)" if bf16 else "") + "; no checkpoint ring")
     optimizer, group_summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
                                                batch_size=cfg.batch_size)
     spe = data.steps_per_epoch(cfg.batch_size)
@@ -213,7 +211,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
         compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
         flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
-        ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
+        ckpt_keep=0 if sharded else cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
         spike_factor=cfg.debug.spike_factor, sharded=sharded)
 
