@@ -140,6 +140,10 @@ class ImageData(Data):
         self.train_set, self.val_set = train_set, val_set
         self.seed, self.workers, self.repeats = cfg.seed, loader_workers(cfg.data.num_workers), cfg.data.repeated_aug
 
+    def bad_samples(self) -> int:
+        """Unreadable image files replaced so far, in the loader workers too (the trainer logs it)."""
+        return sum(int(d.replaced) for d in (self.train_set, self.val_set) if hasattr(d, "replaced"))
+
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
         sampler = _StepSampler(self.n_train, self.seed, start_step, shard, self.repeats)
         # its own generator: starting an iterator would otherwise draw from torch's global one, and
@@ -236,6 +240,9 @@ class _ReadableImages(Dataset):
 
     def __init__(self, folder, transform):
         self.root, self.samples, self.classes, self.transform = folder.root, folder.samples, folder.classes, transform
+        # files replaced so far, counted in shared memory so that loader workers' finds reach the
+        # trainer (each process counts a file once)
+        self.replaced = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -243,9 +250,12 @@ class _ReadableImages(Dataset):
     def __getitem__(self, index: int):
         for k in range(len(self.samples)):
             path, label = self.samples[(index + k) % len(self.samples)]
+            known = path in _unreadable
             img = _read_image(path)
             if img is not None:
                 return self.transform(img), label
+            if not known:
+                self.replaced += 1
         raise ConfigError(f"none of the {len(self.samples)} image files in {self.root}/ can be read")
 
 

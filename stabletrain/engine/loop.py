@@ -352,6 +352,9 @@ class Trainer:
         gnorm = pending[-1][2]
         if gnorm is not None:
             rec[N.GRAD_NORM] = float(gnorm)
+        bad = self.data.bad_samples() if hasattr(self.data, "bad_samples") else 0
+        if bad:
+            rec[N.BAD_SAMPLES] = bad
         if self.device.type == "cuda":
             rec[N.PEAK_MEMORY] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if hasattr(self.optimizer, "telemetry"):

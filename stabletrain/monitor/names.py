@@ -30,6 +30,7 @@ LOSS_PENALTY = "loss/penalty"  # the loss terms' share of LOSS
 STEP_TIME = "time/step_s"
 PEAK_MEMORY = "memory/peak_gb"
 MFU = "throughput/mfu"  # model FLOPs utilisation (CUDA only)
+BAD_SAMPLES = "data/bad_samples"  # unreadable files replaced so far (image folders)
 SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"

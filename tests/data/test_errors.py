@@ -321,6 +321,18 @@ def test_workers_warn_too(tmp_path, capfd, no_bad_images_yet):
     assert x.shape == (8, 3, 16, 16)
     err = capfd.readouterr().err
     assert all(f"warning: cannot read image {f} " in err for f in bad)
+    assert d.bad_samples() == len(bad)  # counted in the worker, seen here (shared memory)
+
+
+def test_a_run_logs_how_many_images_it_replaced(tmp_path, no_bad_images_yet):
+    import json
+
+    bad = spoil(image_folder(tmp_path / "images"))
+    s = train(tmp_path / "run", "model=vit_test", "data=imagefolder", f"data.root={tmp_path / 'images'}",
+              "data.num_workers=1", "steps=2", "batch_size=8", "logger.log_every=1", "eval_every=1000")
+    assert s["status"] == "completed"
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("data/bad_samples", 0) for r in recs) == len(bad)
 
 
 # --- loader workers ----------------------------------------------------------------------
