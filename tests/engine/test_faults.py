@@ -49,10 +49,10 @@ def test_a_torn_summary_is_no_completed_run(tmp_path):
 @pytest.mark.parametrize("tail", [b'{"step": 4, "loss": 1.2', b'{"step": 4, "loss": \xff\xfe}\n', b"\x00\x00\x00"])
 def test_a_torn_or_non_utf8_metrics_line_is_dropped_on_resume(tmp_path, tail):
     from stabletrain.build import build_trainer
-    from tests.engine.test_run_safety import _interrupt_during_step
+    from tests.engine.test_loop import _run_until
     from tests.helpers import make_cfg
 
-    _interrupt_during_step(build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2"), tmp_path), 2)
+    _run_until(build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2"), tmp_path), 2)
     with open(tmp_path / "metrics.jsonl", "ab") as f:
         f.write(tail)
     s = train(tmp_path, *GPT, "steps=4", "resume=auto")
