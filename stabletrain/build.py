@@ -35,6 +35,7 @@ from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import LoopSettings, Trainer
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
+from stabletrain.layers.deescalate import DEESCALATIONS
 from stabletrain.layers.init import INITS
 from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
@@ -54,7 +55,7 @@ def validate(cfg) -> None:
     family = MODELS.entry(cfg.model.family)
     for registry, name in ((NORMS, cfg.norm.name), (ATTENTIONS, cfg.attention.name), (INITS, cfg.init.name),
                            (REPARAMS, cfg.reparam.name), (OPTIMIZERS, cfg.optim.name),
-                           (SCHEDULES, cfg.schedule.name)):
+                           (SCHEDULES, cfg.schedule.name), (DEESCALATIONS, cfg.deescalate.name)):
         registry.entry(name)
     if family.info.get("check"):
         family.info["check"](cfg.model, Components.of(cfg))

@@ -56,11 +56,6 @@ class QKVInit(str, Enum):
     matrix = "matrix"
 
 
-class DeescName(str, Enum):
-    none = "none"
-    deescalate = "deescalate"
-
-
 class DeescPlacement(str, Enum):
     block = "block"  # end of each block, after its second norm (002 l.166)
     ffn = "ffn"  # at each FFN input (002 l.176)
@@ -162,7 +157,7 @@ class InitConfig:
 
 @dataclass
 class DeescConfig:
-    name: DeescName = DeescName.none
+    name: str = "none"  # none | deescalate: registered in stabletrain.layers.deescalate
     placement: DeescPlacement = DeescPlacement.block
     lambda_: float = 1.0  # 0 none, 1 complete (002 Eq. 21); 1.0 is our guess, see docs/methods.md
     learnable: bool = False

@@ -31,6 +31,7 @@ def test_registry_lists_and_refuses_in_one_line():
     ("schedule.name=bogus", "schedule=bogus is not an option; choose one of: constant, cosine, step"),
     ("data.name=bogus", "data=bogus is not an option"),
     ("model.family=bogus", "model.family=bogus is not an option; choose one of: gpt, swin, vit"),
+    ("deescalate.name=bogus", "deescalate.name=bogus is not an option; choose one of: deescalate, none"),
 ])
 def test_config_check_asks_the_registries(override, needle):
     with pytest.raises(ConfigError) as err:

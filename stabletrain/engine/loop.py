@@ -423,7 +423,10 @@ class Trainer:
             if ok:
                 payload["optim_name"] = self.optim_name
                 save_checkpoint(self.run_dir / "checkpoints" / "last.pt", payload)
-        ok = D.broadcast_object(ok, self.info)
+        return self._saved(D.broadcast_object(ok, self.info))
+
+    def _saved(self, ok: bool) -> bool:
+        """After a save on every rank: a refused (non-finite) state ends the run as diverged."""
         if not ok:
             self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
                                      f"still finite): checkpoint not written, last.pt keeps the previous one")
@@ -447,12 +450,7 @@ class Trainer:
                 payload = self.checkpoint_payload_rest()
                 payload.update(dcp=S.DCP_DIR, optim_name=self.optim_name)
                 save_checkpoint(ckpt_dir / "last.pt", payload)
-        else:
-            self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
-                                     f"still finite): checkpoint not written, last.pt keeps the previous one")
-            self.diverged_at = self.diverged_at or self.step
-        D.barrier(self.info)
-        return ok
+        return self._saved(ok)
 
     def checkpoint_payload_rest(self) -> dict:
         """The payload of last.pt without the model and optimizer (saved sharded, beside it)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from stabletrain.registry import option_value
+from stabletrain.registry import Registry, option_value
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -72,12 +72,24 @@ class Deescalate(nn.Module):
         return f"causal={self.causal}"
 
 
+# name -> ``(cfg, model_causal) -> (placement, module | None)``; info ``active=False`` for none
+DEESCALATIONS = Registry("deescalate.name", __name__)
+
+
 def make_deescalate(cfg, model_causal: bool) -> tuple[str, nn.Module | None]:
     """``(placement, module)`` for ``cfg`` (``deescalate`` group): ``("none", None)`` when
     ``cfg.name`` is none, else ``cfg.placement``, ``block`` (end of block) or ``ffn`` (FFN
     input). ``cfg.causal`` null follows the model."""
-    if option_value(cfg.name) == "none":
-        return "none", None
+    return DEESCALATIONS.get(cfg.name)(cfg, model_causal)
+
+
+@DEESCALATIONS.register("none", active=False)
+def no_deescalation(cfg, model_causal: bool) -> tuple[str, None]:
+    return "none", None
+
+
+@DEESCALATIONS.register("deescalate")
+def deescalation(cfg, model_causal: bool) -> tuple[str, nn.Module]:
     placement = option_value(cfg.placement)
     if placement not in ("block", "ffn"):
         raise ValueError(f"deescalate.placement={placement!r} must be block or ffn")

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from stabletrain.config import Components
 from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
+from stabletrain.layers.deescalate import DEESCALATIONS
 from stabletrain.layers.norm import make_norm
 from stabletrain.models.registry import MODELS
 from stabletrain.models.vit import check_heads
@@ -24,7 +25,8 @@ from stabletrain.registry import option_value
 
 def check_gpt(m, components: Components) -> None:
     check_heads(m, components)
-    if components.deescalate.causal is False and option_value(components.deescalate.name) != "none":
+    d = components.deescalate
+    if d.causal is False and DEESCALATIONS.entry(d.name).info.get("active", True):
         raise ConfigError("deescalate.causal=false would mix later tokens into earlier ones in a causal GPT "
                           "(the full-sequence mean sees the future); leave deescalate.causal null")
 
