@@ -11,6 +11,7 @@ norm            ``NORMS``                                  stabletrain.layers.no
 attention       ``ATTENTIONS``                             stabletrain.layers.attention
 init            ``INITS``                                  stabletrain.layers.init
 reparam         ``REPARAMS``                               stabletrain.layers.reparam
+deescalate.name ``DEESCALATIONS``                          stabletrain.layers.deescalate
 optim           ``OPTIMIZERS``                             stabletrain.optim
 schedule        ``SCHEDULES``                              stabletrain.optim.schedule
 data            ``DATASETS``                               stabletrain.data
