@@ -142,13 +142,6 @@ def resolve_name(data_cfg, default: str) -> str:
     return default if name == "auto" else name
 
 
-class _Fields:
-    """The fields the image pipeline reads (``cfg.data``, ``cfg.model.img_size``, ``cfg.seed``)."""
-
-    def __init__(self, data_cfg, model_cfg, seed: int):
-        self.data, self.model, self.seed = data_cfg, model_cfg, seed
-
-
 def _exists(path: str | None, msg: str) -> None:
     if path is None or not os.path.exists(path):
         raise ConfigError(msg)
@@ -172,7 +165,7 @@ def _check_imagefolder(d) -> None:
 def imagefolder(d, m, seed: int) -> Data:
     from stabletrain.data.vision import imagefolder_data
 
-    return imagefolder_data(_Fields(d, m, seed))
+    return imagefolder_data(d, m.img_size, seed)
 
 
 def _cifar(name: str):
@@ -185,7 +178,7 @@ def _cifar(name: str):
     def build(d, m, seed: int) -> Data:
         from stabletrain.data.vision import cifar_data
 
-        return cifar_data(_Fields(d, m, seed), name)
+        return cifar_data(d, m.img_size, seed, name)
 
 
 _cifar("cifar10")

@@ -75,7 +75,7 @@ class _SeededDraws(Dataset):
             np.random.set_state(npy)
 
 
-def image_transforms(cfg, mean=None, std=None, eval_crop_pct=None):
+def image_transforms(d, img_size: int, mean=None, std=None, eval_crop_pct=None):
     """(train, eval) transforms from timm at the data's (or the model's) image size.
 
     ``mean``/``std`` None are timm's ImageNet defaults; ``eval_crop_pct`` None is timm's
@@ -83,9 +83,8 @@ def image_transforms(cfg, mean=None, std=None, eval_crop_pct=None):
     """
     from timm.data import create_transform
 
-    d = cfg.data
     check_randaug(d.randaug)
-    size = d.img_size or cfg.model.img_size
+    size = d.img_size or img_size
     norm = {} if mean is None else {"mean": mean, "std": std}
     train_tf = create_transform(size, is_training=True, auto_augment=d.randaug, re_prob=d.erasing, **norm)
     val_tf = create_transform(size, is_training=False, crop_pct=eval_crop_pct, **norm)
@@ -135,10 +134,10 @@ def _posterize_zero_bits(transform) -> None:
 class ImageData(Data):
     """A train and a val data set of ``(image tensor, label)`` behind the step-indexed stream."""
 
-    def __init__(self, cfg, train_set: Dataset, val_set: Dataset, num_classes: int):
+    def __init__(self, d, seed: int, train_set: Dataset, val_set: Dataset, num_classes: int):
         super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3)
         self.train_set, self.val_set = train_set, val_set
-        self.seed, self.workers, self.repeats = cfg.seed, loader_workers(cfg.data.num_workers), cfg.data.repeated_aug
+        self.seed, self.workers, self.repeats = seed, loader_workers(d.num_workers), d.repeated_aug
 
     def bad_samples(self) -> int:
         """Unreadable image files replaced so far, in the loader workers too (the trainer logs it)."""
@@ -276,16 +275,17 @@ def _read_image(path: str):
         return None
 
 
-def imagefolder_data(cfg) -> ImageData:
-    """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout)."""
+def imagefolder_data(d, img_size: int, seed: int) -> ImageData:
+    """``root/train/<class>/*`` and ``root/val/<class>/*`` (ImageNet's layout); ``d`` is the
+    ``data`` group, ``img_size`` the model's (``data.img_size`` overrides it)."""
     from torchvision.datasets import ImageFolder
 
-    check_imagefolder(cfg.data.root)
-    root = Path(cfg.data.root)
-    train_tf, val_tf = image_transforms(cfg)
+    check_imagefolder(d.root)
+    root = Path(d.root)
+    train_tf, val_tf = image_transforms(d, img_size)
     train_set = _ReadableImages(ImageFolder(str(root / "train")), train_tf)
     val_set = _ReadableImages(ImageFolder(str(root / "val")), val_tf)
-    return ImageData(cfg, train_set, val_set, len(train_set.classes))
+    return ImageData(d, seed, train_set, val_set, len(train_set.classes))
 
 
 def _cifar_class(name: str):
@@ -314,19 +314,19 @@ def check_cifar_files(name: str, root: str | None) -> None:
         raise ConfigError(f"data={name}: {what}; {get(root)}")
 
 
-def cifar_data(cfg, name: str) -> ImageData:
+def cifar_data(d, img_size: int, seed: int, name: str) -> ImageData:
     """CIFAR-10/100 from torchvision's python-pickle files in ``data.root``; never downloads."""
-    check_cifar_files(name, cfg.data.root)
+    check_cifar_files(name, d.root)
     cls = _cifar_class(name)
     mean, std = CIFAR_STATS[name]
-    train_tf, val_tf = image_transforms(cfg, mean, std, eval_crop_pct=1.0)
+    train_tf, val_tf = image_transforms(d, img_size, mean, std, eval_crop_pct=1.0)
     try:
-        train_set = cls(cfg.data.root, train=True, transform=train_tf, download=False)
-        val_set = cls(cfg.data.root, train=False, transform=val_tf, download=False)
+        train_set = cls(d.root, train=True, transform=train_tf, download=False)
+        val_set = cls(d.root, train=False, transform=val_tf, download=False)
     except RuntimeError as e:  # files present but torchvision's md5 check failed
-        raise ConfigError(f"data={name}: torchvision rejects the files in {Path(cfg.data.root) / cls.base_folder} "
+        raise ConfigError(f"data={name}: torchvision rejects the files in {Path(d.root) / cls.base_folder} "
                           f"({e}); extract {cls.url} there again") from e
-    return ImageData(cfg, train_set, val_set, len(train_set.classes))
+    return ImageData(d, seed, train_set, val_set, len(train_set.classes))
 
 
 def vision_loss(d, num_classes: int) -> tuple[object | None, nn.Module]:

@@ -158,7 +158,7 @@ def test_building_the_transforms_checks_the_string():
     from stabletrain.data.vision import image_transforms
 
     with pytest.raises(ConfigError, match="data.randaug=bogus-m9 is not a timm RandAugment string"):
-        image_transforms(make_cfg("model=vit_test", "data.randaug=bogus-m9"))
+        image_transforms(make_cfg("model=vit_test", "data.randaug=bogus-m9").data, 16)
 
 
 # --- image folders -----------------------------------------------------------------------

@@ -114,7 +114,8 @@ def test_randaugment_posterize_at_the_magnitude_cap_gives_a_black_image():
 
     from stabletrain.data.vision import image_transforms
 
-    train_tf, _ = image_transforms(make_cfg("experiment=adamw2_vit_b", "model=vit_test"))
+    cfg = make_cfg("experiment=adamw2_vit_b", "model=vit_test")
+    train_tf, _ = image_transforms(cfg.data, cfg.model.img_size)
     ra = next(t for t in train_tf.transforms if hasattr(t, "ops"))
     op = next(o for o in ra.ops if o.name == "PosterizeIncreasing")
     op.magnitude, op.magnitude_std, op.prob = 10, 0, 1.0
