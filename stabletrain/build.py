@@ -81,17 +81,12 @@ def validate(cfg) -> None:
 
 # what parallel=fsdp does not do (yet), each refused in one line; docs/distributed.md "FSDP2"
 _FSDP_REFUSED = (
-    (lambda c: option_value(c.reparam.name) != "none", "reparam={v}: sigmaReparam's parametrization and its power "
-     "iteration hook are not supported on sharded weights; use reparam=none (or parallel=ddp)",
-     lambda c: option_value(c.reparam.name)),
-    (lambda c: c.ema.decay is not None, "ema.decay={v}: the weight EMA copies the whole model on every rank; "
-     "use ema.decay=null (or parallel=ddp)", lambda c: c.ema.decay),
     (lambda c: option_value(c.monitor.name) != "off", "monitor={v}: the monitors read whole weights on rank 0 "
      "only; use monitor=off (or parallel=ddp)", lambda c: option_value(c.monitor.name)),
-    (lambda c: c.divergence.action == "rollback", "divergence.action={v}: the checkpoint ring is not written "
-     "for sharded checkpoints; use divergence.action=stop (or parallel=ddp)", lambda c: c.divergence.action),
-    (lambda c: bool(c.regularizer), "regularizer={v}: loss terms that read the weights are not supported on "
-     "sharded weights; drop the regularizer (or parallel=ddp)", lambda c: ",".join(c.regularizer)),
+    (lambda c: any(LOSS_TERMS.entry(n).info.get("reads_weights") for n in c.regularizer or {}),
+     "regularizer={v}: a loss term that reads the weights sees only this rank's shards outside the forward; "
+     "drop it (or parallel=ddp)",
+     lambda c: ",".join(n for n in c.regularizer if LOSS_TERMS.entry(n).info.get("reads_weights"))),
 )
 
 
@@ -171,14 +166,22 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         from stabletrain.engine.sharding import apply_activation_checkpointing
 
         apply_activation_checkpointing(blocks)
+    ema = None
+    if cfg.ema.decay is not None:  # a copy of the model before sharding, sharded alike below
+        from stabletrain.engine.ema import WeightEma
+
+        ema = WeightEma(model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
     sharded = cfg.parallel == "fsdp"
     if sharded:  # before the optimizer: FSDP2 replaces the parameters by sharded DTensors
         from stabletrain.engine.sharding import shard_model
 
         check_parallel(cfg, info.world)
         shard_model(model, blocks, bf16, device)
+        if ema is not None:
+            ema.shard(lambda m: shard_model(m, transformer_blocks(m), bf16, device))
         notes.append(f"parallel=fsdp: {len(blocks)} blocks and the root sharded over {info.world} ranks"
-                     + (" (bf16 parameters, fp32 gradient reduction)" if bf16 else "") + "; no checkpoint ring")
+                     + (" (bf16 parameters, fp32 gradient reduction)" if bf16 else "")
+                     + (", the weight average alike" if ema is not None else ""))
     optimizer, group_summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
                                                batch_size=cfg.batch_size)
     spe = data.steps_per_epoch(cfg.batch_size)
@@ -187,11 +190,6 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                           steps_per_epoch=spe)
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
     shard = _shard(cfg, info)
-    ema = None
-    if cfg.ema.decay is not None:
-        from stabletrain.engine.ema import WeightEma
-
-        ema = WeightEma(model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
     mixup, criterion = task_loss(data, cfg.data)
     autocast = _autocast(device, bf16)
     monitor = None
@@ -213,7 +211,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
         compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
         flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
-        ckpt_keep=0 if sharded else cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
+        ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
         spike_factor=cfg.debug.spike_factor, sharded=sharded)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,10 @@ def remove_stale_temps(ckpt_dir: Path) -> list[Path]:
     ckpt_dir = Path(ckpt_dir)
     gone = sorted(ckpt_dir.glob(".*.tmp*")) if ckpt_dir.is_dir() else []
     for p in gone:
-        p.unlink(missing_ok=True)
+        if p.is_dir():  # a sharded checkpoint's directory (.last_dcp.tmp, .step_N_dcp.tmp)
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return gone
 
 
@@ -133,35 +137,64 @@ def ring_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def save_to_ring(run_dir: Path, step: int, keep: int, source: Path | None = None) -> Path | None:
+def dcp_dir(pt: Path) -> Path:
+    """The sharded model and optimizer that go with the checkpoint file ``pt``: ``last.pt`` ->
+    ``last_dcp/``, the ring's ``step_000040.pt`` -> ``step_000040_dcp/``."""
+    return Path(pt).parent / f"{Path(pt).stem}_dcp"
+
+
+def link_tree(src: Path, dest: Path) -> None:
+    """``dest``: a directory of hard links to the files of ``src`` (copies where links are not
+    possible), put in place by a rename, so the ring keeps a sharded checkpoint without a write."""
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def save_to_ring(run_dir: Path, step: int, keep: int, source: Path | None = None, sharded: bool = False) -> Path | None:
     """Add the checkpoint of ``step`` to the ring and drop the oldest beyond ``keep``.
 
     ``source`` (last.pt, just written) is hard-linked into place (no second write), copied
-    where links are not possible; either way through a temp file and a rename (atomic)."""
+    where links are not possible; either way through a temp file and a rename (atomic).
+    ``sharded``: its model and optimizer are in :func:`dcp_dir` of it, linked along."""
     if keep <= 0:
         return None
     source = source or last_checkpoint(run_dir)
     if source is None:
         return None
     dest = ring_path(run_dir, step)
+    if sharded:  # the directory first, so that the ring's file never lacks it
+        link_tree(dcp_dir(source), dcp_dir(dest))
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)
     try:
         os.link(source, tmp)
     except OSError:
-        import shutil
-
         shutil.copyfile(source, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     os.replace(tmp, dest)
     for _, old in ring_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+        _drop(old)
     return dest
+
+
+def _drop(pt: Path) -> None:
+    pt.unlink(missing_ok=True)
+    shutil.rmtree(dcp_dir(pt), ignore_errors=True)
 
 
 def drop_ring_after(run_dir: Path, step: int) -> None:
     """A rollback abandons the checkpoints after the step it restored."""
     for s, p in ring_checkpoints(run_dir):
         if s > step:
-            p.unlink(missing_ok=True)
+            _drop(p)

@@ -27,6 +27,7 @@ from torch import nn
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import (
     all_finite,
+    dcp_dir,
     drop_ring_after,
     last_checkpoint,
     load_checkpoint,
@@ -445,17 +446,36 @@ class Trainer:
         ok = S.all_finite_everywhere(all_finite(local))
         if ok:
             ckpt_dir = self.run_dir / "checkpoints"
-            S.save_dcp(ckpt_dir, self.model, self.optimizer, self.step)
+            stepped = bool(self.optimizer.state)  # before its first step an optimizer has nothing to save
+            S.save_dcp(ckpt_dir, self.model, self.optimizer if stepped else None, self.step, self._ema_module)
             if self.info.is_main:
                 payload = self.checkpoint_payload_rest()
-                payload.update(dcp=S.DCP_DIR, optim_name=self.optim_name)
+                payload.update(dcp=S.DCP_DIR, dcp_optim=stepped, optim_name=self.optim_name)
                 save_checkpoint(ckpt_dir / "last.pt", payload)
         return self._saved(ok)
 
     def checkpoint_payload_rest(self) -> dict:
         """The payload of last.pt without the model and optimizer (saved sharded, beside it)."""
         return {"step": self.step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
-                "config": self.settings.config_yaml, "monitor": {}, "ema": None, "survival": self.survival_state()}
+                "config": self.settings.config_yaml, "monitor": {},
+                "ema": self.ema.counters() if self.ema is not None else None, "survival": self.survival_state()}
+
+    @property
+    def _ema_module(self) -> nn.Module | None:
+        return self.ema.module if self.ema is not None else None
+
+    def _load_sharded(self, pt: Path, ck: dict) -> None:
+        """The model, optimizer and weight average of ``pt`` from its DCP directory (every rank)."""
+        from stabletrain.engine.sharding import load_dcp
+
+        # a weight average added on resume has none saved: it starts from the loaded weights
+        ema = self._ema_module if ck.get("ema") is not None else None
+        stepped = ck.get("dcp_optim", True)
+        saved_step = load_dcp(dcp_dir(pt), self.model, self.optimizer if stepped else None, ema)
+        if not stepped:  # saved before the first step: the optimizer starts afresh, as it did then
+            self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        if saved_step != ck["step"]:
+            raise ValueError(f"{dcp_dir(pt).name}/ holds step {saved_step}, {pt.name} step {ck['step']}")
 
     @property
     def optim_name(self) -> str:
@@ -507,11 +527,7 @@ class Trainer:
                               f"written with") from None
         try:
             if self.sharded:
-                from stabletrain.engine.sharding import load_dcp
-
-                saved_step = load_dcp(path.parent / ck["dcp"], self.model, self.optimizer)
-                if saved_step != ck["step"]:
-                    raise ValueError(f"{ck['dcp']}/ holds step {saved_step}, last.pt step {ck['step']}")
+                self._load_sharded(path, ck)
             else:
                 self.model.load_state_dict(ck["model"])
                 self.optimizer.load_state_dict(ck["optimizer"])
@@ -534,7 +550,7 @@ class Trainer:
     def save_ring(self) -> None:
         """last.pt, just written by :meth:`save`, joins the ring of ``ckpt.keep`` checkpoints (rank 0)."""
         if self.info.is_main and self.settings.ckpt_keep > 0:
-            save_to_ring(self.run_dir, self.step, self.settings.ckpt_keep)
+            save_to_ring(self.run_dir, self.step, self.settings.ckpt_keep, sharded=self.sharded)
 
     def survive(self, reason: str) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the
@@ -559,8 +575,11 @@ class Trainer:
             return f"{reason}; no ring checkpoint before step {onset} to roll back to"
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
-        self.model.load_state_dict(ck["model"])
-        self.optimizer.load_state_dict(ck["optimizer"])
+        if self.sharded:
+            self._load_sharded(path, ck)
+        else:
+            self.model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
         self.divergence.load_state_dict(ck["divergence"])
         set_rng_state(ck["rng"])
         if self.monitor is not None:

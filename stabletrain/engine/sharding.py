@@ -12,7 +12,8 @@ engine imports no models/). Neither renames a module or a state_dict key:
 - FSDP2: ``fully_shard`` on each block, then on the root (one all-gather per block in forward
   and backward, a reduce-scatter of its gradients), on a 1-D mesh over every rank; with bf16, a
   ``MixedPrecisionPolicy`` (bf16 parameters in compute, fp32 gradient reduction). Checkpoints go
-  through ``torch.distributed.checkpoint`` into ``checkpoints/last_dcp/`` (see :func:`save_dcp`).
+  through ``torch.distributed.checkpoint`` into ``checkpoints/last_dcp/`` (see :func:`save_dcp`);
+  a ring checkpoint ``step_N.pt`` has its ``step_N_dcp/``, hard links to that step's files.
 """
 
 from __future__ import annotations
@@ -109,15 +110,26 @@ def _gloo():
     return D._cpu_group
 
 
-def sharded_state(model: nn.Module, optimizer) -> dict:
-    """``{"model", "optim"}`` of this rank (FQN-keyed, DTensor values), as DCP saves and loads them."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def sharded_state(model: nn.Module, optimizer, ema: nn.Module | None = None) -> dict:
+    """``{"model", "optim"}`` of this rank (FQN-keyed, DTensor values), as DCP saves and loads
+    them, and ``"ema"``: the weight average's model, sharded like ``model``, when given.
 
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+    ``optimizer=None`` leaves the optimizer out: DCP's state dict of an optimizer that has not
+    stepped yet is made by a step with zero gradients and lr 0, which would count a step
+    (Adam's bias correction) and draw from the RNG; a checkpoint at step 0 saves the model alone."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    return state
 
 
-def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int) -> None:
+def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int, ema: nn.Module | None = None) -> None:
     """Every rank writes its shards into ``ckpt_dir/.last_dcp.tmp``; rank 0 then swaps it into
     ``ckpt_dir/last_dcp`` (the previous one kept until then). The step is saved with them, so a
     ``last.pt`` from another step (a kill between the swap and writing last.pt) is detected on resume."""
@@ -129,7 +141,7 @@ def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=_gloo())
-    state = sharded_state(model, optimizer)
+    state = sharded_state(model, optimizer, ema)
     state["step"] = torch.tensor(step)
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier(group=_gloo())
@@ -142,14 +154,20 @@ def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int) -> None:
     dist.barrier(group=_gloo())
 
 
-def load_dcp(path: Path, model: nn.Module, optimizer) -> int:
-    """Load ``path`` (a ``last_dcp`` directory) into the sharded model and optimizer on every
-    rank; returns the step it was saved at. Any world size that DCP can reshard to works."""
+def load_dcp(path: Path, model: nn.Module, optimizer, ema: nn.Module | None = None) -> int:
+    """Load ``path`` (a ``*_dcp`` directory) into the sharded model, the optimizer (unless None:
+    saved without one) and, when given, the weight average's model on every rank; returns the
+    step it was saved at. Any world size that DCP can reshard to works."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    state = sharded_state(model, optimizer)
+    state = sharded_state(model, optimizer, ema)
     state["step"] = torch.tensor(-1)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if ema is not None:
+        set_model_state_dict(ema, state["ema"])
     return int(state["step"])

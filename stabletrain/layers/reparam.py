@@ -47,7 +47,7 @@ from torch.nn.utils import parametrize
 
 from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry, option_value
-from stabletrain.spectral import batched_sigma1, random_unit
+from stabletrain.spectral import batched_sigma1, normalize, random_unit
 
 QKV_LAYOUTS = {
     # (apply_to, qkv_split) -> one entry per slice of (q, k, v): index of the sigma that
@@ -208,8 +208,20 @@ def no_reparam(model: nn.Module, cfg) -> None:
 def sigma_reparam(model: nn.Module, cfg):
     """sigmaReparam per ``cfg``; its hook advances every ``u, v`` once per optimizer step."""
     apply_reparam(model, cfg)
-    reps = sigma_reparams(model)
-    return lambda: reparam_step(model, reps)
+    return PowerStep(model)
+
+
+class PowerStep:
+    """The trainer's step hook: :func:`reparam_step` on the reparametrisations of ``model``,
+    found at the first call, so after FSDP2 has replaced the weights by sharded ones."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.reps = model, None
+
+    def __call__(self) -> None:
+        if self.reps is None:
+            self.reps = sigma_reparams(self.model)
+        reparam_step(self.model, self.reps)
 
 
 def sigma_reparams(model: nn.Module) -> list[tuple[Tensor, SigmaReparam]]:
@@ -229,8 +241,12 @@ def reparam_step(model: nn.Module, reps: list[tuple[Tensor, SigmaReparam]] | Non
     The trainer calls this once after each optimizer step (docs/methods.md §2 decision), passing
     ``reps = sigma_reparams(model)`` found once, so the hot path does not walk the modules.
     """
+    reps = reps if reps is not None else sigma_reparams(model)
+    if reps and _is_dtensor(reps[0][0]):
+        _sharded_reparam_step(reps)
+        return
     by_iters: dict[int, list[tuple[Tensor, SigmaPart]]] = defaultdict(list)
-    for w, rep in reps if reps is not None else sigma_reparams(model):
+    for w, rep in reps:
         for part, mat in zip(rep.parts, rep.part_matrices(w.detach())):
             by_iters[rep.power_iters].append((mat, part))
     for iters, items in by_iters.items():
@@ -238,6 +254,68 @@ def reparam_step(model: nn.Module, reps: list[tuple[Tensor, SigmaReparam]] | Non
         # iteration (v first) run on W^T with the roles of u and v swapped is exactly that
         _, vecs = batched_sigma1([m.mT for m, _ in items], [(p.v, p.u) for _, p in items], iters=iters)
         for (_, part), (v, u) in zip(items, vecs):
+            part.u.copy_(u)
+            part.v.copy_(v)
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_rows(w: Tensor) -> tuple[Tensor, int]:
+    """This rank's rows of an FSDP2-sharded weight (a dim-0 DTensor shard) as a matrix, and
+    the global index of its first row."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(w.placements)
+    if len(placements) != 1 or not placements[0].is_shard(dim=0):
+        raise TypeError(f"sigmaReparam iterates sharded weights only as FSDP2's dim-0 shards; got {placements}")
+    _, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, placements)
+    loc = w.to_local()
+    return loc.reshape(loc.shape[0], -1), int(offset[0])
+
+
+@torch.no_grad()
+def _sharded_reparam_step(reps: list[tuple[Tensor, SigmaReparam]]) -> None:
+    """:func:`reparam_step` on FSDP2-sharded weights, without gathering them.
+
+    Each rank holds a block of rows of every weight and all of ``u, v`` (buffers are not
+    sharded). Per iteration ``u = normalize(W v)`` needs ``||W v||^2``, a sum over the ranks'
+    rows, and ``v = normalize(W^T u)`` a sum of each rank's ``W_r^T u_r``: one all-reduce each
+    for all matrices together, then one more to assemble the full ``u`` from the ranks' rows;
+    ``2 * power_iters + 1`` all-reduces of ``#matrices``, ``sum(cols)`` and ``sum(rows)`` numbers.
+    """
+    import torch.distributed as dist
+
+    group = reps[0][0].device_mesh.get_group(0)
+    by_iters: dict[int, list[tuple[Tensor, int, SigmaPart]]] = defaultdict(list)  # (local rows, lo, part)
+    for w, rep in reps:
+        rows, first = _local_rows(w.detach())
+        for lo, hi, p in rep.ranges:
+            if p is None:
+                continue
+            a, b = min(max(lo, first), hi), min(max(lo, first + rows.shape[0]), hi)  # this rank's part rows
+            by_iters[rep.power_iters].append((rows[a - first:b - first].float(), a - lo, rep.parts[p]))
+    for iters, items in sorted(by_iters.items()):
+        vs = [part.v.float() for _, _, part in items]
+        for _ in range(iters):
+            wv = [m @ v for (m, _, _), v in zip(items, vs)]
+            norms = torch.stack([(y * y).sum() for y in wv])
+            dist.all_reduce(norms, group=group)
+            norms = norms.sqrt().clamp_min(1e-12)
+            us = [y / n for y, n in zip(wv, norms)]
+            wtu = torch.cat([u @ m for (m, _, _), u in zip(items, us)])
+            dist.all_reduce(wtu, group=group)
+            vs = [normalize(z) for z in wtu.split([m.shape[1] for m, _, _ in items])]
+        full_u = torch.cat([torch.zeros_like(part.u, dtype=torch.float32) for _, _, part in items])
+        start = 0
+        for (m, at, part), u in zip(items, us):
+            full_u[start + at:start + at + m.shape[0]] = u
+            start += part.u.numel()
+        dist.all_reduce(full_u, group=group)
+        for (_, _, part), u, v in zip(items, full_u.split([part.u.numel() for _, _, part in items]), vs):
             part.u.copy_(u)
             part.v.copy_(v)
 

@@ -17,6 +17,9 @@ and one yaml, ``configs/regularizer/zloss.yaml`` (``zloss: {coef: 1e-4}``). The 
 ``regularizer: {name: params}``; ``regularizer=[locater,zloss]`` selects both, and
 ``regularizer.zloss.coef=1e-3`` sets a parameter. Parameters are checked against the
 dataclass (a misspelt key or a wrong type is one line) and by its ``__post_init__``.
+
+A term that reads weights declares it (``register(..., reads_weights=True)``): outside the
+forward, FSDP2's weights are this rank's shards, so ``parallel=fsdp`` refuses such a term.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class LocaterParams:
                               f"regularizer.locater.mean_coef={self.mean_coef} must be >= 0")
 
 
-@LOSS_TERMS.register("locater", params=LocaterParams)
+@LOSS_TERMS.register("locater", params=LocaterParams, reads_weights=True)
 class Locater:
     """A penalty on the weights alone: the batch and logits are not used."""
 

@@ -3,6 +3,8 @@ two ranks under torchrun)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -14,6 +16,12 @@ def test_sharded_adamw2_takes_the_whole_models_steps_and_resumes(tmp_path):
     out = run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests/distributed/fsdp_adamw2.py")],
               cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)))
     assert "fsdp adamw2 ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_sharded_sigma_reparam_iterates_like_the_whole_matrices():
+    out = run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "tests/distributed/fsdp_reparam.py")],
+              cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)))
+    assert "fsdp reparam ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_adamw2_refuses_shardings_it_cannot_reassemble():
@@ -47,25 +55,34 @@ def _torchrun(run_dir, *overrides):
     return out.stdout + out.stderr
 
 
-def _assert_same_losses(a_dir, b_dir, rel):
-    from tests.helpers import losses
+def _scores(run_dir, key: str) -> dict:
+    from stabletrain.metrics import read_records
 
-    a, b = losses(a_dir), losses(b_dir)
-    assert sorted(a) == sorted(b) and len(a) >= 4
-    for s in b:
-        assert a[s] == pytest.approx(b[s], rel=rel), f"step {s}: {a[s]} vs {b[s]}"
+    return {r["step"]: r[key] for r in read_records(run_dir / "metrics.jsonl") if key in r}
+
+
+def _assert_same_losses(a_dir, b_dir, rel, keys=("loss",)):
+    for key in keys:
+        a, b = _scores(a_dir, key), _scores(b_dir, key)
+        assert sorted(a) == sorted(b) and len(a) >= (4 if key == "loss" else 2), (key, sorted(a), sorted(b))
+        for s in b:
+            assert a[s] == pytest.approx(b[s], rel=rel), f"{key} at step {s}: {a[s]} vs {b[s]}"
 
 
 ACCUM_CLIP_AC = ["micro_batch_size=16", "grad_clip=0.5", "activation_checkpointing=true"]
+# the fixes that run sharded: sigmaReparam (power iteration on the shards), a logit loss term, a
+# sharded weight average (evaluated every 2 steps: val_ema/loss)
+FIXES = ["reparam=sigma", "regularizer=zloss", "ema.decay=0.9"]
 
 
-@pytest.mark.parametrize("optim,extra", [("adamw2", []), ("adamw", ACCUM_CLIP_AC)])
+@pytest.mark.parametrize("optim,extra", [("adamw2", FIXES), ("adamw", ACCUM_CLIP_AC)])
 def test_fsdp_trains_like_ddp_and_resumes_identically(tmp_path, optim, extra):
     args = [f"optim={optim}", *extra]
     _torchrun(tmp_path / "ddp", *args, "steps=4", "parallel=ddp")
     fsdp = tmp_path / "fsdp"
     _torchrun(fsdp, *args, "steps=4", "parallel=fsdp")
-    _assert_same_losses(fsdp, tmp_path / "ddp", FSDP_REL)
+    keys = ("loss", "val/loss") + (("val_ema/loss", "loss/penalty") if extra == FIXES else ())
+    _assert_same_losses(fsdp, tmp_path / "ddp", FSDP_REL, keys)
     ck = torch.load(fsdp / "checkpoints" / "last.pt", weights_only=True)
     assert ck["dcp"] == "last_dcp" and "model" not in ck and ck["step"] == 4
     assert (fsdp / "checkpoints" / "last_dcp" / ".metadata").is_file()
@@ -75,7 +92,25 @@ def test_fsdp_trains_like_ddp_and_resumes_identically(tmp_path, optim, extra):
     _torchrun(cut, *args, "steps=2", "parallel=fsdp")
     log = _torchrun(cut, *args, "steps=4", "parallel=fsdp", "resume=auto")
     assert "resumed from step 2" in log, log[-3000:]  # a fresh start would log the same losses
-    _assert_same_losses(cut, fsdp, 1e-6)
+    _assert_same_losses(cut, fsdp, 1e-6, keys)
+
+
+@pytest.mark.parametrize("nan_at,restored", [(6, 4), (2, 0)])
+def test_fsdp_rolls_back_like_ddp(tmp_path, nan_at, restored):
+    """A NaN step rolls back to the ring's sharded checkpoint (step_N.pt with step_N_dcp/), the
+    weight average with it, and the run goes on as DDP's does; step 0's checkpoint holds no
+    optimizer state (DCP would make one with a zero step, counting a step)."""
+    args = ["steps=10", "divergence.action=rollback", "divergence.max_skips=1", "ckpt_every=4", "ckpt.keep=2",
+            f"debug.nan_at_step={nan_at}", "batch_size=16", "ema.decay=0.9", "eval_every=5"]
+    for par in ("ddp", "fsdp"):
+        run(torchrun_cmd(2, *GPT, *args, f"parallel={par}", f"hydra.run.dir={tmp_path / par}"), cwd=tmp_path)
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("fsdp", "ddp"))
+    assert a["status"] == b["status"] == "completed"
+    assert a["rollbacks"] == b["rollbacks"] and a["rollbacks"][0]["restored_step"] == restored
+    _assert_same_losses(tmp_path / "fsdp", tmp_path / "ddp", FSDP_REL, ("loss", "val/loss", "val_ema/loss"))
+    ckpts = tmp_path / "fsdp" / "checkpoints"
+    ring = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
+    assert ring == ["step_000008.pt", "step_000008_dcp", "step_000010.pt", "step_000010_dcp"], ring
 
 
 def test_fsdp_refusals_are_one_line():
@@ -88,10 +123,9 @@ def test_fsdp_refusals_are_one_line():
     with pytest.raises(ConfigError, match=r"^parallel=fsdp shards over the ranks of a distributed launch"):
         validate(make_cfg("model=gpt_test", "parallel=fsdp"))
     ok = ["model=gpt_test", "parallel=fsdp", "monitor=off"]
-    check_parallel(make_cfg(*ok), world=2)  # ckpt.keep's default ring is not written, not refused
-    for override, key in (("reparam=sigma", "reparam=sigma"), ("ema.decay=0.99", "ema.decay=0.99"),
-                          ("monitor=standard", "monitor=standard"),
-                          ("regularizer=zloss", "regularizer=zloss")):
+    check_parallel(make_cfg(*ok, *FIXES, "divergence.action=rollback"), world=2)
+    for override, key in (("monitor=standard", "monitor=standard"),
+                          ("regularizer=[zloss,locater]", "regularizer=locater")):
         with pytest.raises(ConfigError, match=rf"^parallel=fsdp with {key}: ") as e:
             check_parallel(make_cfg(*ok, override), world=2)
         assert "\n" not in str(e.value)

@@ -4,6 +4,7 @@ then what the next run or resume must make of it (#18)."""
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -77,9 +78,33 @@ def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir(parents=True)
     stale = tmp_path / "checkpoints/.last.pt.tmp99999"
     stale.write_bytes(b"half a checkpoint")
+    half_sharded = tmp_path / "checkpoints/.last_dcp.tmp"  # a sharded save cut short: a directory
+    half_sharded.mkdir()
+    (half_sharded / "__0_0.distcp").write_bytes(b"shards")
     train(tmp_path, *GPT, "steps=1")
     assert not stale.exists() and "removed .last.pt.tmp99999" in capsys.readouterr().err
+    assert not half_sharded.exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_000001.pt"]
+
+
+def test_the_ring_keeps_a_sharded_checkpoints_directory_by_hard_links(tmp_path):
+    """A ring entry of a sharded run is step_N.pt with step_N_dcp/: links to last_dcp/'s files,
+    which survive the next save replacing last_dcp/; dropped entries take their directory along."""
+    from stabletrain.engine.checkpoint import dcp_dir, drop_ring_after, ring_checkpoints, save_to_ring
+
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        (ckpts / "last_dcp").mkdir(parents=True)
+        (ckpts / "last_dcp" / "__0_0.distcp").write_text(f"shards of {step}")
+        (ckpts / "last.pt").write_text(f"rest of {step}")
+        save_to_ring(tmp_path, step, keep=2, sharded=True)
+        shutil.rmtree(ckpts / "last_dcp")  # the next save's swap removes the previous directory
+    assert [s for s, _ in ring_checkpoints(tmp_path)] == [4, 6]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.pt", "step_000004.pt", "step_000004_dcp",
+                                                         "step_000006.pt", "step_000006_dcp"]
+    assert (dcp_dir(ckpts / "step_000004.pt") / "__0_0.distcp").read_text() == "shards of 4"
+    drop_ring_after(tmp_path, 4)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["last.pt", "step_000004.pt", "step_000004_dcp"]
 
 
 def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
