@@ -94,6 +94,8 @@ class WeightEma:
         """The averaged model, its sigmaReparam vectors fitted to its own weights."""
         from stabletrain.layers.reparam import reparam_step, sigma_reparams
 
+        if self.sharded:  # the shards are what the power iteration reads (and what it finds once)
+            self.module.reshard()
         if self._reps is None:
             self._reps = sigma_reparams(self.module)
         if self._reps:
