@@ -64,6 +64,8 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in read_lines(path)]
 
 
+WANDB_STEP = "trainer/step"
+
 # wandb offline makes no network attempt: no system stats (their samplers probe cloud metadata
 # endpoints), no git/code/machine info, no console capture, no viewer lookup (fields of wandb 0.31's Settings)
 OFFLINE_SETTINGS = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True,
@@ -133,6 +135,10 @@ class Metrics:
             self.wandb = wandb.init(project=logger.project, entity=logger.entity, mode=mode,
                                     dir=str(run_dir), id=run_id, resume="allow", name=name,
                                     config=config_dict, settings=wandb.Settings(**settings))
+            # the training step as every chart's x-axis, not wandb's own step, which only goes up:
+            # after a rollback or a resume from an earlier checkpoint the same steps are logged again
+            self.wandb.define_metric(WANDB_STEP)
+            self.wandb.define_metric("*", step_metric=WANDB_STEP)
         except Exception as e:  # a tracking hiccup must not cost the run
             print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)
             self.wandb = None
@@ -143,7 +149,7 @@ class Metrics:
         rec = {"step": step, **{k: _clean(v) for k, v in values.items()}}
         self.file.write(json.dumps(rec) + "\n")
         if self.wandb is not None:
-            self.wandb.log(values, step=step)
+            self.wandb.log({**values, WANDB_STEP: step})
 
     def progress(self, step: int, total: int, values: dict) -> None:
         """One status line: overwritten in place on a terminal, appended in logs."""

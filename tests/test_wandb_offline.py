@@ -61,3 +61,47 @@ def test_offline_wandb_and_its_service_connect_to_nothing_outside_the_machine(tm
     outside = [ln for ln in calls if re.search(r"AF_INET6?\b", ln)
                and not re.search(r'inet_addr\("127\.|inet_pton\(AF_INET6, "::1"', ln)]
     assert calls and outside == [], outside
+
+
+def test_wandb_charts_use_the_training_step_so_a_rollback_can_log_steps_again(tmp_path):
+    """wandb drops a record whose ``step=`` is below its last one ("Tried to log to step 4 that is
+    less than the current step 6"); a rollback or an earlier resume logs those steps again. The
+    training step is therefore a metric (``trainer/step``), every chart's x-axis."""
+    env = {**{k: v for k, v in os.environ.items() if k != "WANDB_SILENT"}, "WANDB_MODE": "offline"}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=gpt_test", "steps=12", "batch_size=16",
+                        "eval_every=1000", "monitor=off", "logger.progress=false", "logger.wandb=offline",
+                        "divergence.action=rollback", "divergence.max_skips=1", "ckpt_every=4",
+                        "debug.nan_at_step=6", f"hydra.run.dir={tmp_path}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "rollback 1/3 at step" in r.stderr and "less than the current step" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_sink_logs_the_step_as_wandbs_x_axis(tmp_path, monkeypatch):
+    import wandb
+    from omegaconf import OmegaConf
+
+    from stabletrain.metrics import WANDB_STEP, Metrics
+
+    calls = []
+
+    class Run:
+        def define_metric(self, name, **kw):
+            calls.append(("define", name, kw))
+
+        def log(self, values, **kw):
+            calls.append(("log", values, kw))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: Run())
+    cfg = OmegaConf.create({"wandb": "offline", "project": "p", "entity": None, "progress": False,
+                            "log_every": 1})
+    m = Metrics(tmp_path, cfg)
+    for step in (5, 6, 4):
+        m.log(step, {"loss": 1.0})
+    m.close()
+    assert ("define", "*", {"step_metric": WANDB_STEP}) in calls
+    logs = [(values, kw) for kind, values, kw in calls if kind == "log"]
+    assert logs == [({"loss": 1.0, WANDB_STEP: s}, {}) for s in (5, 6, 4)]
