@@ -464,8 +464,13 @@ class Trainer:
     def _ema_module(self) -> nn.Module | None:
         return self.ema.module if self.ema is not None else None
 
-    def _load_sharded(self, pt: Path, ck: dict) -> None:
-        """The model, optimizer and weight average of ``pt`` from its DCP directory (every rank)."""
+    def _load_weights(self, pt: Path, ck: dict) -> None:
+        """The model and optimizer of checkpoint ``pt`` (loaded as ``ck``): from ``ck``, or from
+        its DCP directory when sharded (with the weight average's model)."""
+        if not self.sharded:
+            self.model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
+            return
         from stabletrain.engine.sharding import load_dcp
 
         # a weight average added on resume has none saved: it starts from the loaded weights
@@ -526,11 +531,7 @@ class Trainer:
                               f"parallel={'fsdp' if self.sharded else 'ddp'}: resume it with the parallel it was "
                               f"written with") from None
         try:
-            if self.sharded:
-                self._load_sharded(path, ck)
-            else:
-                self.model.load_state_dict(ck["model"])
-                self.optimizer.load_state_dict(ck["optimizer"])
+            self._load_weights(path, ck)
         except (RuntimeError, ValueError, KeyError) as e:
             first = str(e).strip().splitlines()[0][:200]
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({first}); resume it with "
@@ -575,11 +576,7 @@ class Trainer:
             return f"{reason}; no ring checkpoint before step {onset} to roll back to"
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
-        if self.sharded:
-            self._load_sharded(path, ck)
-        else:
-            self.model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
+        self._load_weights(path, ck)
         self.divergence.load_state_dict(ck["divergence"])
         set_rng_state(ck["rng"])
         if self.monitor is not None:
