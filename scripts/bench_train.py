@@ -1,94 +1,209 @@
-"""Framework overhead and monitor cost, measured on real training steps.
+"""The performance goals in one run: the trainer against a bare loop, and what each fix costs.
 
-    python scripts/bench_train.py --models vit_b,gpt2_s          # on a GPU, bf16
-    python scripts/bench_train.py --models vit_test --device cpu --steps 5   # smoke run
+    python scripts/bench_train.py                       # GPT-2 S 16 x 1024 and ViT-B/16 batch 256, compiled, bf16
+    python scripts/bench_train.py --eager               # the same without torch.compile
+    python scripts/bench_train.py --profile trainer     # + a torch profiler trace of one variant's steps
+    python scripts/bench_train.py --models vit_test,gpt_test --device cpu --steps 2 --warmup 1   # smoke run
 
-For each model it times (medians of per-step wall time after warm-up, CUDA-synchronised):
+Every row times full training steps (forward, loss, backward, optimizer) on a batch resident on
+the device, back to back: ``--steps`` steps between two synchronisations, the median of three
+such runs after ``--warmup`` steps, so the host runs ahead of the device as in training.
 
-- ``bare``: the model, torch's fused AdamW and a resident batch in a plain loop (autocast,
-  backward, step, zero_grad) — what a hand-written timm / nanoGPT loop does;
-- ``trainer``: ``Trainer.train_step`` with ``optim=adamw monitor=off`` on the same batch
-  (the framework's hot path: schedule, micro-batching, loss, optional clip, no host sync);
-- the monitors: one weight-side pass and one probe pass, amortised over their default
-  cadence (``monitor.weight_every`` / ``monitor.probe_every``) as a share of step time.
+- ``bare``: what a hand-written nanoGPT / timm loop does: the model and its cross-entropy in one
+  ``torch.compile``d function, torch's fused AdamW, autocast, backward, step, zero_grad;
+- ``trainer``: ``Trainer.train_step`` with ``optim=adamw`` (fused) and the defaults otherwise
+  (the schedule, non-finite step skipping, the compiled loss); ``trainer, no skip``: with
+  ``divergence.skip_nonfinite=false`` (the per-step gradient norm and its flag off);
+- ``adamw2``, ``adamw2 overlap`` (``optim.overlap_sigma_w=true``), ``sigma`` (``reparam=sigma``
+  with AdamW): each against ``trainer``;
+- ``monitors``: one weight-side pass and one probe pass, amortised over their default cadence
+  (``monitor.weight_every`` / ``monitor.probe_every``), as a share of the trainer's step.
 
-Prints a markdown table.
+MFU counts the model's training FLOPs per sample (nanoGPT's ``6 N + 12 L H d_h T`` per token for
+a GPT) against the device's dense bf16 peak. Prints one markdown table per model with the goal
+each ratio is held to.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_monitors import timed  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from stabletrain.config import MonitorConfig  # noqa: E402
 from stabletrain.build import build_trainer  # noqa: E402
-from stabletrain.cli import compose_config as make_cfg  # noqa: E402
+from stabletrain.cli import compose_config  # noqa: E402
+from stabletrain.config import MonitorConfig  # noqa: E402
+from stabletrain.engine.loop import peak_flops  # noqa: E402
+
+# variant -> (overrides on top of optim=adamw, the row it is compared with, the goal for the ratio)
+VARIANTS = {
+    "trainer": ([], "bare", "<= +3%"),
+    "trainer, no skip": (["divergence.skip_nonfinite=false"], "trainer", ""),
+    "adamw2": (["optim=adamw2"], "trainer", "<= +3%"),
+    "adamw2 overlap": (["optim=adamw2", "optim.overlap_sigma_w=true"], "trainer", "<= +3%"),
+    "sigma": (["reparam=sigma"], "trainer", "<= +10%"),
+}
+DEFAULT_BATCH = {"gpt": 16, "vit": 256}
 
 
-def bench(model: str, args) -> dict:
-    over = [f"model={model}", "optim=adamw", "monitor=standard", "logger=none", f"device={args.device}",
-            f"batch_size={args.batch}", f"compile={str(args.compile).lower()}", "eval_every=1000000"]
-    if model.startswith("gpt"):
-        over.append(f"model.block_size={args.seq}")
-    else:
-        over += ["data=digits", "data.img_size=224"] if "test" not in model else []
-    cfg = make_cfg(over)
-    t = build_trainer(cfg, Path(args.out) / model)
-    sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
-    batch = next(t.data.train_iter(0, t.shard))
-    resident = [t._to_device(x, y) for x, y in batch]
+def steps_time(fn, steps: int, warmup: int, sync) -> float:
+    """Seconds per call of ``fn``: ``steps`` calls between two syncs, the median of three runs."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        sync()
+        runs.append((time.perf_counter() - t0) / steps)
+    return statistics.median(runs)
 
-    trainer_s, _ = timed(lambda: t.train_step(resident, False), args.steps, args.warmup, sync)
 
-    model_ = t.train_model
-    opt = torch.optim.AdamW(t.model.parameters(), lr=1e-4, fused=t.device.type == "cuda")
+def overrides(model: str, args) -> list[str]:
+    gpt = model.startswith("gpt")
+    batch = args.batch or DEFAULT_BATCH["gpt" if gpt else "vit"]
+    over = [f"model={model}", "optim=adamw", "logger=none", f"device={args.device}", f"batch_size={batch}",
+            f"compile={str(not args.eager).lower()}", "eval_every=1000000", "ckpt_every=1000000"]
+    if gpt:
+        return over + [f"model.block_size={args.seq}"]
+    return over + (["data=digits", "data.img_size=224"] if "test" not in model else [])
 
-    def bare():
-        for x, y in resident:
-            with torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=t.bf16):
-                out = model_(x)
-            loss = torch.nn.functional.cross_entropy(out.float().flatten(0, -2), y.flatten())
-            loss.backward()
+
+def free() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def profiled(fn, steps: int, path: Path, sync) -> None:
+    """A torch profiler trace of ``steps`` calls (open it in Perfetto / chrome://tracing) and the
+    top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=25))
+    print(f"trace: {path}")
+
+
+def bare_loop(t, batch, args):
+    """The hand-written loop on the trainer's model: model and loss compiled as one function."""
+    raw = t.model
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-4, fused=t.device.type == "cuda")
+
+    def loss_of(x, y):
+        with torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=t.bf16):
+            out = raw(x)
+        return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
+
+    loss_fn = loss_of if args.eager else torch.compile(loss_of)
+
+    def step():
+        for x, y in batch:
+            loss_fn(x, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    bare_s, _ = timed(bare, args.steps, args.warmup, sync)
-    mon = t.monitor
-    weight_s, _ = timed(mon.weight_metrics, 3, 1, sync)
-    probe_s, _ = timed(mon.probe_metrics, 3, 1, sync)
-    d = MonitorConfig()
-    amortised = (weight_s / d.weight_every + probe_s / d.probe_every) / trainer_s
-    return {"model": model, "bare_ms": bare_s * 1e3, "trainer_ms": trainer_s * 1e3,
-            "overhead": trainer_s / bare_s - 1, "weight_ms": weight_s * 1e3, "probe_ms": probe_s * 1e3,
-            "monitor_share": amortised}
+    return step
+
+
+def trainer_step(t, batch):
+    def step():
+        t.train_step(batch, False)
+        t.step += 1  # the schedule moves on, as in training
+
+    return step
+
+
+def bench(model: str, args) -> tuple[dict, dict]:
+    base = overrides(model, args)
+    rows: dict[str, dict] = {}
+    meta: dict = {}
+    for name, (extra, _, _) in VARIANTS.items():
+        if args.variants and name not in args.variants:
+            continue
+        first = name == "trainer"  # also times the monitors and the bare loop on its model
+        cfg = compose_config(base + extra + [f"monitor={'standard' if first else 'off'}"])
+        t = build_trainer(cfg, Path(args.out) / model / name.replace(" ", "_").replace(",", ""))
+        sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
+        batch = [t._to_device(x, y) for x, y in next(t.data.train_iter(0, t.shard))]
+        meta.update(batch=cfg.batch_size, unit=t.data.seq_len or 1, kind=t.data.kind,
+                    flops=t.settings.flops_per_sample, device=t.device)
+        timed = {name: trainer_step(t, batch)}
+        if first:
+            d = MonitorConfig()
+            weight = steps_time(t.monitor.weight_metrics, 1, 1, sync)
+            probe = steps_time(t.monitor.probe_metrics, 1, 1, sync)
+            meta["monitors"] = (weight / d.weight_every + probe / d.probe_every, weight, probe)
+            timed["bare"] = bare_loop(t, batch, args)
+        for key, fn in timed.items():
+            rows[key] = {"s": steps_time(fn, args.steps, args.warmup, sync)}
+            if args.profile == key:
+                profiled(fn, 5, Path(args.out) / model / "trace.json", sync)
+        del timed, t, batch
+        free()
+    return rows, meta
+
+
+def report(model: str, rows: dict, meta: dict, args) -> None:
+    dev = meta["device"]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    peak = peak_flops(name) if dev.type == "cuda" else None
+    print(f"\n{model}: {name}, batch {meta['batch']}, {'eager' if args.eager else 'torch.compile'}"
+          f"{', bf16' if dev.type == 'cuda' else ''}\n")
+    unit = "tokens/s" if meta["kind"] == "text" else "images/s"
+    print(f"| variant | ms/step | against | ratio | goal | {unit} | MFU |")
+    print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
+    order = ["bare"] + [v for v in VARIANTS if v in rows]
+    for v in order:
+        s = rows[v]["s"]
+        against, goal = ("", "") if v == "bare" else VARIANTS[v][1:]
+        ratio = f"{100 * (s / rows[against]['s'] - 1):+.1f}%" if against in rows else ""
+        per_s = meta["batch"] * meta["unit"] / s
+        mfu = f"{meta['flops'] * meta['batch'] / s / peak:.1%}" if peak and meta["flops"] else ""
+        print(f"| {v} | {1e3 * s:.1f} | {against} | {ratio} | {goal} | {per_s:,.0f} | {mfu} |")
+    if "monitors" in meta and "trainer" in rows:
+        share, weight, probe = meta["monitors"]
+        print(f"| monitors (weight pass {1e3 * weight:.1f} ms, probe pass {1e3 * probe:.1f} ms) | | trainer | "
+              f"{100 * share / rows['trainer']['s']:+.2f}% | <= +2% | | |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="vit_b,gpt2_s")
+    ap.add_argument("--models", default="gpt2_s,vit_b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=None, help="per model default: GPT 16 sequences, ViT 256 images")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="steps per timed run (three runs, the median)")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default all)")
+    ap.add_argument("--profile", default=None, help="profile 5 steps of one variant (or bare)")
     ap.add_argument("--out", default="/tmp/bench_train")
     args = ap.parse_args()
-    rows = [bench(m, args) for m in args.models.split(",")]
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"\n{dev}, batch {args.batch}, compile={args.compile}\n")
-    print("| model | bare loop ms | trainer ms | overhead | weight monitors ms | probe ms "
-          "| monitors at default cadence |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['model']} | {r['bare_ms']:.1f} | {r['trainer_ms']:.1f} | {100 * r['overhead']:+.1f}% | "
-              f"{r['weight_ms']:.1f} | {r['probe_ms']:.1f} | {100 * r['monitor_share']:.2f}% |")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.variants and "trainer" not in args.variants:
+        args.variants.insert(0, "trainer")  # every ratio is against it (and bare)
+    for model in args.models.split(","):
+        rows, meta = bench(model, args)
+        report(model, rows, meta, args)
 
 
 if __name__ == "__main__":

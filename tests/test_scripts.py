@@ -43,10 +43,12 @@ def test_bench_optim(mode):
 
 def test_bench_train(tmp_path):
     out = script("bench_train.py", "--models", "vit_test,gpt_test", "--device", "cpu", "--batch", "4", "--seq",
-                 "32", "--steps", "2", "--warmup", "1", "--out", str(tmp_path))
-    for model in ("vit_test", "gpt_test"):
-        (row,) = rows(out, model)
-        assert positive(row[1]) and positive(row[2]) and row[3].endswith("%")
+                 "32", "--steps", "2", "--warmup", "1", "--eager", "--variants", "adamw2", "--out", str(tmp_path))
+    assert len(rows(out, "bare |")) == 2 and "vit_test: CPU, batch 4, eager" in out
+    for variant, against in (("trainer", "bare"), ("adamw2", "trainer")):
+        for row in rows(out, variant + " |"):
+            assert positive(row[1]) and row[2] == against and row[3].endswith("%")
+    assert len(rows(out, "monitors")) == 2
 
 
 def test_bench_monitors(tmp_path):

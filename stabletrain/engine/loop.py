@@ -147,8 +147,16 @@ class Trainer:
         # each loss term's share of the logged loss, summed over a log interval (on the device)
         self.term_sums = torch.zeros(len(self.loss_terms), device=device)
         self.train_model: nn.Module = model
+        self.objective = self._objective
         if settings.compile:
+            # The loss is compiled too: for a GPT, an fp32 copy of the logits (and of their gradient)
+            # would otherwise be written to memory, the largest activation of the step.
+            # Runs of a sweep share a process (Hydra's basic launcher). Without a reset, a run would
+            # reuse what earlier runs compiled: a swept size or constant then comes back as a dynamic
+            # shape or symbol (other kernels, other roundings), so a run would not compute what it does alone.
+            torch._dynamo.reset()
             self.train_model = torch.compile(model)
+            self.objective = torch.compile(self._objective)
         self.sharded = settings.sharded
         if self.info.enabled and not self.sharded:  # an FSDP2 model reduces its own gradients
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -177,12 +185,18 @@ class Trainer:
         """The task loss plus every loss term; each term's share is added to ``term_sums``."""
         with self.autocast():
             out = model(x)
-        loss = self.criterion(out, y)
-        if self.loss_terms:
-            terms = torch.stack([term(self.model, out, x, y) for term in self.loss_terms])
-            self.term_sums += terms.detach() / self.shard.accum
-            loss = loss + terms.sum()
+        loss, terms = self.objective(self.model, out, x, y)
+        if terms is not None:
+            self.term_sums += terms / self.shard.accum
         return loss
+
+    def _objective(self, model: nn.Module, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
+        """``(task loss + loss terms, the terms' values or None)`` of the logits ``out``."""
+        loss = self.criterion(out, y)
+        if not self.loss_terms:
+            return loss, None
+        terms = torch.stack([term(model, out, x, y) for term in self.loss_terms])
+        return loss + terms.sum(), terms.detach()
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -276,21 +290,18 @@ class Trainer:
         # The same global eval batches whatever the world size; each rank scores its slice.
         bs = min(self.settings.batch_size, 256)
         r, w = self.info.rank, self.info.world
-        loss_sum, correct, count = 0.0, 0, 0
+        # (loss sum, correct, count) summed on the device: one host sync per evaluation, not per batch
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.data.val_batches(bs, self.settings.eval_batches):
             x, y = self._to_device(x[r::w], y[r::w])
             if len(y) == 0 and not self.sharded:  # an FSDP2 forward needs every rank: run it empty
                 continue
             with self.autocast():
                 out = model(x)
-            if self.data.kind == "text":
-                loss_sum += F.cross_entropy(out.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-                count += y.numel()
-            else:
-                loss_sum += F.cross_entropy(out.float(), y, reduction="sum").item()
-                correct += (out.argmax(-1) == y).sum().item()
-                count += y.numel()
-        stats = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=self.device)
+            stats[0] += F.cross_entropy(out.float().flatten(0, -2), y.flatten(), reduction="sum")
+            if self.data.kind != "text":
+                stats[1] += (out.argmax(-1) == y).sum()
+            stats[2] += y.numel()
         if self.info.enabled:
             torch.distributed.all_reduce(stats)
         loss_sum, correct, count = stats.tolist()

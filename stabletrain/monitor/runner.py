@@ -117,7 +117,7 @@ class MonitorRunner:
                 lambda _m, args, name=name: inputs.__setitem__(name, args[0])))
         x, y = self._probe_inputs()
         try:
-            if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+            if not bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()):  # one sync
                 return {}
             with torch.enable_grad():
                 logits = self._probe_logits(model, x)

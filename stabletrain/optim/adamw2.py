@@ -578,11 +578,11 @@ class AdamW2(Optimizer):
         names = [name for r in self.last_bound for name in r.names]
         rows = torch.cat(
             [
-                torch.stack([r.lr_eff, r.lr_eff / r.lr, r.sigma_w, r.sigma_u, r.hit.to(r.lr_eff.dtype)]).cpu()
+                torch.stack([r.lr_eff, r.lr_eff / r.lr, r.sigma_w, r.sigma_u, r.hit.to(r.lr_eff.dtype)])
                 for r in self.last_bound
             ],
             dim=1,
-        ).double()
+        ).double().cpu()  # one device-to-host copy
         lr_eff, ratio, sigma_w, sigma_u, hit = rows.tolist()
         return {
             "bound_fraction": sum(hit) / len(hit),
