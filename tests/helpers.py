@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,8 @@ def model_of(cfg):
     from stabletrain.models.registry import build_model
 
     return build_model(cfg.model, Components.of(cfg))
+
+
+def has_cpp_compiler() -> bool:
+    """Inductor (``compile=true``) builds C++ kernels on a CPU."""
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))

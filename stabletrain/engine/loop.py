@@ -155,6 +155,8 @@ class Trainer:
             # reuse what earlier runs compiled: a swept size or constant then comes back as a dynamic
             # shape or symbol (other kernels, other roundings), so a run would not compute what it does alone.
             torch._dynamo.reset()
+            if settings.sharded:
+                self._allow_a_compile_per_block(model)
             self.train_model = torch.compile(model)
             self.objective = torch.compile(self._objective)
         self.sharded = settings.sharded
@@ -175,6 +177,17 @@ class Trainer:
         self.lr_scale = 1.0  # divergence.lr_scale_on_rollback, compounded per rollback
         self.rollbacks: list[dict] = []
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
+
+    @staticmethod
+    def _allow_a_compile_per_block(model: nn.Module) -> None:
+        """Under FSDP2 the hooks between blocks split the compiled forward: each block's forward
+        compiles on its own, and a block whose layers are parametrized (sigmaReparam) has classes
+        of its own, so its guards fail on every other block. Past dynamo's recompile limit (8)
+        the remaining blocks would silently run eagerly."""
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = sum(isinstance(m, FSDPModule) for m in model.modules())
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, sharded + 8)
 
     # --- the step -------------------------------------------------------------------
 

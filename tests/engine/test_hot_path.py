@@ -10,7 +10,6 @@ Python (``.item()``, ``.tolist()``, ``bool``, ``float``, ``.cpu()``) goes throug
 from __future__ import annotations
 
 import collections
-import shutil
 import traceback
 
 import pytest
@@ -21,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from stabletrain.build import build_trainer
 from stabletrain.config import Components
 from stabletrain.models.registry import build_model
-from tests.helpers import QUIET, losses, make_cfg, train
+from tests.helpers import QUIET, has_cpp_compiler, losses, make_cfg, train
 from tests.layers.helpers import make_cfg as component_cfg
 from tests.layers.helpers import model_input
 
@@ -56,11 +55,7 @@ def test_every_component_compiles_to_one_graph(model_name, case):
         torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
 
 
-def _compiler_available() -> bool:
-    return shutil.which("g++") is not None or shutil.which("c++") is not None
-
-
-@pytest.mark.skipif(not _compiler_available(), reason="inductor needs a C++ compiler on the CPU")
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler on the CPU")
 @pytest.mark.parametrize("extra", [
     ["model=gpt_test", "optim=adamw2", "reparam=sigma", "ema.decay=0.9", "regularizer=[zloss,locater]",
      "monitor=standard", "monitor.weight_every=2", "monitor.probe_every=2"],
