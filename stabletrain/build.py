@@ -81,8 +81,6 @@ def validate(cfg) -> None:
 
 # what parallel=fsdp does not do (yet), each refused in one line; docs/distributed.md "FSDP2"
 _FSDP_REFUSED = (
-    (lambda c: option_value(c.monitor.name) != "off", "monitor={v}: the monitors read whole weights on rank 0 "
-     "only; use monitor=off (or parallel=ddp)", lambda c: option_value(c.monitor.name)),
     (lambda c: any(LOSS_TERMS.entry(n).info.get("reads_weights") for n in c.regularizer or {}),
      "regularizer={v}: a loss term that reads the weights sees only this rank's shards outside the forward; "
      "drop it (or parallel=ddp)",
@@ -199,8 +197,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         probe = next(data.val_batches(cfg.monitor.probe_batch_size, 1))
         # Theorem 3.1 bounds plain softmax logits: not normalised q/k
         plain = ATTENTIONS.get(cfg.attention.name) is ATTENTIONS.get("softmax")
-        monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast,
-                                with_bound=plain, active=info.is_main)
+        monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
+                                active=info.is_main, sharding=_monitor_sharding() if sharded else None)
     messages = [group_summary] + notes
     if cfg.steps is not None and cfg.epochs is not None:
         messages.append(f"steps={cfg.steps} overrides epochs={cfg.epochs:g}; set steps=null to train by epochs")
@@ -226,6 +224,14 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                    step_hooks=[reparam_hook] if reparam_hook is not None else [],
                    mixup=mixup, ema=ema, monitor=monitor, divergence=DivergenceWatch(cfg.divergence),
                    messages=messages)
+
+
+def _monitor_sharding():
+    """How the monitors read an FSDP2-sharded model: engine/sharding.py's gathers and rank agreement."""
+    from stabletrain.engine import sharding as S
+    from stabletrain.monitor.runner import Sharding
+
+    return Sharding(gathered=S.gathered, local=S.local, all_ranks=S.all_finite_everywhere)
 
 
 def _shard(cfg, info: D.DistInfo) -> Shard:

@@ -481,7 +481,8 @@ class Trainer:
     def checkpoint_payload_rest(self) -> dict:
         """The payload of last.pt without the model and optimizer (saved sharded, beside it)."""
         return {"step": self.step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
-                "config": self.settings.config_yaml, "monitor": {},
+                "config": self.settings.config_yaml,
+                "monitor": self.monitor.state_dict() if self.monitor is not None else {},
                 "ema": self.ema.counters() if self.ema is not None else None, "survival": self.survival_state()}
 
     @property

@@ -18,6 +18,7 @@ engine imports no models/). Neither renames a module or a state_dict key:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -95,6 +96,31 @@ def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def gathered(modules):
+    """The FSDP2-sharded parameters of ``modules`` (and their submodules) swapped for their whole
+    tensors for the duration, so that reading a weight gives what it gives unsharded: a
+    parametrization (sigmaReparam's) runs on the whole raw weight and gains, in their own dtype
+    (not a mixed-precision ``param_dtype``). Each parameter is one all-gather: every rank must
+    enter with the same modules in the same order. No forward may run inside (FSDP's hooks
+    expect their own parameters); on exit the sharded parameters are back and the copies freed."""
+    from torch.distributed.tensor import DTensor
+
+    swapped = []
+    try:
+        with torch.no_grad():
+            for top in modules:
+                for mod in top.modules():
+                    for name, p in list(mod._parameters.items()):
+                        if isinstance(p, DTensor):
+                            mod._parameters[name] = p.full_tensor()
+                            swapped.append((mod, name, p))
+        yield
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
 
 
 def all_finite_everywhere(verdict: torch.Tensor) -> bool:

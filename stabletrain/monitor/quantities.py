@@ -474,8 +474,7 @@ def _ieee_fp32_matmul():
 
 def _chunks(weights: Sequence[BlockWeights], budget: int) -> list[list[BlockWeights]]:
     """Blocks grouped by shapes (ViT/GPT: one group; Swin: one per stage), in order of first
-    appearance, each group cut into chunks whose stacked copies fit in ``budget`` bytes."""
-    groups: dict[tuple, list[BlockWeights]] = {}
+    appearance, each group cut into chunks whose stacked copies fit in ``budget`` bytes (:func:`_cut`)."""
     for w in weights:
         r, d = w.wq.shape
         if w.wk.shape != (r, d) or w.wv.shape != (r, d) or w.wo.shape != (d, r):
@@ -486,15 +485,37 @@ def _chunks(weights: Sequence[BlockWeights], budget: int) -> list[list[BlockWeig
                              f"{tuple(w.w1.shape)}, {tuple(w.w2.shape)}")
         if r % w.num_heads:
             raise ValueError(f"{w.name}: {r} rows do not split into {w.num_heads} heads")
-        key = (tuple(w.wq.shape), tuple(w.w1.shape), w.num_heads, w.wq.device, w.wq.dtype)
-        groups.setdefault(key, []).append(w)
+    keys = [(tuple(w.wq.shape), tuple(w.w1.shape), w.num_heads, w.wq.device, w.wq.dtype) for w in weights]
+    return [[weights[i] for i in chunk] for chunk in _cut(keys, budget)]
+
+
+def _cut(keys: Sequence[tuple], budget: int) -> list[list[int]]:
+    """Indices of blocks grouped by ``key = ((H d_h, d), (hidden, d), ...)``, in order of first
+    appearance, each group cut into runs whose stacked copies fit in ``budget`` bytes."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
     out = []
-    for (_, (h, d), *_), members in groups.items():
-        r = members[0].wq.shape[0]
-        per_block = 4 * r * d * (4 + 8) + 2 * h * d * 4
+    for ((r, d), (hidden, _), *_), members in groups.items():
+        per_block = 4 * r * d * (4 + 8) + 2 * hidden * d * 4
         step = max(1, budget // per_block)
         out += [members[i:i + step] for i in range(0, len(members), step)]
     return out
+
+
+def block_chunks(blocks, budget: int = STACK_BUDGET_BYTES) -> list[list]:
+    """``blocks`` (``(name, module)`` pairs) cut as :func:`stacked_weight_metrics` cuts their
+    weights, from the shapes of the raw weights alone (which FSDP2 keeps whole in ``.shape``
+    while it shards them), so that a sharded model can be gathered one chunk at a time and give
+    the numbers of the whole model: the chunk fixes the power iteration's start vectors and warm keys."""
+    from stabletrain.layers.reparam import raw_weight
+
+    keys = []
+    for _, blk in blocks:
+        qkv, fc1 = raw_weight(blk.attn.qkv), raw_weight(blk.mlp.fc1)
+        keys.append(((qkv.shape[0] // 3, qkv.shape[1]), tuple(fc1.shape), int(blk.attn.num_heads),
+                     qkv.device, qkv.dtype))
+    return [[blocks[i] for i in chunk] for chunk in _cut(keys, budget)]
 
 
 def _start_vectors(shapes, device, seed: int = 0) -> tuple[Tensor, ...]:

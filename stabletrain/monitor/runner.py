@@ -1,15 +1,20 @@
 """Monitors wired to the trainer: weight-side every ``weight_every`` steps, the probe pass
 every ``probe_every`` steps, health alerts, and crash forensics for ``summary.json``.
 
-Monitors change nothing in training: they run on rank 0 only, read weights under
-``no_grad``, take gradients of the probe loss with ``torch.autograd.grad`` (never ``.grad``),
-run the probe in eval mode (no dropout), and restore the RNG state afterwards.
+Monitors change nothing in training: they read weights under ``no_grad``, take gradients of
+the probe loss with ``torch.autograd.grad`` (never ``.grad``), run the probe in eval mode (no
+dropout), and restore the RNG state afterwards. They compute and log on rank 0 only. Under
+DDP the other ranks do nothing; under FSDP2 (``parallel=fsdp``) every rank takes part in
+each pass, because reading a weight and running a forward need every rank's shards: the
+weight pass gathers one chunk of blocks at a time (:func:`quantities.block_chunks`), the probe
+forward and backward run on every rank with the same probe batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +24,7 @@ from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import block_probe_metrics, model_weight_metrics
+from stabletrain.monitor.quantities import block_chunks, block_probe_metrics, model_weight_metrics
 
 HISTORY = 64  # weight snapshots kept for forensics
 
@@ -29,22 +34,38 @@ def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attn.qkv.weight.detach().float().chunk(3, 0)
 
 
+@dataclass(frozen=True)
+class Sharding:
+    """What the runner needs of an FSDP2-sharded model (build.py gives engine/sharding.py's; monitor/
+    imports no engine/): ``gathered(modules)``, a context in which their parameters are whole, entered
+    by every rank alike; ``local(t)``, this rank's shard of a parameter; ``all_ranks(flag)``, a rank's
+    boolean verdict AND-ed over the ranks."""
+
+    gathered: Callable
+    local: Callable
+    all_ranks: Callable
+
+
 class MonitorRunner:
     """The monitors of one model.
 
     ``probe_batch`` is a held-out ``(x, y)``; ``autocast`` the context the model trains under;
     ``with_bound``: log the sigmaReparam paper's Theorem 3.1 entropy bound, which covers
     logits ``x W_q^h^T W_k^h x^T / sqrt(d_h)``, so plain softmax attention only (normalised q/k
-    change the logits it bounds). ``active`` is false on ranks > 0, where nothing runs.
+    change the logits it bounds). ``active`` is false on ranks > 0, where nothing is computed or
+    logged; with ``sharding`` (an FSDP2-sharded model) those ranks still run each pass's gathers
+    and forward.
     Messages and records go to ``sink`` (``message(text)``, ``log(step, values)``), given with
     :meth:`attach` once the run's metrics sink is open.
     """
 
     def __init__(self, model: nn.Module, cfg, probe_batch: tuple[torch.Tensor, torch.Tensor], *,
                  device: torch.device, autocast=contextlib.nullcontext, with_bound: bool = True,
-                 active: bool = True):
+                 active: bool = True, sharding: Sharding | None = None):
         self.model, self.cfg, self.device, self.autocast = model, cfg, device, autocast
         self.active, self.with_bound = active, with_bound
+        self.sharding = sharding
+        self.sharded = sharding is not None  # every rank takes part in the passes
         self.blocks = transformer_blocks(model)
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
@@ -78,17 +99,18 @@ class MonitorRunner:
         """The passes due after optimizer step ``step`` (0-based; -1 is the initial snapshot).
         ``last``: the run's final step, where both passes run whatever the cadence, so a run
         shorter than ``probe_every`` still ends with a probe."""
-        if not self.active:
+        if not (self.active or self.sharded):
             return
         done = step + 1
         rec: dict[str, float] = {}
         with self._isolated():
             if done % self.cfg.weight_every == 0 or last:
                 rec.update(self.weight_metrics())
-                self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
+                if self.active:
+                    self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
             if done % self.cfg.probe_every == 0 or last:
                 rec.update(self.probe_metrics())
-        if not rec:
+        if not (rec and self.active):
             return
         for alert in self.watch.update(done, rec) if self.cfg.alerts else []:
             self.alerts.append(alert)
@@ -103,8 +125,20 @@ class MonitorRunner:
     @torch.no_grad()
     def weight_metrics(self) -> dict[str, float]:
         """All blocks in one batched pass with one device-to-host copy (quantities.stacked_weight_metrics);
-        a block with non-finite weights reports ``sigma1/<block>/nonfinite_weights = 1.0`` only."""
-        return model_weight_metrics(self.blocks, per_head=self.cfg.per_head, warm=self.warm)
+        a block with non-finite weights reports ``sigma1/<block>/nonfinite_weights = 1.0`` only.
+
+        Sharded: the chunks that pass stacks anyway, each gathered whole on every rank in turn
+        and computed on rank 0, so the values are the unsharded ones and the extra memory is one
+        chunk's weights (less than ``STACK_BUDGET_BYTES``, or one block), not the model's.
+        Returns {} on other ranks."""
+        if not self.sharded:
+            return model_weight_metrics(self.blocks, per_head=self.cfg.per_head, warm=self.warm)
+        out: dict[str, float] = {}
+        for chunk in block_chunks(self.blocks):
+            with self.sharding.gathered([blk for _, blk in chunk]):
+                if self.active:
+                    out.update(model_weight_metrics(chunk, per_head=self.cfg.per_head, warm=self.warm))
+        return out
 
     def probe_metrics(self) -> dict[str, float]:
         model = self.model
@@ -117,7 +151,7 @@ class MonitorRunner:
                 lambda _m, args, name=name: inputs.__setitem__(name, args[0])))
         x, y = self._probe_inputs()
         try:
-            if not bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()):  # one sync
+            if not self._weights_finite():
                 return {}
             with torch.enable_grad():
                 logits = self._probe_logits(model, x)
@@ -128,20 +162,34 @@ class MonitorRunner:
             out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
             grad_of = dict(zip(names, grads))
             for name, blk in self.blocks:
+                wq, wk = self._qk_weights(blk) if self.with_bound else (None, None)
+                if not self.active:
+                    continue
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
-                wq, wk = (_qkv(blk.attn)[:2] if self.with_bound else (None, None))
                 out.update(block_probe_metrics(
                     name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
                     wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
                     block_input_grad=_tokens(g), causal=_is_causal(blk),
                     per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
-            return out
+            return out if self.active else {}
         finally:
             for h in hooks:
                 h.remove()
             for _, blk in self.blocks:
                 blk.attn.probe = None
+
+    def _weights_finite(self) -> bool:
+        """Whether every weight is finite; sharded, each rank checks its shards and all agree."""
+        params = list(self.model.parameters())
+        local = self.sharding.local if self.sharded else (lambda p: p)
+        verdict = torch.stack([torch.isfinite(local(p)).all() for p in params]).all()  # one sync, not one per tensor
+        return self.sharding.all_ranks(verdict) if self.sharded else bool(verdict)
+
+    def _qk_weights(self, blk: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_q, W_k of ``blk`` (effective); sharded, gathered on every rank."""
+        with self.sharding.gathered([blk.attn.qkv]) if self.sharded else contextlib.nullcontext():
+            return _qkv(blk.attn)[:2]
 
     def _probe_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The sum over the probe samples of each one's own loss, so that ``dL/dx_i`` is sample
@@ -165,7 +213,7 @@ class MonitorRunner:
 
     def summary(self, status: str) -> dict:
         out: dict = {"alerts": self.alerts}
-        if status == "diverged" and self.active:
+        if status == "diverged" and (self.active or self.sharded):
             forensics: dict = {}
             finite = [h for h in self.history if not any(k.endswith("/nonfinite_weights") for k in h)]
             if finite:
@@ -174,7 +222,7 @@ class MonitorRunner:
                 if growth:
                     forensics["growth"] = growth
             x, y = self._probe_inputs()
-            with self._isolated(), torch.no_grad():
+            with self._isolated(), torch.no_grad():  # sharded: a forward on every rank
                 self.model.eval()
                 bad = first_nonfinite(self.model, lambda m: self._probe_loss(m, x, y))
             if bad:

@@ -214,6 +214,28 @@ def test_real_models_vit_gpt_swin_match_the_per_block_reference():
             assert {b.wq.shape[1] for b in (Q.block_weights(n, m) for n, m in blocks)} == {16, 32}
 
 
+@pytest.mark.parametrize("budget", [1, 200_000, Q.STACK_BUDGET_BYTES])
+def test_block_chunks_cut_a_model_as_the_pass_cuts_its_weights(budget):
+    """What a sharded model's weight pass relies on (runner.weight_metrics under FSDP2): the chunks
+    found from the raw weights' shapes are the pass's own, so computing chunk by chunk, with one
+    warm dict, gives the whole pass's numbers exactly, cold and warm."""
+    torch.manual_seed(0)
+    # two widths (2 blocks of 20 kB stacked, 3 of 82 kB); parametrized weights
+    model = model_of(make_cfg("model=swin_test", "model.depths=[2,3]", "reparam=sigma"))
+    blocks = transformer_blocks(model)
+    chunks = Q.block_chunks(blocks, budget)
+    by_weights = Q._chunks([Q.block_weights(n, b) for n, b in blocks], budget)
+    assert [[n for n, _ in c] for c in chunks] == [[w.name for w in c] for c in by_weights]
+    assert [len(c) for c in chunks] == {1: [1] * 5, 200_000: [2, 2, 1], Q.STACK_BUDGET_BYTES: [2, 3]}[budget]
+    whole_warm, chunked_warm = {}, {}
+    for _ in range(2):
+        whole = Q.model_weight_metrics(blocks, warm=whole_warm, budget_bytes=budget)
+        chunked = {}
+        for c in chunks:
+            chunked.update(Q.model_weight_metrics(c, warm=chunked_warm, budget_bytes=budget))
+        assert chunked == whole
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_pass_is_one_transfer_and_no_scalar_sync(monkeypatch, device):
     blocks = ([_block(f"blocks.{i}", i, 24, 3, 48, device=device) for i in range(3)]
