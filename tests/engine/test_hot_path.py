@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 
 from stabletrain.build import build_trainer
 from stabletrain.config import Components
-from stabletrain.models.registry import build_model
+from stabletrain.engine.sharding import apply_activation_checkpointing
+from stabletrain.models.registry import build_model, transformer_blocks
 from tests.helpers import QUIET, has_cpp_compiler, losses, make_cfg, train
 from tests.layers.helpers import make_cfg as component_cfg
 from tests.layers.helpers import model_input
@@ -35,14 +36,18 @@ COMPONENTS = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(COMPONENTS)))
+@pytest.mark.parametrize("case", [*range(len(COMPONENTS)), "checkpointed"])
 @pytest.mark.parametrize("model_name", ["vit_test", "swin_test", "gpt_test"])
 def test_every_component_compiles_to_one_graph(model_name, case):
     """``fullgraph=True`` fails on any graph break; AOT autograd (the backward inductor would
-    compile) must give eager's loss and gradients."""
-    cfg = component_cfg(model_name, **COMPONENTS[case])
+    compile) must give eager's loss and gradients. ``checkpointed``: sigmaReparam blocks under
+    ``activation_checkpointing=true``."""
+    checkpointed = case == "checkpointed"
+    cfg = component_cfg(model_name, **(dict(reparam=dict(name="sigma")) if checkpointed else COMPONENTS[case]))
     torch.manual_seed(0)
     model = build_model(cfg.model, Components.of(cfg)).train()
+    if checkpointed:
+        apply_activation_checkpointing(transformer_blocks(model))
     x = model_input(cfg, batch=2, tokens=8, seed=0)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
