@@ -79,17 +79,9 @@ def validate(cfg) -> None:
     check_parallel(cfg)
 
 
-# what parallel=fsdp does not do (yet), each refused in one line; docs/distributed.md "FSDP2"
-_FSDP_REFUSED = (
-    (lambda c: any(LOSS_TERMS.entry(n).info.get("reads_weights") for n in c.regularizer or {}),
-     "regularizer={v}: a loss term that reads the weights sees only this rank's shards outside the forward; "
-     "drop it (or parallel=ddp)",
-     lambda c: ",".join(n for n in c.regularizer if LOSS_TERMS.entry(n).info.get("reads_weights"))),
-)
-
-
 def check_parallel(cfg, world: int | None = None) -> None:
-    """``parallel=fsdp``: a distributed launch and none of the combinations it does not support."""
+    """``parallel=fsdp``: a distributed launch. What it does not support would be refused here, in one
+    line (docs/distributed.md "FSDP2")."""
     if cfg.parallel != "fsdp":
         return
     if world is None:
@@ -99,9 +91,6 @@ def check_parallel(cfg, world: int | None = None) -> None:
     if world < 2:
         raise ConfigError("parallel=fsdp shards over the ranks of a distributed launch (torchrun / srun with "
                           "2+ processes); a single process trains with parallel=ddp")
-    for refused, msg, value in _FSDP_REFUSED:
-        if refused(cfg):
-            raise ConfigError("parallel=fsdp with " + msg.format(v=value(cfg)))
 
 
 def _data_entry(cfg):

@@ -136,7 +136,13 @@ class Trainer:
                  loss_terms=(), step_hooks=(), mixup=None, ema=None, monitor=None,
                  divergence: DivergenceWatch | None = None, messages=()):
         self.model, self.optimizer, self.schedule, self.data, self.shard = model, optimizer, schedule, data, shard
-        self.criterion, self.mixup, self.loss_terms, self.step_hooks = criterion, mixup, list(loss_terms), step_hooks
+        self.criterion, self.mixup, self.step_hooks = criterion, mixup, step_hooks
+        # Under FSDP2 a term that reads weights runs outside the objective, on weights gathered whole
+        # (sharding.with_whole_weights): eagerly, as the gather is no graph for torch.compile. It goes
+        # last; the logs name each term.
+        self.weight_terms = [t for t in loss_terms if settings.sharded and getattr(t, "reads_weights", False)]
+        self.objective_terms = [t for t in loss_terms if t not in self.weight_terms]
+        self.loss_terms = self.objective_terms + self.weight_terms
         self.ema, self.monitor, self.settings, self.device = ema, monitor, settings, device
         self.run_dir, self.open_sink, self.info = Path(run_dir), open_sink, info or D.DistInfo()
         self.divergence = divergence or DivergenceWatch()
@@ -199,16 +205,24 @@ class Trainer:
         with self.autocast():
             out = model(x)
         loss, terms = self.objective(self.model, out, x, y)
+        if self.weight_terms:
+            from stabletrain.engine.sharding import with_whole_weights
+
+            extra = torch.stack([t(self.model, out, x, y, whole_weights=with_whole_weights)
+                                 for t in self.weight_terms])
+            loss = loss + extra.sum()
+            terms = extra.detach() if terms is None else torch.cat([terms, extra.detach()])
         if terms is not None:
             self.term_sums += terms / self.shard.accum
         return loss
 
     def _objective(self, model: nn.Module, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
-        """``(task loss + loss terms, the terms' values or None)`` of the logits ``out``."""
+        """``(task loss + loss terms, the terms' values or None)`` of the logits ``out``; the
+        weight terms of a sharded model are added by :meth:`loss_on`."""
         loss = self.criterion(out, y)
-        if not self.loss_terms:
+        if not self.objective_terms:
             return loss, None
-        terms = torch.stack([term(model, out, x, y) for term in self.loss_terms])
+        terms = torch.stack([term(model, out, x, y) for term in self.objective_terms])
         return loss + terms.sum(), terms.detach()
 
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):

@@ -99,18 +99,22 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def gathered(modules):
+def gathered(modules, differentiable: bool = False):
     """The FSDP2-sharded parameters of ``modules`` (and their submodules) swapped for their whole
     tensors for the duration, so that reading a weight gives what it gives unsharded: a
     parametrization (sigmaReparam's) runs on the whole raw weight and gains, in their own dtype
     (not a mixed-precision ``param_dtype``). Each parameter is one all-gather: every rank must
     enter with the same modules in the same order. No forward may run inside (FSDP's hooks
-    expect their own parameters); on exit the sharded parameters are back and the copies freed."""
+    expect their own parameters); on exit the sharded parameters are back and the copies freed.
+
+    ``differentiable``: the whole tensors are ``full_tensor()`` with grad, whose backward hands
+    each rank the slice of the gradient that is its shard, accumulated into the sharded ``.grad``
+    (see :func:`with_whole_weights`); otherwise they are gathered under ``no_grad``."""
     from torch.distributed.tensor import DTensor
 
     swapped = []
     try:
-        with torch.no_grad():
+        with contextlib.nullcontext() if differentiable else torch.no_grad():
             for top in modules:
                 for mod in top.modules():
                     for name, p in list(mod._parameters.items()):
@@ -121,6 +125,30 @@ def gathered(modules):
     finally:
         for mod, name, p in swapped:
             mod._parameters[name] = p
+
+
+def with_whole_weights(module: nn.Module, fn):
+    """``fn(module)`` computed on ``module``'s whole weights, differentiably: how a loss term that
+    reads weights (LocAteR's qkv) runs under FSDP2, one module at a time.
+
+    The gradient of ``fn``'s result reaches each sharded parameter as this rank's slice, added to
+    its ``.grad`` outside FSDP2's reduce-scatter, which then adds the averaged task gradient to it
+    (or this adds to FSDP2's, whichever comes first). Every rank computes the same value, so the
+    slice counts once, as under DDP, where each rank adds the same gradient and the all-reduce
+    averages. With grad enabled the gather is checkpointed (non-reentrant): the graph keeps only
+    ``fn``'s result, and backward gathers the module again (the same collectives in the same
+    order on every rank), so at most one module's whole weights (and their gradient) are held
+    at a time, at the cost of a second all-gather of them."""
+
+    def run():
+        with gathered([module], differentiable=True):
+            return fn(module)
+
+    if not torch.is_grad_enabled():
+        return run()
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(run, use_reentrant=False)
 
 
 def all_finite_everywhere(verdict: torch.Tensor) -> bool:

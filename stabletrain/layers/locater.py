@@ -70,10 +70,16 @@ def layer_penalty(qkv_weight: Tensor, num_heads: int, scale_coef: float, mean_co
         return (scale_coef * fro2 + mean_coef * (trace - 1.0).pow(2)).sum()
 
 
-def locater_penalty(model: nn.Module, reg_cfg) -> Tensor:
+def locater_penalty(model: nn.Module, reg_cfg, whole_weights=None) -> Tensor:
     """The LocAteR loss term of ``model`` (a 0-dim fp32 tensor with grad; 0 if no attention);
-    ``reg_cfg`` has ``scale_coef`` and ``mean_coef``."""
-    terms = [layer_penalty(attn.qkv.weight, attn.num_heads, reg_cfg.scale_coef, reg_cfg.mean_coef)
+    ``reg_cfg`` has ``scale_coef`` and ``mean_coef``. ``whole_weights(module, fn)``, when given,
+    computes ``fn(module)`` with the module's weights whole (the trainer's under FSDP2, where
+    outside the forward each rank holds shards); it is called per attention's ``qkv``."""
+    def penalty(qkv: nn.Module, num_heads: int) -> Tensor:
+        return layer_penalty(qkv.weight, num_heads, reg_cfg.scale_coef, reg_cfg.mean_coef)
+
+    terms = [penalty(attn.qkv, attn.num_heads) if whole_weights is None
+             else whole_weights(attn.qkv, lambda qkv, h=attn.num_heads: penalty(qkv, h))
              for _, attn in attention_layers(model)]
     if not terms:
         return torch.zeros((), device=next(model.parameters()).device)

@@ -18,8 +18,12 @@ and one yaml, ``configs/regularizer/zloss.yaml`` (``zloss: {coef: 1e-4}``). The 
 ``regularizer.zloss.coef=1e-3`` sets a parameter. Parameters are checked against the
 dataclass (a misspelt key or a wrong type is one line) and by its ``__post_init__``.
 
-A term that reads weights declares it (``register(..., reads_weights=True)``): outside the
-forward, FSDP2's weights are this rank's shards, so ``parallel=fsdp`` refuses such a term.
+A term that reads weights declares it (``register(..., reads_weights=True)``; the built term
+has ``reads_weights``): outside the forward, FSDP2's weights are this rank's shards, so under
+``parallel=fsdp`` the trainer calls it with ``whole_weights=`` a function ``(module, fn) ->
+fn(module)`` that computes on the module's whole weights, and the term reads every weight
+through it, a module at a time (:func:`stabletrain.layers.locater.locater_penalty`); without
+sharding the keyword is not passed.
 """
 
 from __future__ import annotations
@@ -56,5 +60,6 @@ def build_loss_terms(spec: Mapping[str, Any] | None) -> list[LossTerm]:
     for name, given in (spec or {}).items():
         term = LOSS_TERMS.get(name)(term_params(name, given))
         term.name = name
+        term.reads_weights = bool(LOSS_TERMS.entry(name).info.get("reads_weights"))
         terms.append(term)
     return terms

@@ -29,5 +29,5 @@ class Locater:
     def __init__(self, p: LocaterParams):
         self.p = p
 
-    def __call__(self, model: nn.Module, logits: Tensor, x: Tensor, y: Tensor) -> Tensor:
-        return locater_penalty(model, self.p)
+    def __call__(self, model: nn.Module, logits: Tensor, x: Tensor, y: Tensor, whole_weights=None) -> Tensor:
+        return locater_penalty(model, self.p, whole_weights)
