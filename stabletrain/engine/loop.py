@@ -177,6 +177,7 @@ class Trainer:
         self.diverged_at: int | None = None
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
         self.step_time: float | None = None  # smoothed seconds per step, for the progress line's ETA
+        self.intervals_logged = 0
         # surviving a spike: skipped steps, and rollbacks (saved in checkpoints under "survival")
         self.guard = StepGuard(model, optimizer, ema) if self.divergence.skip_nonfinite else None
         self.data_offset = 0  # the batch of step s is the stream's position s + data_offset
@@ -408,7 +409,12 @@ class Trainer:
         # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
         shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
         step_s = dt / len(pending)
-        self.step_time = step_s if self.step_time is None else 0.7 * self.step_time + 0.3 * step_s
+        # The first interval of a process carries the warm-up (torch.compile, the allocator, kernel
+        # autotuning): the second replaces it instead of being averaged with it, or a compiled run's
+        # ETA would stay minutes too long for a dozen log lines.
+        fresh = self.step_time is None or self.intervals_logged == 1
+        self.step_time = step_s if fresh else 0.7 * self.step_time + 0.3 * step_s
+        self.intervals_logged += 1
         speed = {"tok/s" if self.data.kind == "text" else "img/s": _si(per_s), "s/step": f"{step_s:.3g}",
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
                  "eta": _duration((self.total_steps - self.step) * self.step_time)}

@@ -26,6 +26,26 @@ def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
         assert re.search(r"tok/s [\d.]+k? \| s/step [\d.e-]+ \| eta \d", ln), ln
 
 
+def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
+    """A slow first interval (compilation) is replaced by the second in the ETA, not averaged in."""
+    import time
+
+    slow = Trainer.train_step
+
+    def first_step_compiles(self, *args, **kwargs):
+        if self.step == 0:
+            time.sleep(3.0)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", first_step_compiles)
+    train(tmp_path, "model=gpt_test", "steps=8", "logger=none", "monitor=off", "logger.log_every=2",
+          "eval_every=100", "batch_size=8", quiet=False)
+    eta = {int(m.group(1)): m.group(2) for m in (re.match(r"step (\d+)/.*\| eta (\S+)", ln)
+                                                 for ln in _lines(capsys.readouterr().err))}
+    assert eta[2] != "0s"  # 1.5 s per step, 6 steps to go
+    assert eta[4] == "0s", eta  # averaged in, it would say 4s
+
+
 def test_a_run_shorter_than_the_probe_cadence_ends_with_a_probe(tmp_path):
     import json
 
