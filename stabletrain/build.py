@@ -93,6 +93,25 @@ def check_parallel(cfg, world: int | None = None) -> None:
                           "2+ processes); a single process trains with parallel=ddp")
 
 
+def check_compiler(device: torch.device) -> None:
+    """``compile=true``: what inductor builds its kernels with is there (a C++ compiler for the
+    CPU, triton for CUDA), or one line now instead of a traceback at the first step."""
+    import importlib.util
+    import shutil
+
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ConfigError("compile=true on CUDA needs triton (torch.compile's GPU kernels): pip install triton, "
+                          "or set compile=false")
+    if device.type == "cpu":
+        import torch._inductor.config as inductor
+
+        names = [c for c in inductor.cpp.cxx if c]
+        if not any(shutil.which(c) for c in names):
+            raise ConfigError(f"compile=true on a CPU builds C++ kernels, but no C++ compiler was found "
+                              f"(looked for {', '.join(names)}; $CXX chooses another): install one, "
+                              f"or set compile=false")
+
+
 def _data_entry(cfg):
     """The registry entry of ``cfg``'s data set, refused when it does not fit the model family."""
     family = MODELS.entry(cfg.model.family)
@@ -136,6 +155,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     device = D.pick_device(cfg.device, info)
+    if cfg.compile:
+        check_compiler(device)
     D.init(info, device)
     prec = option_value(cfg.precision)
     bf16 = prec == "bf16" or (prec == "auto" and device.type == "cuda")

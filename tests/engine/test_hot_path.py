@@ -10,6 +10,7 @@ Python (``.item()``, ``.tolist()``, ``bool``, ``float``, ``.cpu()``) goes throug
 from __future__ import annotations
 
 import collections
+import shutil
 import traceback
 
 import pytest
@@ -131,3 +132,17 @@ def test_no_step_waits_for_the_device_between_log_steps(tmp_path, extra):
     # (val, and val_ema with ema.decay) besides the log step's and the checkpoint's
     scored = 2 if "ema.decay=0.9" in extra else 1
     assert len([w for _, w in rec.seen[6] if w.startswith("engine/")]) == scored + 3, rec.seen[6]
+
+
+def test_compile_without_its_compiler_is_one_line(monkeypatch):
+    import importlib.util
+
+    from stabletrain.build import check_compiler
+    from stabletrain.errors import ConfigError
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^compile=true on a CPU .* no C\+\+ compiler .* set compile=false$"):
+        check_compiler(torch.device("cpu"))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"^compile=true on CUDA needs triton.*set compile=false$"):
+        check_compiler(torch.device("cuda"))
