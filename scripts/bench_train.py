@@ -154,7 +154,11 @@ def bench(model: str, args) -> tuple[dict, dict]:
             meta["monitors"] = (weight / d.weight_every + probe / d.probe_every, weight, probe)
             timed["bare"] = bare_loop(t, batch, args)
         for key, fn in timed.items():
-            rows[key] = {"s": steps_time(fn, args.steps, args.warmup, sync)}
+            cuda = t.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            rows[key] = {"s": steps_time(fn, args.steps, args.warmup, sync),
+                         "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
             if args.profile == key:
                 profiled(fn, 5, Path(args.out) / model / "trace.json", sync)
         del timed, t, batch
@@ -169,8 +173,8 @@ def report(model: str, rows: dict, meta: dict, args) -> None:
     print(f"\n{model}: {name}, batch {meta['batch']}, {'eager' if args.eager else 'torch.compile'}"
           f"{', bf16' if dev.type == 'cuda' else ''}\n")
     unit = "tokens/s" if meta["kind"] == "text" else "images/s"
-    print(f"| variant | ms/step | against | ratio | goal | {unit} | MFU |")
-    print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
+    print(f"| variant | ms/step | against | ratio | goal | {unit} | MFU | peak GiB |")
+    print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |")
     order = ["bare"] + [v for v in VARIANTS if v in rows]
     for v in order:
         s = rows[v]["s"]
@@ -178,11 +182,13 @@ def report(model: str, rows: dict, meta: dict, args) -> None:
         ratio = f"{100 * (s / rows[against]['s'] - 1):+.1f}%" if against in rows else ""
         per_s = meta["batch"] * meta["unit"] / s
         mfu = f"{meta['flops'] * meta['batch'] / s / peak:.1%}" if peak and meta["flops"] else ""
-        print(f"| {v} | {1e3 * s:.1f} | {against} | {ratio} | {goal} | {per_s:,.0f} | {mfu} |")
+        mem = rows[v]["peak_gb"]
+        print(f"| {v} | {1e3 * s:.1f} | {against} | {ratio} | {goal} | {per_s:,.0f} | {mfu} | "
+              f"{'' if mem is None else f'{mem:.1f}'} |")
     if "monitors" in meta and "trainer" in rows:
         share, weight, probe = meta["monitors"]
         print(f"| monitors (weight pass {1e3 * weight:.1f} ms, probe pass {1e3 * probe:.1f} ms) | | trainer | "
-              f"{100 * share / rows['trainer']['s']:+.2f}% | <= +2% | | |")
+              f"{100 * share / rows['trainer']['s']:+.2f}% | <= +2% | | | |")
 
 
 def main() -> None:
