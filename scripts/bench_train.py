@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stabletrain.build import build_trainer  # noqa: E402
 from stabletrain.cli import compose_config  # noqa: E402
 from stabletrain.config import MonitorConfig  # noqa: E402
-from stabletrain.engine.loop import peak_flops  # noqa: E402
+from stabletrain.metrics import peak_flops  # noqa: E402
 
 # variant -> (overrides on top of optim=adamw, the row it is compared with, the goal for the ratio)
 VARIANTS = {

@@ -33,7 +33,7 @@ from stabletrain.data import DATASETS, Data, Shard, resolve_name, task_loss
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import seed_all
 from stabletrain.engine.divergence import DivergenceWatch
-from stabletrain.engine.loop import LoopSettings, Trainer
+from stabletrain.engine.loop import LoopSettings, Trainer, autocast_for
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
 from stabletrain.layers.deescalate import DEESCALATIONS
@@ -157,7 +157,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     device = D.pick_device(cfg.device, info)
     if cfg.compile:
         check_compiler(device)
-    D.init(info, device)
+    D.init(info, device, cfg.dist_timeout)
     prec = option_value(cfg.precision)
     bf16 = prec == "bf16" or (prec == "auto" and device.type == "cuda")
     if device.type == "cuda":
@@ -199,7 +199,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
     shard = _shard(cfg, info)
     mixup, criterion = task_loss(data, cfg.data)
-    autocast = _autocast(device, bf16)
+    autocast = autocast_for(device, bf16)
     monitor = None
     if option_value(cfg.monitor.name) != "off":
         from stabletrain.monitor.runner import MonitorRunner
@@ -256,5 +256,3 @@ def _shard(cfg, info: D.DistInfo) -> Shard:
     return Shard(cfg.batch_size, info.rank, world, cfg.batch_size // (micro * world))
 
 
-def _autocast(device: torch.device, bf16: bool):
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -446,6 +446,7 @@ def validate(cfg: Any) -> None:
     _need(m.act in ("gelu", "relu"), f"model.act={m.act} is not an option: use gelu or relu")
     for key in ("eval_every", "eval_batches", "ckpt_every"):
         _need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be >= 1")
+    _need(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1")
     _need(cfg.schedule.min_lr >= 0, f"schedule.min_lr={cfg.schedule.min_lr} must be >= 0")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
@@ -455,6 +456,8 @@ def validate(cfg: Any) -> None:
     _need(dv.max_skips >= 1, f"divergence.max_skips={dv.max_skips} must be >= 1")
     _need(dv.skip_window >= 1, f"divergence.skip_window={dv.skip_window} must be >= 1")
     _need(dv.max_rollbacks >= 0, f"divergence.max_rollbacks={dv.max_rollbacks} must be >= 0")
+    _need(dv.window >= 1, f"divergence.window={dv.window} must be >= 1")
+    _need(dv.spike_factor > 1, f"divergence.spike_factor={dv.spike_factor} must be > 1 (a factor over the mean)")
     _need(0 < dv.lr_scale_on_rollback <= 1,
           f"divergence.lr_scale_on_rollback={dv.lr_scale_on_rollback} must be in (0, 1]")
     _need(cfg.ckpt.keep >= 0, f"ckpt.keep={cfg.ckpt.keep} must be >= 0")
@@ -484,9 +487,6 @@ def validate(cfg: Any) -> None:
     _need(0 <= cfg.seed <= 2**63 - 1, f"seed={cfg.seed} must be in [0, 2**63 - 1]")
     _need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(cfg.device)) is not None,
           f"device={cfg.device} is not an option: use auto, cpu, cuda or cuda:N")
-    dv = cfg.divergence
-    _need(dv.window >= 1, f"divergence.window={dv.window} must be >= 1")
-    _need(dv.spike_factor > 1, f"divergence.spike_factor={dv.spike_factor} must be > 1 (a factor over the mean)")
     _need(cfg.parallel in ("ddp", "fsdp"), f"parallel={cfg.parallel} is not an option: use ddp or fsdp")
     sc = cfg.schedule
     _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
@@ -505,20 +505,51 @@ def _check_finite(cfg: Any) -> None:
     if not OmegaConf.is_config(cfg):
         return
 
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                yield from walk(v, f"{prefix}{k}.")
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from walk(v, f"{prefix[:-1]}[{i}].")
-        else:
-            yield prefix[:-1], node
-
-    for key, v in walk(OmegaConf.to_container(cfg, resolve=True), ""):
+    for key, v in _leaves(OmegaConf.to_container(cfg, resolve=True)):
         if isinstance(v, float) and not math.isfinite(v):
             _need(math.isinf(v) and key in _INF_ALLOWED, f"{key}={v} must be a finite number")
 
 
+def _leaves(node: Any, prefix: str = ""):
+    """``(dotted key, value)`` of every leaf of a plain container: ``optim.lr``, ``optim.betas[0]``."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{prefix[:-1]}[{i}].")
+    else:
+        yield prefix[:-1], node
+
+
 def _exists(p: str) -> bool:
     return os.path.exists(p)
+
+
+# --- what a resumed run may change -------------------------------------------------------
+
+# top-level keys a resumed run may change: how it is run and recorded, not what it trains
+# (``ema``: a weight average added on resume starts from the resumed weights)
+RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
+                     "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
+                     "activation_checkpointing", "ema")
+
+
+def _plain(config_yaml: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.create(config_yaml)) if config_yaml else {}
+
+
+def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE) -> list[str]:
+    """The dotted keys whose values differ between two resolved configs (their yaml), outside
+    the top-level keys ``may_change``."""
+    a, b = (dict(_leaves(_plain(y))) for y in (saved_yaml, mine_yaml))
+    return sorted(k for k in set(a) | set(b)
+                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change)
+
+
+def optim_name_of(config_yaml: str) -> str | None:
+    """``optim.name`` of a resolved config's yaml (a checkpoint's, or a run's); None without one."""
+    name = _plain(config_yaml).get("optim", {}).get("name")
+    return None if name is None else str(name)

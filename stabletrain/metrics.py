@@ -43,6 +43,15 @@ def write_json(path: Path, obj) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON object file (a run's summary.json), or None when it is missing or unreadable (a torn write)."""
+    try:
+        out = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
 def read_lines(path: Path) -> list[str]:
     """The complete records of a ``metrics.jsonl``: a line that is not UTF-8 JSON (a write torn by a
     kill or a full disk, normally the last one) is dropped, never an error."""
@@ -62,6 +71,12 @@ def read_records(path: Path) -> list[dict]:
     if not Path(path).is_file():
         return []
     return [json.loads(ln) for ln in read_lines(path)]
+
+
+def logged_value(path: Path, key: str, step: int) -> float:
+    """The value of ``key`` last logged at ``step`` in a ``metrics.jsonl`` (NaN when absent)."""
+    vals = [r[key] for r in read_records(path) if r.get("step") == step and key in r]
+    return float(vals[-1]) if vals else float("nan")
 
 
 WANDB_STEP = "trainer/step"
@@ -183,3 +198,29 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def si(x: float) -> str:
+    """``484k``, ``1.2M``: a rate for the progress line."""
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if x >= size:
+            return f"{x / size:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def duration(seconds: float) -> str:
+    """``1h05m``, ``4m07s``, ``9s``: an ETA for the progress line."""
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+# Dense bf16 peak FLOP/s by device name (the vendors' datasheets, no sparsity), for MFU.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
+             "4090": 165e12, "3090": 71e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named like ``NVIDIA H100 80GB HBM3``; None if unknown."""
+    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)

@@ -29,6 +29,7 @@ from tests.helpers import make_cfg
     (["eval_every=0"], "eval_every=0 must be >= 1"),
     (["ckpt_every=0"], "ckpt_every=0 must be >= 1"),
     (["eval_batches=0"], "eval_batches=0 must be >= 1"),
+    (["logger.log_every=0"], "logger.log_every=0 must be >= 1"),
     (["device=tpu"], "device=tpu is not an option"),
     (["schedule.min_lr=-1"], "schedule.min_lr=-1.0 must be >= 0"),
     (["optim=sgd", "optim.momentum=5"], "optim.momentum=5.0 must be in [0, 1)"),

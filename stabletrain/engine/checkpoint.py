@@ -11,6 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stabletrain.config import changed_keys, optim_name_of
+from stabletrain.engine import distributed as D
+from stabletrain.errors import ConfigError, first_line
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, a quota); the previous one is kept.
@@ -107,14 +111,17 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    """What :func:`rng_state` saved. A checkpoint loaded with ``map_location`` a GPU holds its
+    generator states on the GPU too; the setters take CPU tensors only."""
+    torch.set_rng_state(state["torch"].cpu())
     py = random.getstate()
     random.setstate((py[0], tuple(state["python"]), py[2]))
     if "numpy" in state:  # checkpoints from before it was saved lack it
         n = state["numpy"]
-        np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        keys = n["keys"].cpu().numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # --- the ring: the last ``ckpt.keep`` checkpoints besides last.pt, for rollbacks ---------------
@@ -160,15 +167,15 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def save_to_ring(run_dir: Path, step: int, keep: int, source: Path | None = None, sharded: bool = False) -> Path | None:
-    """Add the checkpoint of ``step`` to the ring and drop the oldest beyond ``keep``.
+def save_to_ring(run_dir: Path, step: int, keep: int, sharded: bool = False) -> Path | None:
+    """Add the checkpoint of ``step`` (last.pt, just written) to the ring and drop the oldest beyond ``keep``.
 
-    ``source`` (last.pt, just written) is hard-linked into place (no second write), copied
-    where links are not possible; either way through a temp file and a rename (atomic).
-    ``sharded``: its model and optimizer are in :func:`dcp_dir` of it, linked along."""
+    last.pt is hard-linked into place (no second write), copied where links are not possible;
+    either way through a temp file and a rename (atomic). ``sharded``: its model and optimizer
+    are in :func:`dcp_dir` of it, linked along."""
     if keep <= 0:
         return None
-    source = source or last_checkpoint(run_dir)
+    source = last_checkpoint(run_dir)
     if source is None:
         return None
     dest = ring_path(run_dir, step)
@@ -198,3 +205,169 @@ def drop_ring_after(run_dir: Path, step: int) -> None:
     for s, p in ring_checkpoints(run_dir):
         if s > step:
             _drop(p)
+
+
+# --- what a run saves and restores ------------------------------------------------------------
+
+
+class Checkpointer:
+    """One run's checkpoints: ``checkpoints/last.pt`` (and under ``parallel=fsdp`` the sharded
+    model and optimizer in ``last_dcp/`` beside it), the ring of the last ``keep`` checkpoints
+    that rollbacks restore, and what resuming one checks first.
+
+    A checkpoint holds the model, the optimizer, the weight average, the divergence watch, the
+    monitors' state, every RNG, the resolved config, the optimizer's name and what the trainer
+    passes as ``survival`` (its rollback bookkeeping), at ``step``. The trainer decides when to
+    save and what a restored step means; this class knows where things are and how they are
+    written: atomically, and only when every weight and optimizer tensor is finite."""
+
+    def __init__(self, run_dir: Path, info, device: torch.device, *, model, optimizer, divergence, ema=None,
+                 monitor=None, sharded: bool = False, keep: int = 0, config_yaml: str = ""):
+        self.run_dir, self.dir, self.info, self.device = Path(run_dir), Path(run_dir) / "checkpoints", info, device
+        self.model, self.optimizer, self.divergence, self.ema, self.monitor = model, optimizer, divergence, ema, monitor
+        self.sharded, self.keep, self.config_yaml = sharded, keep, config_yaml
+        # stored in each checkpoint: an optimizer's state does not carry over to another optimizer
+        self.optim_name = optim_name_of(config_yaml) or type(optimizer).__name__
+
+    # --- saving ---------------------------------------------------------------------------
+
+    def _payload(self, step: int, survival: dict) -> dict:
+        """Everything but the model, the optimizer and the weight average."""
+        return {"step": step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
+                "config": self.config_yaml, "optim_name": self.optim_name, "survival": survival,
+                "monitor": self.monitor.state_dict() if self.monitor is not None else {}}
+
+    def save(self, step: int, survival: dict, ring: bool = False) -> bool:
+        """Write last.pt (and with ``ring`` add it to the ring), unless a weight or optimizer
+        tensor is not finite (a finite loss does not prove them finite): a finite last.pt is never
+        replaced by a non-finite one. Returns whether it was written, the same on every rank."""
+        ok = self._save_sharded(step, survival) if self.sharded else self._save_whole(step, survival)
+        if ok and ring and self.info.is_main and self.keep > 0:
+            save_to_ring(self.run_dir, step, self.keep, sharded=self.sharded)
+        D.barrier(self.info)
+        return ok
+
+    def _save_whole(self, step: int, survival: dict) -> bool:
+        ok = True
+        if self.info.is_main:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+            # one fused reduction on the device, read back with the sync the save makes anyway
+            ok = bool(all_finite(model, optim["state"]))
+            if ok:
+                ema = self.ema.state_dict() if self.ema is not None else None
+                save_checkpoint(self.dir / "last.pt", {**self._payload(step, survival), "model": model,
+                                                       "optimizer": optim, "ema": ema})
+        return D.broadcast_object(ok, self.info)
+
+    def _save_sharded(self, step: int, survival: dict) -> bool:
+        """Every rank checks its shards and writes them through torch.distributed.checkpoint into
+        ``last_dcp/``; rank 0 then writes the rest into last.pt, which names that directory."""
+        from stabletrain.engine import sharding as S
+
+        local = [S.local(t) for t in self.model.state_dict().values() if torch.is_tensor(t)]
+        local += [S.local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        ok = S.all_finite_everywhere(all_finite(local))
+        if ok:
+            stepped = bool(self.optimizer.state)  # before its first step an optimizer has nothing to save
+            S.save_dcp(self.dir, self.model, self.optimizer if stepped else None, step, self._ema_module)
+            if self.info.is_main:
+                ema = self.ema.counters() if self.ema is not None else None
+                save_checkpoint(self.dir / "last.pt", {**self._payload(step, survival), "ema": ema,
+                                                       "dcp": S.DCP_DIR, "dcp_optim": stepped})
+        return ok
+
+    @property
+    def _ema_module(self):
+        return self.ema.module if self.ema is not None else None
+
+    # --- finding and checking -------------------------------------------------------------
+
+    def find(self, resume: str | None) -> Path | None:
+        """The checkpoint ``resume`` names (``None`` or ``auto``: this run's last.pt), as rank 0 sees it."""
+        path = last_checkpoint(self.run_dir) if resume in (None, "auto") else Path(resume)
+        return D.broadcast_object(path, self.info)  # rank 0's view of the shared filesystem decides
+
+    def load(self, path: Path) -> dict:
+        """The payload of ``path``; a file that is no checkpoint is a one-line ConfigError."""
+        try:
+            return load_checkpoint(path, map_location=self.device)
+        except Exception as e:  # a directory, a file that is no checkpoint, a torn write
+            raise ConfigError(f"resume={path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)}); "
+                              f"pass a last.pt written by a run, or resume=auto") from None
+
+    def check_resumable(self, path: Path, ck: dict, *, auto: bool, requeued: bool, allow_changes: bool) -> None:
+        """Refuse, in one line, to resume a checkpoint into a run it does not fit: another config
+        (a requeued job), another optimizer, changed keys (``resume=auto`` unless
+        ``allow_changes``), another ``parallel``."""
+        if requeued and changed_keys(ck["config"], self.config_yaml, may_change=("resume",)):
+            raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
+                                  f"continue it anyway, or give this run its own hydra.run.dir")
+        theirs = ck.get("optim_name") or optim_name_of(ck.get("config", ""))
+        if theirs is not None and theirs != self.optim_name:
+            raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "
+                              f"optimizer's state does not carry over; resume with optim={theirs} or start a new run")
+        if auto and not allow_changes and ck.get("config") and self.config_yaml:
+            changed = changed_keys(ck["config"], self.config_yaml)
+            if changed:
+                raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
+                                  f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
+                                  f"resume_allow_changes=true to continue with them")
+        if bool(ck.get("dcp")) != self.sharded:
+            def par(sharded):
+                return "fsdp" if sharded else "ddp"
+
+            raise ConfigError(f"{path} was written with parallel={par(ck.get('dcp'))}, this run uses "
+                              f"parallel={par(self.sharded)}: resume it with the parallel it was written with")
+
+    # --- restoring ------------------------------------------------------------------------
+
+    def restore(self, path: Path, ck: dict) -> None:
+        """Put checkpoint ``path`` (loaded as ``ck``) back: the model, the optimizer, the weight
+        average, the divergence watch, the monitors and every RNG. The step and the survival
+        state are the caller's (``ck["step"]``, ``ck.get("survival")``)."""
+        try:
+            self._load_weights(path, ck)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, KeyError) as e:  # load_state_dict's mismatches
+            raise ConfigError(f"{path} does not fit this run's model or optimizer ({first_line(e)[:200]}); resume it "
+                              f"with the config it was written with ({path.parent.parent / 'config.yaml'})") from None
+        self.divergence.load_state_dict(ck["divergence"])
+        set_rng_state(ck["rng"])
+        if self.monitor is not None and ck.get("monitor"):
+            self.monitor.load_state_dict(ck["monitor"])
+        if self.ema is not None:
+            self.ema.load_state_dict(ck.get("ema"), self.model)
+
+    def _load_weights(self, path: Path, ck: dict) -> None:
+        """The model and optimizer: from ``ck``, or from its DCP directory when sharded (with the
+        weight average's model)."""
+        if not self.sharded:
+            self.model.load_state_dict(ck["model"])
+            self.optimizer.load_state_dict(ck["optimizer"])
+            return
+        from stabletrain.engine.sharding import load_dcp
+
+        # a weight average added on resume has none saved: it starts from the loaded weights
+        ema = self._ema_module if ck.get("ema") is not None else None
+        stepped = ck.get("dcp_optim", True)
+        saved_step = load_dcp(dcp_dir(path), self.model, self.optimizer if stepped else None, ema)
+        if not stepped:  # saved before the first step: the optimizer starts afresh, as it did then
+            self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        if saved_step != ck["step"]:
+            raise ValueError(f"{dcp_dir(path).name}/ holds step {saved_step}, {path.name} step {ck['step']}")
+
+    # --- the ring ---------------------------------------------------------------------------
+
+    def ring_before(self, step: int) -> tuple[int, Path] | None:
+        """``(step, path)`` of the newest ring checkpoint from before ``step``, as rank 0 sees it."""
+        found = None
+        if self.info.is_main:
+            before = [(s, p) for s, p in ring_checkpoints(self.run_dir) if s < step]
+            found = before[-1] if before else None
+        return D.broadcast_object(found, self.info)
+
+    def drop_after(self, step: int) -> None:
+        """A rollback abandons the ring's checkpoints after the step it restored (rank 0)."""
+        if self.info.is_main:
+            drop_ring_after(self.run_dir, step)

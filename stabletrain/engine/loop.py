@@ -1,95 +1,49 @@
-"""The training loop: one process on CPU or one GPU, or one rank of a DDP job.
+"""The training loop: one process on CPU or one GPU, or one rank of a DDP or FSDP2 job.
 
-The hot path per optimizer step is: the step's micro-batches (no host sync), forward and
-backward under autocast, optional clipping, the optimizer, the step hooks (sigmaReparam's
-power iteration). Losses stay on the device and are read back every ``logger.log_every``
-steps, where divergence is checked step by step, so a healthy run does not sync every step.
+The hot path per optimizer step is: the step's micro-batches, forward and backward under
+autocast, the gradient norm when clipping, skipping or logging needs it, the optimizer, the
+step hooks (sigmaReparam's power iteration), the weight average. Nothing in it reads a device
+value on the host: the losses, the skip flags and the gradient norm stay on the device and are
+read back together every ``logger.log_every`` steps, where divergence is checked step by step.
+Under torchrun the ranks agree on a stop signal after every step (a host-side all-reduce of one
+integer on a gloo group, which never waits for the GPU).
 
 The trainer receives built objects (:mod:`stabletrain.build` turns a config into them) and
-imports nothing of models/, data/ or optim/.
+imports nothing of models/, data/ or optim/. Where checkpoints are and how they are written and
+read back is :class:`~stabletrain.engine.checkpoint.Checkpointer`'s; when to write one, and what
+resuming or rolling back to one means for the run, is the trainer's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import (
-    all_finite,
-    dcp_dir,
-    drop_ring_after,
-    last_checkpoint,
-    load_checkpoint,
-    ring_checkpoints,
-    rng_state,
-    save_checkpoint,
-    save_to_ring,
-    set_rng_state,
-)
+from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
-from stabletrain.errors import ConfigError
-from stabletrain.metrics import write_json
+from stabletrain.errors import first_line
+from stabletrain.metrics import duration, logged_value, peak_flops, read_json, si, write_json
 from stabletrain.monitor import names as N
 
 
+class StepResult(NamedTuple):
+    """What :meth:`Trainer.train_step` returns: device tensors, read back at the next log step."""
 
-def _optim_name(config_yaml: str) -> str | None:
-    """``optim.name`` of a resolved config's yaml (a checkpoint's, or this run's)."""
-    if not config_yaml:
-        return None
-    name = OmegaConf.select(OmegaConf.create(config_yaml), "optim.name", default=None)
-    return None if name is None else str(name)
-
-
-def _read_summary(path: Path) -> dict | None:
-    """A run's summary.json, or None when there is none or it is unreadable (a torn write)."""
-    try:
-        out = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return out if isinstance(out, dict) else None
-
-
-def _last_logged(path: Path, key: str, step: int) -> float:
-    """The value of ``key`` logged at ``step`` in metrics.jsonl (NaN when absent)."""
-    from stabletrain.metrics import read_records
-
-    vals = [r[key] for r in read_records(path) if r.get("step") == step and key in r]
-    return float(vals[-1]) if vals else float("nan")
-
-
-# keys a resumed run may change: how it is run and recorded, not what it trains
-RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
-                     "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
-                     "activation_checkpointing",
-                     "ema")  # a weight average added on resume starts from the resumed weights
-
-
-def changed_keys(saved_yaml: str, mine_yaml: str) -> list[str]:
-    """The dotted keys whose values differ between two resolved configs, outside RESUME_MAY_CHANGE."""
-    def flat(node, prefix=""):
-        if isinstance(node, dict):
-            out = {}
-            for k, v in node.items():
-                out.update(flat(v, f"{prefix}{k}."))
-            return out
-        return {prefix[:-1]: node}
-
-    a, b = (flat(OmegaConf.to_container(OmegaConf.create(y))) for y in (saved_yaml, mine_yaml))
-    return sorted(k for k in set(a) | set(b)
-                  if a.get(k) != b.get(k) and k.split(".")[0] not in RESUME_MAY_CHANGE)
+    loss: torch.Tensor  # the step's loss, the mean over its micro-batches
+    grad_norm: torch.Tensor | None  # before clipping; None when nothing needed it
+    skipped: torch.Tensor | None  # 1.0 when divergence.skip_nonfinite skipped the step; None without the guard
+    lr: float  # the rate the step ran at
 
 
 @dataclass
@@ -120,12 +74,17 @@ class LoopSettings:
     sharded: bool = False  # the model is FSDP2-sharded (parallel=fsdp): no DDP wrap, DCP checkpoints
 
 
-class Trainer:
-    """One process's training: on CPU or one GPU, or one rank of a DDP job.
+def autocast_for(device: torch.device, bf16: bool):
+    """The context a model trains and is scored under: bf16 autocast, or nothing."""
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
-    It receives the model, its optimizer and ``schedule`` (``schedule(optimizer, step)`` sets
-    the step's rates and returns the lr), the data and this rank's ``shard`` of each batch, the
-    task ``criterion`` (``(logits, y) -> loss``, after ``mixup`` when given), extra
+
+class Trainer:
+    """One process's training: on CPU or one GPU, or one rank of a DDP or FSDP2 job.
+
+    It receives the model, its optimizer and ``schedule`` (``schedule(optimizer, step, scale)``
+    sets the step's rates and returns the lr), the data and this rank's ``shard`` of each batch,
+    the task ``criterion`` (``(logits, y) -> loss``, after ``mixup`` when given), extra
     ``loss_terms`` (``(model, logits, x, y) -> loss``, each with a ``name``), ``step_hooks``
     called after every optimizer step (sigmaReparam's power iteration), a weight ``ema``, a
     ``monitor``, and ``open_sink(resume_step)``, which opens the run's metrics sink.
@@ -149,9 +108,16 @@ class Trainer:
         self.lr_at = schedule.lr_at
         self.total_steps, self.steps_per_epoch = settings.total_steps, settings.steps_per_epoch
         self.bf16 = settings.bf16
+        self.autocast = autocast_for(device, self.bf16)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # each loss term's share of the logged loss, summed over a log interval (on the device)
         self.term_sums = torch.zeros(len(self.loss_terms), device=device)
+        self.sharded = settings.sharded
+        if self.sharded:
+            from stabletrain.engine import sharding
+
+            self._sharding = sharding  # imported once: train_step uses it every micro-batch
+        model.train()  # once: evaluation and the monitors restore the mode they found
         self.train_model: nn.Module = model
         self.objective = self._objective
         if settings.compile:
@@ -161,20 +127,25 @@ class Trainer:
             # reuse what earlier runs compiled: a swept size or constant then comes back as a dynamic
             # shape or symbol (other kernels, other roundings), so a run would not compute what it does alone.
             torch._dynamo.reset()
-            if settings.sharded:
+            if self.sharded:
                 self._allow_a_compile_per_block(model)
             self.train_model = torch.compile(model)
             self.objective = torch.compile(self._objective)
-        self.sharded = settings.sharded
         if self.info.enabled and not self.sharded:  # an FSDP2 model reduces its own gradients
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [device.index] if device.type == "cuda" else None
             self.train_model = DDP(self.train_model, device_ids=ids)
+        self.ckpt = Checkpointer(self.run_dir, self.info, device, model=model, optimizer=optimizer,
+                                 divergence=self.divergence, ema=ema, monitor=monitor, sharded=self.sharded,
+                                 keep=settings.ckpt_keep, config_yaml=settings.config_yaml)
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.stop_signal: int | None = None
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
+        self.nonfinite_reason: str | None = None  # why the last save was refused
+        self.last_train_loss = math.nan  # the mean loss of the last log interval's healthy steps
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
         self.step_time: float | None = None  # smoothed seconds per step, for the progress line's ETA
         self.intervals_logged = 0
@@ -198,18 +169,13 @@ class Trainer:
 
     # --- the step -------------------------------------------------------------------
 
-    def autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
-
     def loss_on(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The task loss plus every loss term; each term's share is added to ``term_sums``."""
         with self.autocast():
             out = model(x)
         loss, terms = self.objective(self.model, out, x, y)
         if self.weight_terms:
-            from stabletrain.engine.sharding import with_whole_weights
-
-            extra = torch.stack([t(self.model, out, x, y, whole_weights=with_whole_weights)
+            extra = torch.stack([t(self.model, out, x, y, whole_weights=self._sharding.with_whole_weights)
                                  for t in self.weight_terms])
             loss = loss + extra.sum()
             terms = extra.detach() if terms is None else torch.cat([terms, extra.detach()])
@@ -229,33 +195,32 @@ class Trainer:
     def _to_device(self, x: torch.Tensor, y: torch.Tensor):
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def _inject(self, loss: torch.Tensor) -> torch.Tensor:
-        """debug.nan_at_step / debug.spike_at_step: a fault in this step's loss, before backward.
+    def _fault_due(self) -> int | None:
+        """debug.nan_at_step / debug.spike_at_step: this step's 1-based number when a fault is due.
 
         The fault belongs to the batch (the stream position ``K - 1``, step K of a run that never
         rolled back), as bad data would: a rollback that skips that batch skips the fault."""
-        done = self.step + self.data_offset + 1  # 1-based, like diverged_at
+        done = self.step + self.data_offset + 1
+        return done if done in (self.settings.nan_at_step, self.settings.spike_at_step) else None
+
+    def _inject(self, loss: torch.Tensor, done: int) -> torch.Tensor:
         if done == self.settings.nan_at_step:
             loss = loss * float("nan")  # a product, so the gradients are NaN too
         if done == self.settings.spike_at_step:
             loss = loss * self.settings.spike_factor
         return loss
 
-    def train_step(self, micro_batches, want_grad_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One optimizer step over this rank's micro-batches; the loss stays on the device.
+    def train_step(self, micro_batches, want_grad_norm: bool) -> StepResult:
+        """One optimizer step over this rank's micro-batches; what it returns stays on the device.
 
         With ``divergence.skip_nonfinite`` a step whose gradient norm is not finite changes
-        nothing (engine/guard.py); ``self.last_skipped`` is then 1 (a device tensor, no sync)."""
-        self.schedule(self.optimizer, self.step)
-        if self.lr_scale != 1.0:
-            for g in self.optimizer.param_groups:
-                g["lr"] *= self.lr_scale
-        self.train_model.train()
+        nothing (engine/guard.py) and returns ``skipped`` 1."""
+        lr = self.schedule(self.optimizer, self.step, self.lr_scale)
         guard = self.guard
         if guard is not None:
             guard.begin()
-        inject = self.step + self.data_offset + 1 in (self.settings.nan_at_step, self.settings.spike_at_step)
-        total = torch.zeros((), device=self.device)
+        fault = self._fault_due()
+        losses = []
         n = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             x, y = self._to_device(x, y)
@@ -263,28 +228,25 @@ class Trainer:
                 x, y = self.mixup(x, y)
             sync = i == n - 1 or not self.info.enabled
             if self.sharded:  # FSDP2: reduce-scatter only after the last micro-batch
-                from stabletrain.engine.sharding import set_gradient_sync
-
-                set_gradient_sync(self.model, sync)
+                self._sharding.set_gradient_sync(self.model, sync)
                 ctx = contextlib.nullcontext()
             else:
                 ctx = contextlib.nullcontext() if sync else self.train_model.no_sync()
             with ctx:
                 loss = self.loss_on(self.train_model, x, y)
-                if inject:
-                    loss = self._inject(loss)
+                if fault is not None:
+                    loss = self._inject(loss, fault)
                 (loss / n).backward()
-            total += loss.detach() / n
-        grad_norm = None  # before clipping; computed only when clipping or logging needs it
+            losses.append(loss.detach())
+        total = losses[0] if n == 1 else torch.stack(losses).mean()
+        grad_norm = None  # before clipping; computed only when clipping, skipping or logging needs it
         if self.settings.grad_clip is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip, foreach=True)
         elif want_grad_norm or guard is not None:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
                                                       foreach=True)
         if self.sharded and grad_norm is not None:  # a DTensor over sharded gradients: the whole norm
-            from stabletrain.engine.sharding import full
-
-            grad_norm = full(grad_norm)
+            grad_norm = self._sharding.full(grad_norm)
 
         def update():
             self.optimizer.step()
@@ -293,15 +255,15 @@ class Trainer:
             if self.ema is not None:
                 self.ema.after_step(self.model, self.step)
 
+        skipped = None
         if guard is None:
             update()
-            self.last_skipped = None
         else:
             finite = torch.isfinite(grad_norm)  # the same on every rank: the grads are all-reduced
             guard.step(finite, update)
-            self.last_skipped = (~finite).float()
+            skipped = (~finite).float()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, grad_norm
+        return StepResult(total, grad_norm, skipped, lr)
 
     # --- evaluation -----------------------------------------------------------------
 
@@ -314,11 +276,24 @@ class Trainer:
 
     @torch.no_grad()
     def _score(self, model: nn.Module, prefix: str) -> dict:
+        was_training = model.training
         model.eval()
+        try:
+            stats = self._eval_sums(model)
+        finally:
+            model.train(was_training)
+        loss_sum, correct, count = stats.tolist()
+        loss = loss_sum / max(count, 1)
+        if self.data.kind == "text":
+            return {N.scored(prefix, "loss"): loss, N.scored(prefix, "ppl"): math.exp(min(loss, 50.0))}
+        return {N.scored(prefix, "loss"): loss, N.scored(prefix, "acc"): correct / max(count, 1)}
+
+    def _eval_sums(self, model: nn.Module) -> torch.Tensor:
+        """(loss sum, correct, count) over the validation batches, summed on the device and over
+        the ranks: one host sync per scored model, not one per batch."""
         # The same global eval batches whatever the world size; each rank scores its slice.
         bs = min(self.settings.batch_size, 256)
         r, w = self.info.rank, self.info.world
-        # (loss sum, correct, count) summed on the device: one host sync per evaluation, not per batch
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.data.val_batches(bs, self.settings.eval_batches):
             x, y = self._to_device(x[r::w], y[r::w])
@@ -332,39 +307,43 @@ class Trainer:
             stats[2] += y.numel()
         if self.info.enabled:
             torch.distributed.all_reduce(stats)
-        loss_sum, correct, count = stats.tolist()
-        loss = loss_sum / max(count, 1)
-        if self.data.kind == "text":
-            return {N.scored(prefix, "loss"): loss, N.scored(prefix, "ppl"): math.exp(min(loss, 50.0))}
-        return {N.scored(prefix, "loss"): loss, N.scored(prefix, "acc"): correct / max(count, 1)}
+        return stats
 
     # --- logging --------------------------------------------------------------------
 
-    def _log_interval(self, pending, samples: int, dt: float, lr: float, last_vals: dict) -> str | None:
-        """Read the interval's losses back (the one host sync), check divergence step by step,
-        and log. Under DDP the losses are the global batch's and the monitors' stop request is
-        shared, so every rank reaches the same verdict at the same step. Returns the reason to
-        stop, or None."""
-        stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
-        k, n = len(self.loss_terms), len(pending)
+    def _log_interval(self, pending: list[tuple[int, StepResult]], dt: float, last_vals: dict) -> str | None:
+        """Read the interval's losses, skip flags, loss terms and last gradient norm back in one
+        device-to-host copy, check divergence step by step, and log. Under DDP the values are
+        the global batch's and the monitors' stop request is shared, so every rank reaches the
+        same verdict at the same step. Returns the reason to stop, or None."""
+        n, k = len(pending), len(self.loss_terms)
+        results = [r for _, r in pending]
         guarded = self.guard is not None
-        # the skip flags are the same on every rank (from the all-reduced gradients): averaging keeps them
-        flags = [torch.stack([p[4] for p in pending])] if guarded else []
-        values = torch.cat([torch.stack([p[1] for p in pending]), *flags, self.term_sums,
-                            torch.tensor([stop], device=self.device)])
+        gnorm = results[-1].grad_norm
+        stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
+        bad = self.data.bad_samples() if hasattr(self.data, "bad_samples") else 0
+        # averaged over the ranks: the losses, the skip flags and the gradient norm (the same on
+        # every rank: the gradients are all-reduced) and the terms; summed: the bad samples and the stop request
+        mean = [torch.stack([r.loss for r in results])]
+        if guarded:
+            mean.append(torch.stack([r.skipped for r in results]))
+        mean.append(self.term_sums)
+        if gnorm is not None:
+            mean.append(gnorm.reshape(1).float())
+        values = torch.cat([*mean, torch.tensor([bad, stop], dtype=torch.float32, device=self.device)])
         self.term_sums = torch.zeros(k, device=self.device)
         if self.info.enabled:
             torch.distributed.all_reduce(values)
-            values[:-1] /= self.info.world
+            values[:-2] /= self.info.world
         values = values.tolist()
         losses, values = values[:n], values[n:]
         skipped = [v > 0.5 for v in values[:n]] if guarded else [False] * n
         values = values[n:] if guarded else values
-        terms, stop = values[:k], values[-1]
+        terms, values = values[:k], values[k:]
+        bad, stop = int(values[-2]), values[-1]
         reason = None
         self.trigger = None
-        for p, value, skip in zip(pending, losses, skipped):
-            s = p[0]
+        for (s, _), value, skip in zip(pending, losses, skipped):
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
             if reason:
                 self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
@@ -376,48 +355,44 @@ class Trainer:
             self.trigger = (self.step, "alert")
         healthy = [v for v, skip in zip(losses, skipped) if not skip]  # a skipped step's loss is nan
         self.last_train_loss = sum(healthy) / len(healthy) if healthy else float("nan")
-        rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: dt / len(pending)}
+        lr, step_s = results[-1].lr, dt / n
+        rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: step_s}
         if guarded:
             rec[N.SKIPPED_STEPS] = sum(skipped)
         if k:
-            rec[N.LOSS_PENALTY] = sum(terms) / len(pending)
+            rec[N.LOSS_PENALTY] = sum(terms) / n
         if k > 1:
-            rec.update({N.loss_term(t.name): v / len(pending) for t, v in zip(self.loss_terms, terms)})
-        unit = self.data.seq_len or 1
-        per_s = samples * unit / dt
+            rec.update({N.loss_term(t.name): v / n for t, v in zip(self.loss_terms, terms)})
+        samples = n * self.settings.batch_size
+        per_s = samples * (self.data.seq_len or 1) / dt
         rec[N.throughput("tokens" if self.data.kind == "text" else "samples")] = per_s
         mfu = self._mfu(samples / dt)
         if mfu is not None:
             rec[N.MFU] = mfu
-        gnorm = pending[-1][2]
         if gnorm is not None:
-            rec[N.GRAD_NORM] = float(gnorm)
-        bad = self.data.bad_samples() if hasattr(self.data, "bad_samples") else 0
+            rec[N.GRAD_NORM] = values[0]
         if bad:
             rec[N.BAD_SAMPLES] = bad
         if self.device.type == "cuda":
             rec[N.PEAK_MEMORY] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if hasattr(self.optimizer, "telemetry"):
-            tel = self.optimizer.telemetry()
             # per-tensor curves every monitor.adamw2_every steps (App. M: one point per 50), at
             # the log step of the interval that holds such a step
             every = self.settings.adamw2_every
-            if not any((s + 1) % every == 0 for s, *_ in pending) and self.step != self.total_steps:
-                tel = {key: v for key, v in tel.items() if key == N.FRAC_BOUNDED}
-            rec.update(tel)
+            per_tensor = any((s + 1) % every == 0 for s, _ in pending) or self.step == self.total_steps
+            rec.update(self.optimizer.telemetry(per_tensor=per_tensor))
         self.metrics.log(self.step, rec)
         # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
         shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
-        step_s = dt / len(pending)
         # The first interval of a process carries the warm-up (torch.compile, the allocator, kernel
         # autotuning): the second replaces it instead of being averaged with it, or a compiled run's
         # ETA would stay minutes too long for a dozen log lines.
         fresh = self.step_time is None or self.intervals_logged == 1
         self.step_time = step_s if fresh else 0.7 * self.step_time + 0.3 * step_s
         self.intervals_logged += 1
-        speed = {"tok/s" if self.data.kind == "text" else "img/s": _si(per_s), "s/step": f"{step_s:.3g}",
+        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "s/step": f"{step_s:.3g}",
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
-                 "eta": _duration((self.total_steps - self.step) * self.step_time)}
+                 "eta": duration((self.total_steps - self.step) * self.step_time)}
         self.metrics.progress(self.step, self.total_steps, {N.LOSS: self.last_train_loss, N.LR: lr, **shown, **speed})
         return reason
 
@@ -425,25 +400,11 @@ class Trainer:
         """Model FLOPs utilisation on CUDA: the model's training FLOPs per sample (nanoGPT's
         count, ``settings.flops_per_sample``) times samples per second over the device's dense
         bf16 peak; None on a CPU or an unknown GPU."""
-        if self.device.type != "cuda" or not self.settings.flops_per_sample:
+        if self.peak_flops is None or not self.settings.flops_per_sample:
             return None
-        peak = peak_flops(torch.cuda.get_device_name(self.device))
-        return None if peak is None else self.settings.flops_per_sample * samples_per_s / (peak * self.info.world)
+        return self.settings.flops_per_sample * samples_per_s / (self.peak_flops * self.info.world)
 
     # --- checkpoints ----------------------------------------------------------------
-
-    def checkpoint_payload(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step,
-            "rng": rng_state(),
-            "divergence": self.divergence.state_dict(),
-            "config": self.settings.config_yaml,
-            "monitor": self.monitor.state_dict() if self.monitor is not None else {},
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "survival": self.survival_state(),
-        }
 
     def survival_state(self) -> dict:
         """What a rollback changed: the data offset, the lr scale, the rollbacks so far."""
@@ -454,83 +415,16 @@ class Trainer:
         self.data_offset, self.lr_scale = int(s.get("data_offset", 0)), float(s.get("lr_scale", 1.0))
         self.rollbacks = list(s.get("rollbacks", []))
 
-    def save(self) -> bool:
-        """Write last.pt unless the weights or optimizer state hold a NaN/inf (a finite loss
-        does not prove them finite): a finite last.pt is never replaced by a non-finite one.
-        Returns False, with ``nonfinite_reason`` set, when the save was skipped for that."""
-        if self.sharded:
-            return self._save_sharded()
-        ok = True
-        if self.info.is_main:
-            payload = self.checkpoint_payload()
-            # one fused reduction on the device, read back with the sync the save makes anyway
-            ok = bool(all_finite(payload["model"], payload["optimizer"]["state"]))
-            if ok:
-                payload["optim_name"] = self.optim_name
-                save_checkpoint(self.run_dir / "checkpoints" / "last.pt", payload)
-        return self._saved(D.broadcast_object(ok, self.info))
-
-    def _saved(self, ok: bool) -> bool:
-        """After a save on every rank: a refused (non-finite) state ends the run as diverged."""
+    def save(self, ring: bool = False) -> bool:
+        """Checkpoint this step (and with ``ring`` add it to the ring). A state holding a NaN/inf
+        is not written: then returns False, and the run is to end as diverged, for
+        ``nonfinite_reason``."""
+        ok = self.ckpt.save(self.step, self.survival_state(), ring=ring)
         if not ok:
             self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
                                      f"still finite): checkpoint not written, last.pt keeps the previous one")
             self.diverged_at = self.diverged_at or self.step
-        D.barrier(self.info)
         return ok
-
-    def _save_sharded(self) -> bool:
-        """parallel=fsdp: every rank checks its shards and writes them through
-        torch.distributed.checkpoint into ``checkpoints/last_dcp/``; rank 0 then writes the rest
-        of the payload (step, RNG, divergence, config...) into last.pt, which names that directory."""
-        from stabletrain.engine import sharding as S
-
-        local = [S.local(t) for t in self.model.state_dict().values() if torch.is_tensor(t)]
-        local += [S.local(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-        ok = S.all_finite_everywhere(all_finite(local))
-        if ok:
-            ckpt_dir = self.run_dir / "checkpoints"
-            stepped = bool(self.optimizer.state)  # before its first step an optimizer has nothing to save
-            S.save_dcp(ckpt_dir, self.model, self.optimizer if stepped else None, self.step, self._ema_module)
-            if self.info.is_main:
-                payload = self.checkpoint_payload_rest()
-                payload.update(dcp=S.DCP_DIR, dcp_optim=stepped, optim_name=self.optim_name)
-                save_checkpoint(ckpt_dir / "last.pt", payload)
-        return self._saved(ok)
-
-    def checkpoint_payload_rest(self) -> dict:
-        """The payload of last.pt without the model and optimizer (saved sharded, beside it)."""
-        return {"step": self.step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
-                "config": self.settings.config_yaml,
-                "monitor": self.monitor.state_dict() if self.monitor is not None else {},
-                "ema": self.ema.counters() if self.ema is not None else None, "survival": self.survival_state()}
-
-    @property
-    def _ema_module(self) -> nn.Module | None:
-        return self.ema.module if self.ema is not None else None
-
-    def _load_weights(self, pt: Path, ck: dict) -> None:
-        """The model and optimizer of checkpoint ``pt`` (loaded as ``ck``): from ``ck``, or from
-        its DCP directory when sharded (with the weight average's model)."""
-        if not self.sharded:
-            self.model.load_state_dict(ck["model"])
-            self.optimizer.load_state_dict(ck["optimizer"])
-            return
-        from stabletrain.engine.sharding import load_dcp
-
-        # a weight average added on resume has none saved: it starts from the loaded weights
-        ema = self._ema_module if ck.get("ema") is not None else None
-        stepped = ck.get("dcp_optim", True)
-        saved_step = load_dcp(dcp_dir(pt), self.model, self.optimizer if stepped else None, ema)
-        if not stepped:  # saved before the first step: the optimizer starts afresh, as it did then
-            self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
-        if saved_step != ck["step"]:
-            raise ValueError(f"{dcp_dir(pt).name}/ holds step {saved_step}, {pt.name} step {ck['step']}")
-
-    @property
-    def optim_name(self) -> str:
-        """The optimizer's name in the config (``optim.name``), stored in each checkpoint."""
-        return _optim_name(self.settings.config_yaml) or type(self.optimizer).__name__
 
     def maybe_resume(self) -> int | None:
         """Load ``resume`` (auto: the run dir's last.pt) on every rank; returns its step.
@@ -542,61 +436,20 @@ class Trainer:
         requeued = r is None and D.may_be_requeued()
         if r is None and not requeued:
             return None
-        path = last_checkpoint(self.run_dir) if r in (None, "auto") else Path(r)
-        path = D.broadcast_object(path, self.info)  # rank 0's view of the shared filesystem decides
+        path = self.ckpt.find(r)
         if path is None:
             if r == "auto":
-                self.notes.append(f"resume=auto: no checkpoint in {self.run_dir / 'checkpoints'}, starting "
-                                  f"from step 0 (to continue a run, pass its directory as hydra.run.dir)")
+                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 "
+                                  f"(to continue a run, pass its directory as hydra.run.dir)")
             return None
-        try:
-            ck = load_checkpoint(path, map_location=self.device)
-        except Exception as e:  # a directory, a file that is no checkpoint, a torn write
-            raise ConfigError(f"resume={path}: not a readable checkpoint ({type(e).__name__}); "
-                              f"pass a last.pt written by a run, or resume=auto") from None
-        if requeued:
-            saved, mine = (OmegaConf.to_container(OmegaConf.create(y))
-                           for y in (ck["config"], self.settings.config_yaml))
-            if {**saved, "resume": None} != {**mine, "resume": None}:
-                raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
-                                  f"continue it anyway, or give this run its own hydra.run.dir")
+        ck = self.ckpt.load(path)
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
-        theirs, mine = ck.get("optim_name") or _optim_name(ck.get("config", "")), self.optim_name
-        if theirs is not None and mine is not None and theirs != mine:
-            raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={mine}: an optimizer's "
-                              f"state does not carry over; resume with optim={theirs} or start a new run")
-        if r == "auto" and not self.settings.resume_allow_changes and ck.get("config") and self.settings.config_yaml:
-            changed = changed_keys(ck["config"], self.settings.config_yaml)
-            if changed:
-                raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
-                                  f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
-                                  f"resume_allow_changes=true to continue with them")
-        if bool(ck.get("dcp")) != self.sharded:
-            raise ConfigError(f"{path} was written with parallel={'fsdp' if ck.get('dcp') else 'ddp'}, this run uses "
-                              f"parallel={'fsdp' if self.sharded else 'ddp'}: resume it with the parallel it was "
-                              f"written with") from None
-        try:
-            self._load_weights(path, ck)
-        except (RuntimeError, ValueError, KeyError) as e:
-            first = str(e).strip().splitlines()[0][:200]
-            raise ConfigError(f"{path} does not fit this run's model or optimizer ({first}); resume it with "
-                              f"the config it was written with ({path.parent.parent / 'config.yaml'})") from None
-        self.divergence.load_state_dict(ck["divergence"])
+        self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
+                                  allow_changes=self.settings.resume_allow_changes)
+        self.ckpt.restore(path, ck)
         self.load_survival_state(ck.get("survival"))
-        set_rng_state(ck["rng"])
-        if self.monitor is not None and ck.get("monitor"):
-            self.monitor.load_state_dict(ck["monitor"])
-        if self.ema is not None:
-            self.ema.load_state_dict(ck.get("ema"), self.model)
         self.step = ck["step"]
         return self.step
-
-    # --- surviving a spike: the checkpoint ring and rollbacks -------------------------
-
-    def save_ring(self) -> None:
-        """last.pt, just written by :meth:`save`, joins the ring of ``ckpt.keep`` checkpoints (rank 0)."""
-        if self.info.is_main and self.settings.ckpt_keep > 0:
-            save_to_ring(self.run_dir, self.step, self.settings.ckpt_keep, sharded=self.sharded)
 
     def survive(self, reason: str) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the
@@ -612,24 +465,14 @@ class Trainer:
             return reason
         if len(self.rollbacks) >= w.max_rollbacks:
             return f"{reason}; divergence.max_rollbacks={w.max_rollbacks} reached"
-        found = None
-        if self.info.is_main:
-            before = [(s, p) for s, p in ring_checkpoints(self.run_dir) if s < onset]
-            found = before[-1] if before else None
-        found = D.broadcast_object(found, self.info)
+        found = self.ckpt.ring_before(onset)
         if found is None:
             return f"{reason}; no ring checkpoint before step {onset} to roll back to"
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
-        self._load_weights(path, ck)
-        self.divergence.load_state_dict(ck["divergence"])
-        set_rng_state(ck["rng"])
+        self.ckpt.restore(path, ck)
         if self.monitor is not None:
-            if ck.get("monitor"):
-                self.monitor.load_state_dict(ck["monitor"])
             self.monitor.stop_reason = None
-        if self.ema is not None:
-            self.ema.load_state_dict(ck.get("ema"), self.model)
         detected = self.step
         skipped = max(onset - restored, w.skip_window)
         self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped
@@ -640,17 +483,15 @@ class Trainer:
                  "skipped_steps": skipped, "reason": reason}
         self.rollbacks.append(entry)
         m = self.metrics
-        if self.info.is_main:
-            drop_ring_after(self.run_dir, restored)
-            if m.enabled:
-                m.truncate_after(restored)
+        self.ckpt.drop_after(restored)
+        if self.info.is_main and m.enabled:
+            m.truncate_after(restored)
         m.log(restored, {N.rollback("restored_step"): restored, N.rollback("skipped_steps"): skipped,
                          N.rollback("trigger_step"): onset, N.rollback("reason"): reason})
         m.message(f"rollback {len(self.rollbacks)}/{w.max_rollbacks} at step {detected}: {reason}; restored step "
                   f"{restored} ({path.name}), skipping the data of {skipped} step(s)"
                   + (f", lr x{self.lr_scale:.4g}" if self.lr_scale != 1.0 else ""))
-        self.save()  # last.pt and the ring now hold the restored state with its new data offset
-        self.save_ring()
+        self.save(ring=True)  # last.pt and the ring now hold the restored state with its new data offset
         return None
 
     # --- the run --------------------------------------------------------------------
@@ -671,15 +512,29 @@ class Trainer:
         return old
 
     def fit(self) -> dict:
-        cfg = self.settings
         resumed = self.maybe_resume()
         for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
             hook()
-        main = self.info.is_main
         self.metrics = self.open_sink(resumed)
         if self.monitor is not None:
             self.monitor.attach(self.metrics)
-        m = self.metrics
+        try:
+            previous = self._start(resumed)
+            if previous is not None:
+                return previous
+            status, reason = self._train(resumed)
+            return self._finish(status, reason, self.last_vals)
+        except Exception as e:
+            # a crash (out of memory, a bug, a rank that stopped answering) still leaves a
+            # summary.json saying where and why
+            self._finish("failed", f"{type(e).__name__}: {first_line(e)}", {}, quiet=True)
+            raise
+        finally:
+            self.metrics.close()
+
+    def _start(self, resumed: int | None) -> dict | None:
+        """The start lines; a resumed run that already completed returns its summary instead."""
+        cfg, m = self.settings, self.metrics
         nparams = sum(p.numel() for p in self.model.parameters())
         m.message(f"{cfg.title}: {nparams / 1e6:.2f}M params on {self.device}"
                   f"{' (bf16)' if self.bf16 else ''}, {self.total_steps} steps of {cfg.batch_size} "
@@ -691,104 +546,103 @@ class Trainer:
                       f"learning rate never reaches its peak; shorten warmup or train longer")
         for note in self.notes:
             m.message(note)
-        if resumed is not None:
-            m.message(f"resumed from step {resumed}")
-            done = self.run_dir / "summary.json"
-            previous = _read_summary(done) if self.step >= self.total_steps else None
-            if previous is not None and previous.get("status") == "completed":
-                m.message(f"the checkpoint is at step {self.step} of {self.total_steps}: nothing to train; "
-                          f"{done} stays as it is")
-                m.close()
-                return previous
-            if self.step >= self.total_steps:  # e.g. a signal during the last step: finish the run
-                m.message(f"the checkpoint is at step {self.step} of {self.total_steps} but the run has no completed "
-                          f"summary: running the final evaluation")
-        if self.monitor is not None and resumed is None:
-            self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
+        self.last_vals: dict = {}
+        if resumed is None:
+            if self.monitor is not None:
+                self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
+            return None
+        m.message(f"resumed from step {resumed}")
+        if self.step < self.total_steps:
+            return None
+        done = self.run_dir / "summary.json"
+        previous = read_json(done)
+        if previous is not None and previous.get("status") == "completed":
+            m.message(f"the checkpoint is at step {self.step} of {self.total_steps}: nothing to train; "
+                      f"{done} stays as it is")
+            return previous
+        # e.g. a signal during the last step: finish the run
+        m.message(f"the checkpoint is at step {self.step} of {self.total_steps} but the run has no completed "
+                  f"summary: running the final evaluation")
+        self.last_vals = self.evaluate()
+        metrics_file = self.run_dir / "metrics.jsonl"
+        if math.isnan(logged_value(metrics_file, next(iter(self.last_vals)), self.step)):
+            m.log(self.step, self.last_vals)  # once: a signal after the evaluation has logged it already
+        self.last_train_loss = logged_value(metrics_file, N.LOSS, self.step)
+        return None
+
+    def _train(self, resumed: int | None) -> tuple[str, str | None]:
+        """The steps, until the last one, a divergence that cannot be survived, or a signal;
+        returns the run's status and the reason it stopped early."""
+        cfg, m = self.settings, self.metrics
         old_handlers = self._install_signals()
-        status, reason = "completed", None
         if self.divergence.action == "rollback" and resumed is None:
-            self.save()  # step 0 in the ring: a rollback is possible from the first step
-            self.save_ring()
+            self.save(ring=True)  # step 0 in the ring: a rollback is possible from the first step
         stream = self.data.train_iter(self.step + self.data_offset, self.shard)
-        log_every = max(1, cfg.log_every)
-        pending: list[tuple[int, torch.Tensor, torch.Tensor | None, float, torch.Tensor | None]] = []
-        t_last, samples = time.perf_counter(), 0
-        last_vals: dict = {}
-        train_loss = float("nan")
-        def flush(lr: float, t_end: float, fresh: dict) -> str | None:
-            """Log the steps since the last log (the one host sync) and check them; ``fresh`` is
-            this step's evaluation, if it had one."""
-            nonlocal pending, samples, t_last, train_loss
-            reason = self._log_interval(pending, samples, t_end - t_last, lr, fresh)
-            train_loss = self.last_train_loss
-            pending, samples, t_last = [], 0, time.perf_counter()
+        pending: list[tuple[int, StepResult]] = []
+        t_last = time.perf_counter()
+
+        def flush(t_end: float, fresh: dict) -> str | None:
+            """Log the steps since the last log and check them; ``fresh`` is this step's
+            evaluation, if it had one."""
+            reason = self._log_interval(pending, t_end - t_last, fresh)
+            pending.clear()
             return reason
 
         try:
             while self.step < self.total_steps:
                 step = self.step
-                lr = self.lr_at(step) * self.lr_scale  # what train_step sets, for the log line
                 save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
                 eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
                 # a checkpoint is written only after its steps' losses were checked; an evaluation
                 # is shown on the log line of its own step
-                log_now = (step + 1) % log_every == 0 or save_due or eval_due
-                loss, gnorm = self.train_step(next(stream), want_grad_norm=log_now)
-                pending.append((step, loss, gnorm, lr, self.last_skipped))
-                samples += cfg.batch_size
+                log_now = (step + 1) % cfg.log_every == 0 or save_due or eval_due
+                pending.append((step, self.train_step(next(stream), want_grad_norm=log_now)))
                 self.step = step + 1
                 if self.monitor is not None:
                     self.monitor.after_step(step, last=self.step == self.total_steps)
-                t_end = time.perf_counter()  # the interval's time excludes evaluation
+                t_end = time.perf_counter()  # the interval's time excludes evaluation and checkpoints
                 fresh = {}
                 if eval_due:
-                    last_vals = fresh = self.evaluate()  # before the log line, which shows it
-                    m.log(self.step, last_vals)
-                if log_now:
-                    reason = flush(lr, t_end, fresh)
-                    if reason:
-                        reason = self.survive(reason)
-                        if reason is None:  # rolled back: the step counter and the data stream moved
-                            stream = self.data.train_iter(self.step + self.data_offset, self.shard)
-                            continue
-                        status = "diverged"
-                        break
-                # A signal landing during the agreement counts at the next step, on every rank.
+                    self.last_vals = fresh = self.evaluate()  # before the log line, which shows it
+                    m.log(self.step, fresh)
+                reason = flush(t_end, fresh) if log_now else None
+                # every step, on every rank: a signal landing during the agreement counts at the next step
                 agreed = D.agree_on_signal(self.stop_signal, self.info)
+                if agreed is not None and pending:
+                    reason = flush(time.perf_counter(), {})
+                rolled_back = False
+                if reason:
+                    reason = self.survive(reason)
+                    if reason is not None:
+                        return "diverged", reason
+                    # rolled back, and saved: the step counter and the data stream moved
+                    stream = self.data.train_iter(self.step + self.data_offset, self.shard)
+                    rolled_back = True
                 if agreed is not None:
-                    reason = flush(lr, time.perf_counter(), {}) if pending else None
-                    if reason:
-                        status = "diverged"
-                        break
                     self.stop_signal = agreed
-                    status = "interrupted"
-                    reason = f"signal {signal.Signals(self.stop_signal).name} at step {self.step}"
-                    if not self.save():
-                        status, reason = "diverged", self.nonfinite_reason
-                    break
+                    if not rolled_back and not self.save():
+                        return "diverged", self.nonfinite_reason
+                    return "interrupted", f"signal {signal.Signals(agreed).name} at step {self.step}"
                 # no checkpoint inside a run of skipped (non-finite) steps, but for the last one
-                if save_due and (self.divergence.skips == 0 or self.step == self.total_steps):
-                    if not self.save():  # non-finite weights: last.pt and the ring keep the last finite
-                        status, reason = "diverged", self.nonfinite_reason
-                        break
-                    self.save_ring()
+                if save_due and not rolled_back and (self.divergence.skips == 0 or self.step == self.total_steps):
+                    if not self.save(ring=True):  # non-finite weights: last.pt and the ring keep the last finite
+                        return "diverged", self.nonfinite_reason
+                if not pending:
+                    t_last = time.perf_counter()  # the next interval starts after this one's evaluation and saves
         finally:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-        if status == "completed" and not last_vals and resumed is not None and resumed >= self.total_steps:
-            last_vals = self.evaluate()  # the final evaluation a run ended during its last step may lack
-            if math.isnan(_last_logged(self.run_dir / "metrics.jsonl", next(iter(last_vals)), self.step)):
-                m.log(self.step, last_vals)  # once: a signal after the evaluation has logged it already
-            if math.isnan(train_loss):
-                train_loss = _last_logged(self.run_dir / "metrics.jsonl", N.LOSS, self.step)
+        return "completed", None
+
+    def _finish(self, status: str, reason: str | None, last_vals: dict, quiet: bool = False) -> dict:
+        """The run's summary, written atomically to summary.json by rank 0 and returned."""
         summary = {
             "status": status,
             "step": self.step,
             "total_steps": self.total_steps,
             "reason": reason,
-            "final": {"loss": train_loss, **last_vals},
-            "params": nparams,
+            "final": {"loss": self.last_train_loss, **last_vals},
+            "params": sum(p.numel() for p in self.model.parameters()),
         }
         if status == "diverged":
             summary["diverged_at"] = self.diverged_at or self.step  # may precede the step it was seen at
@@ -796,35 +650,15 @@ class Trainer:
             summary["signal"] = int(self.stop_signal)
         if self.divergence.action == "rollback":
             summary["rollbacks"] = self.rollbacks
-        if self.monitor is not None:
+        if self.monitor is not None and not quiet:
             summary.update(self.monitor.summary(status))
-        if main:
-            write_json(self.run_dir / "summary.json", summary)
-            m.message(f"{status} at step {self.step}" + (f": {reason}" if reason else "")
-                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
-        m.close()
+        if self.info.is_main:
+            try:
+                write_json(self.run_dir / "summary.json", summary)
+            except OSError:
+                if not quiet:
+                    raise
+            if not quiet:
+                self.metrics.message(f"{status} at step {self.step}" + (f": {reason}" if reason else "")
+                                     + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         return summary
-
-
-# Dense bf16 peak FLOP/s by device name (the vendors' datasheets, no sparsity).
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
-             "4090": 165e12, "3090": 71e12}
-
-
-def peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of a GPU named like ``NVIDIA H100 80GB HBM3``; None if unknown."""
-    return next((v for k, v in PEAK_BF16.items() if k in device_name), None)
-
-
-def _si(x: float) -> str:
-    for unit, size in (("M", 1e6), ("k", 1e3)):
-        if x >= size:
-            return f"{x / size:.3g}{unit}"
-    return f"{x:.3g}"
-
-
-def _duration(seconds: float) -> str:
-    s = int(round(seconds))
-    h, rest = divmod(s, 3600)
-    m, sec = divmod(rest, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"

@@ -57,12 +57,6 @@ def apply_activation_checkpointing(blocks) -> int:
     return n
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def shard_model(model: nn.Module, blocks, bf16: bool, device: torch.device) -> nn.Module:
     """FSDP2 ``fully_shard`` on each block of ``blocks``, then on ``model``; in place (the
     parameters become DTensors sharded on dim 0). Call before the optimizer is built."""

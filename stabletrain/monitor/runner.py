@@ -99,16 +99,18 @@ class MonitorRunner:
         """The passes due after optimizer step ``step`` (0-based; -1 is the initial snapshot).
         ``last``: the run's final step, where both passes run whatever the cadence, so a run
         shorter than ``probe_every`` still ends with a probe."""
-        if not (self.active or self.sharded):
-            return
         done = step + 1
+        weight_due = done % self.cfg.weight_every == 0 or last
+        probe_due = done % self.cfg.probe_every == 0 or last
+        if not ((self.active or self.sharded) and (weight_due or probe_due)):
+            return  # most steps: nothing to do, and nothing to set up
         rec: dict[str, float] = {}
         with self._isolated():
-            if done % self.cfg.weight_every == 0 or last:
+            if weight_due:
                 rec.update(self.weight_metrics())
                 if self.active:
                     self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
-            if done % self.cfg.probe_every == 0 or last:
+            if probe_due:
                 rec.update(self.probe_metrics())
         if not (rec and self.active):
             return

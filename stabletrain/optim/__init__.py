@@ -1,6 +1,7 @@
 """Optimizers (adamw, adamw2, lars, sgd), their param groups and lr schedules.
 
-The trainer builds once, then sets the rate every step from a state-free schedule::
+Standalone, in a loop of one's own (the trainer does the same through ``OptimizerSchedule``,
+which also schedules the weight decay)::
 
     optimizer, summary = build_optimizer(model, cfg.optim, cfg.model.family, cfg.reparam,
                                          cfg.batch_size)

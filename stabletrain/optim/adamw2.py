@@ -592,10 +592,15 @@ class AdamW2(Optimizer):
             "sigma_u": dict(zip(names, sigma_u)),
         }
 
-    def telemetry(self, prefix: str = "adamw2/") -> dict[str, float]:
+    def telemetry(self, prefix: str = "adamw2/", per_tensor: bool = True) -> dict[str, float]:
         """:meth:`bound_stats` flattened for a metrics sink: ``adamw2/frac_bounded``,
         ``adamw2/lr_eff/<name>``, ``adamw2/lr_ratio/<name>``, ``adamw2/sigma_w/<name>``,
-        ``adamw2/sigma_u/<name>`` (one host sync; call it at the logging cadence)."""
+        ``adamw2/sigma_u/<name>`` (one host sync; call it at the logging cadence).
+        ``per_tensor=False``: ``adamw2/frac_bounded`` only."""
+        if not per_tensor:
+            hits = [r.hit for r in self.last_bound]
+            frac = torch.cat(hits).float().mean().item() if hits else math.nan
+            return {f"{prefix}frac_bounded": frac}
         stats = self.bound_stats()
         flat = {f"{prefix}frac_bounded": stats.pop("bound_fraction")}
         for key, per_tensor in stats.items():

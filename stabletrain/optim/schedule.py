@@ -149,8 +149,9 @@ class OptimizerSchedule:
     def warmup_steps(self) -> int:
         return self.lr_at.warmup_steps
 
-    def __call__(self, optimizer: Optimizer, step: int) -> float:
-        lr = self.lr_at(step)
+    def __call__(self, optimizer: Optimizer, step: int, scale: float = 1.0) -> float:
+        """``scale``: a factor on the scheduled rate (a rollback's ``lr_scale_on_rollback``)."""
+        lr = self.lr_at(step) * scale
         set_lr(optimizer, lr)
         if self.wd_end is not None:
             set_weight_decay(optimizer, weight_decay_at(self.wd_start, self.wd_end, step, self.lr_at.total_steps))

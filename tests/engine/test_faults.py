@@ -175,3 +175,27 @@ def test_the_lock_of_another_process_refuses_train_py(tmp_path):
         holder.kill()
         holder.wait()
     assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
+
+
+def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):
+    """An exception in the loop (here an out-of-memory error at step 3) ends the run with its
+    traceback, and summary.json records status failed, the steps done and the error's first line."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=10"), tmp_path)
+    orig = t.train_step
+
+    def step(*a, **k):
+        if t.step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return orig(*a, **k)
+
+    t.train_step = step
+    with pytest.raises(torch.OutOfMemoryError):
+        t.fit()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "failed" and s["step"] == 2
+    assert s["reason"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert _steps(tmp_path) == [1, 2] and t.metrics.file.closed
+

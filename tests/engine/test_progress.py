@@ -5,9 +5,9 @@ import re
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from stabletrain.engine.loop import Trainer, _duration, peak_flops
+from stabletrain.engine.loop import Trainer
+from stabletrain.metrics import duration, peak_flops
 from tests.helpers import make_cfg, model_of, train
 
 
@@ -55,17 +55,16 @@ def test_a_run_shorter_than_the_probe_cadence_ends_with_a_probe(tmp_path):
 
 
 def test_duration_and_peaks():
-    assert [_duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+    assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
     assert peak_flops("Some CPU") is None
 
 
-def test_mfu_is_flops_per_sample_times_rate_over_peak(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    fake = SimpleNamespace(device=SimpleNamespace(type="cuda"), info=SimpleNamespace(world=2),
+def test_mfu_is_flops_per_sample_times_rate_over_peak():
+    fake = SimpleNamespace(peak_flops=peak_flops("NVIDIA H100 80GB HBM3"), info=SimpleNamespace(world=2),
                            settings=SimpleNamespace(flops_per_sample=1e12))
     assert Trainer._mfu(fake, 100.0) == pytest.approx(1e12 * 100 / (989e12 * 2))
-    fake.device.type = "cpu"
+    fake.peak_flops = None  # a CPU, or a GPU of unknown peak
     assert Trainer._mfu(fake, 100.0) is None
 
 
@@ -88,3 +87,29 @@ def test_vit_flops_count_every_token():
     t = (16 // 4) ** 2 + 1
     n = sum(p.numel() for k, p in model.named_parameters() if k not in ("pos_embed", "cls_token"))
     assert vit_flops(model, cfg.model) == (6 * n + 12 * 2 * 32 * t) * t
+
+
+def test_step_time_leaves_out_evaluations_and_checkpoints(tmp_path, monkeypatch):
+    """The logged time per step, and so throughput, MFU and the ETA, counts training only: a
+    clock that jumps 1000 s in every evaluation and every checkpoint leaves them unchanged."""
+    from stabletrain.build import build_trainer
+    from stabletrain.engine import loop
+    from stabletrain.metrics import read_records
+
+    jump = [0.0]
+    real = loop.time.perf_counter
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: real() + jump[0]))
+    t = build_trainer(make_cfg("model=gpt_test", "steps=9", "batch_size=4", "logger.log_every=2",
+                               "ckpt_every=3", "eval_every=4", "monitor=off", "logger.wandb=disabled"), tmp_path)
+
+    def slow(fn):
+        def wrapped(*a, **k):
+            jump[0] += 1000.0
+            return fn(*a, **k)
+        return wrapped
+
+    t.evaluate, t.ckpt.save = slow(t.evaluate), slow(t.ckpt.save)
+    t.fit()
+    times = [r["time/step_s"] for r in read_records(tmp_path / "metrics.jsonl") if "time/step_s" in r]
+    assert len(times) == 6 and max(times) < 100, times  # log steps 2, 3, 4, 6, 8, 9: none near 1000 s
+

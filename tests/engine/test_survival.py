@@ -130,6 +130,31 @@ def test_resume_after_a_rollback_continues_exactly(tmp_path):
     assert losses(tmp_path / "half") == losses(tmp_path / "full")
 
 
+def test_a_divergence_found_by_a_stop_signal_is_rolled_back_too(tmp_path):
+    """A stop signal logs the steps since the last log line; a divergence among them is survived
+    as at a log step (rolled back, saved), and the run ends interrupted, so that a requeued job
+    continues it as if nothing had stopped it."""
+    args = [*GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "logger.log_every=4"]
+    train(tmp_path / "full", *args)
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path / "half")
+    orig = t.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if not t.rollbacks and t.step + 1 == 7:  # after step 7: its interval holds the NaN of step 6
+            t.stop_signal = signal.SIGTERM
+        return out
+
+    t.train_step = step
+    s = t.fit()
+    assert s["status"] == "interrupted" and s["step"] == 4 and len(s["rollbacks"]) == 1, s
+    s = train(tmp_path / "half", *args, "resume=auto")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")
+
+
 def test_max_rollbacks_reached_is_diverged(tmp_path):
     s = train(tmp_path, *GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "divergence.max_rollbacks=0")
     assert s["status"] == "diverged" and "max_rollbacks=0 reached" in s["reason"] and s["rollbacks"] == []

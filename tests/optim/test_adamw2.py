@@ -303,6 +303,18 @@ def test_flat_telemetry_for_the_metrics_sink():
     assert flat["adamw2/frac_bounded"] == 1.0
     assert flat["adamw2/lr_ratio/w1"] == opt.bound_stats()["lr_ratio"]["w1"] < 1.0
     assert len(flat) == 1 + 4 * 5 and all(isinstance(v, float) for v in flat.values())
+    assert opt.telemetry(per_tensor=False) == {"adamw2/frac_bounded": 1.0}
+
+
+@pytest.mark.parametrize("tau", [1e-9, 0.01, 1e9])  # all, four of five, none cut
+def test_the_bound_fraction_alone_is_the_share_of_bounded_tensors_cut(tau):
+    model = make_model()
+    opt = AdamW2(groups_of(model), lr=0.01, tau=tau)
+    loss_fn(model, *batches(1)[0]).backward()
+    opt.step()
+    stats = opt.bound_stats()
+    hit = [stats["lr_ratio"][n] < 1.0 for n in stats["lr_ratio"]]
+    assert opt.telemetry(per_tensor=False)["adamw2/frac_bounded"] == pytest.approx(sum(hit) / len(hit), abs=1e-7)
 
 
 def test_standalone_default_bounds_only_matrices():
