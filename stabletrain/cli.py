@@ -94,6 +94,9 @@ def check_overrides(argv: list[str]) -> None:
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --help, --cfg, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     from stabletrain.build import validate
     from stabletrain.errors import ConfigError
 
@@ -112,7 +115,7 @@ def check_overrides(argv: list[str]) -> None:
             validate(cfg)
         except ConfigError as e:
             _fail(str(e))
-        except Exception as e:
+        except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily
             _fail(explain(e, ovs))
 
 
