@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stabletrain.build import build_trainer  # noqa: E402
 from stabletrain.cli import compose_config  # noqa: E402
 from stabletrain.config import MonitorConfig  # noqa: E402
+from stabletrain.errors import ConfigError  # noqa: E402
 from stabletrain.metrics import peak_flops  # noqa: E402
 
 # variant -> (overrides on top of optim=adamw, the row it is compared with, the goal for the ratio)
@@ -208,7 +209,10 @@ def main() -> None:
     if args.variants and "trainer" not in args.variants:
         args.variants.insert(0, "trainer")  # every ratio is against it (and bare)
     for model in args.models.split(","):
-        rows, meta = bench(model, args)
+        try:
+            rows, meta = bench(model, args)
+        except ConfigError as e:  # e.g. --device cuda without a GPU
+            sys.exit(f"error: {e}")
         report(model, rows, meta, args)
 
 

@@ -68,6 +68,10 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if "not in struct" in text or "is not in struct" in first or "Could not override" in text:
         keys = sorted((ov.split("=")[0] for ov in overrides), key=len, reverse=True)  # model.nope before model
         bad = next((k for k in keys if k.lstrip("+~") in text), None)
+        term = (bad or "").lstrip("+~").split(".")
+        if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer"):
+            return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
+                    f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
         top = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
         return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")

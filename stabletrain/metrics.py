@@ -52,6 +52,17 @@ def read_json(path: Path) -> dict | None:
     return out if isinstance(out, dict) else None
 
 
+def previous_name(path: Path) -> Path:
+    """The first free name of ``a.previous.b``, ``a.previous2.b``, ... beside ``path`` (``a.b``),
+    where an earlier run's file or directory is moved when a fresh run starts on its directory."""
+    path = Path(path)
+    stem, suffix = (path.stem, path.suffix) if path.is_file() else (path.name, "")
+    n = 1
+    while (dest := path.with_name(f"{stem}.previous{'' if n == 1 else n}{suffix}")).exists():
+        n += 1
+    return dest
+
+
 def read_lines(path: Path) -> list[str]:
     """The complete records of a ``metrics.jsonl``: a line that is not UTF-8 JSON (a write torn by a
     kill or a full disk, normally the last one) is dropped, never an error."""
@@ -106,7 +117,7 @@ class Metrics:
             if resume_step is not None:
                 self._truncate_after(resume_step)
             else:  # a fresh start in a used directory: its records would mix with the old run's
-                old = self.path.with_name("metrics.previous.jsonl")
+                old = previous_name(self.path)  # metrics.previous.jsonl, metrics.previous2.jsonl, ...
                 self.path.replace(old)
                 self.message(f"{self.path} held an earlier run's records: moved to {old.name}")
         self.file = open(self.path, "a", buffering=1)

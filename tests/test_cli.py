@@ -11,6 +11,7 @@ from tests.helpers import cli, make_cfg, model_of
     (["+foo=1"], "unknown key 'foo'"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
+    (["regularizer.locater.scale_coef=100"], "the locater loss term, which is not active: add regularizer=locater"),
 ])
 def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     r = cli(*args, f"hydra.run.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})

@@ -75,8 +75,10 @@ class Run:
 
     @property
     def diverged_step(self) -> int | None:
+        """Where a diverged run went bad (``diverged_at``: its first non-finite step, or the end of
+        its sustained spike), which may precede the step it stopped at; None otherwise."""
         s = self.summary or {}
-        return s.get("step") if s.get("status") == "diverged" else None
+        return s.get("diverged_at", s.get("step")) if s.get("status") == "diverged" else None
 
 
 _NONFINITE = ("nan", "inf", "-inf")

@@ -14,6 +14,7 @@ import torch
 from stabletrain.config import changed_keys, optim_name_of
 from stabletrain.engine import distributed as D
 from stabletrain.errors import ConfigError, first_line
+from stabletrain.metrics import previous_name
 
 
 class CheckpointWriteError(OSError):
@@ -356,6 +357,16 @@ class Checkpointer:
             self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
         if saved_step != ck["step"]:
             raise ValueError(f"{dcp_dir(path).name}/ holds step {saved_step}, {path.name} step {ck['step']}")
+
+    def set_aside(self) -> Path | None:
+        """A fresh run in a directory that holds an earlier run's checkpoints: move them to
+        ``checkpoints.previous/`` (``.previous2/``, ... when taken), so that none is overwritten
+        and no rollback restores one of them. Returns where they went (rank 0)."""
+        if not self.dir.is_dir() or not any(self.dir.iterdir()):
+            return None
+        dest = previous_name(self.dir)
+        self.dir.rename(dest)
+        return dest
 
     # --- the ring ---------------------------------------------------------------------------
 

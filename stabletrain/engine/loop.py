@@ -32,7 +32,7 @@ from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
-from stabletrain.errors import first_line
+from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import duration, logged_value, peak_flops, read_json, si, write_json
 from stabletrain.monitor import names as N
 
@@ -154,6 +154,7 @@ class Trainer:
         self.data_offset = 0  # the batch of step s is the stream's position s + data_offset
         self.lr_scale = 1.0  # divergence.lr_scale_on_rollback, compounded per rollback
         self.rollbacks: list[dict] = []
+        self.skipped_steps = 0  # non-finite steps skipped so far (divergence.skip_nonfinite)
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
 
     @staticmethod
@@ -359,6 +360,7 @@ class Trainer:
         rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: step_s}
         if guarded:
             rec[N.SKIPPED_STEPS] = sum(skipped)
+            self.skipped_steps += sum(skipped)
         if k:
             rec[N.LOSS_PENALTY] = sum(terms) / n
         if k > 1:
@@ -393,7 +395,12 @@ class Trainer:
         speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "s/step": f"{step_s:.3g}",
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
                  "eta": duration((self.total_steps - self.step) * self.step_time)}
-        self.metrics.progress(self.step, self.total_steps, {N.LOSS: self.last_train_loss, N.LR: lr, **shown, **speed})
+        # the loss is what is minimised; its loss-term share is shown beside it, and skipped steps are named
+        extra = {N.LOSS_PENALTY: rec[N.LOSS_PENALTY]} if k else {}
+        if sum(skipped):
+            extra["skipped"] = f"{sum(skipped)} non-finite step(s)"
+        self.metrics.progress(self.step, self.total_steps,
+                              {N.LOSS: self.last_train_loss, **extra, N.LR: lr, **shown, **speed})
         return reason
 
     def _mfu(self, samples_per_s: float) -> float | None:
@@ -408,12 +415,14 @@ class Trainer:
 
     def survival_state(self) -> dict:
         """What a rollback changed: the data offset, the lr scale, the rollbacks so far."""
-        return {"data_offset": self.data_offset, "lr_scale": self.lr_scale, "rollbacks": list(self.rollbacks)}
+        return {"data_offset": self.data_offset, "lr_scale": self.lr_scale, "rollbacks": list(self.rollbacks),
+                "skipped_steps": self.skipped_steps}
 
     def load_survival_state(self, s: dict | None) -> None:
         s = s or {}
         self.data_offset, self.lr_scale = int(s.get("data_offset", 0)), float(s.get("lr_scale", 1.0))
         self.rollbacks = list(s.get("rollbacks", []))
+        self.skipped_steps = int(s.get("skipped_steps", 0))
 
     def save(self, ring: bool = False) -> bool:
         """Checkpoint this step (and with ``ring`` add it to the ring). A state holding a NaN/inf
@@ -443,6 +452,9 @@ class Trainer:
                                   f"(to continue a run, pass its directory as hydra.run.dir)")
             return None
         ck = self.ckpt.load(path)
+        if ck["step"] > self.total_steps:
+            raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: pass "
+                              f"steps={ck['step']} or more to continue it (steps counts from the run's start)")
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
         self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
                                   allow_changes=self.settings.resume_allow_changes)
@@ -515,6 +527,11 @@ class Trainer:
         resumed = self.maybe_resume()
         for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
             hook()
+        if resumed is None and self.info.is_main:
+            moved = self.ckpt.set_aside()  # an earlier run's: its last.pt would be overwritten, its ring restored
+            if moved is not None:
+                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/ "
+                                  f"(to continue that run instead, pass resume=auto)")
         self.metrics = self.open_sink(resumed)
         if self.monitor is not None:
             self.monitor.attach(self.metrics)
@@ -644,6 +661,8 @@ class Trainer:
             "final": {"loss": self.last_train_loss, **last_vals},
             "params": sum(p.numel() for p in self.model.parameters()),
         }
+        if self.guard is not None:
+            summary["skipped_steps"] = self.skipped_steps
         if status == "diverged":
             summary["diverged_at"] = self.diverged_at or self.step  # may precede the step it was seen at
         if status == "interrupted":
@@ -659,6 +678,9 @@ class Trainer:
                 if not quiet:
                     raise
             if not quiet:
-                self.metrics.message(f"{status} at step {self.step}" + (f": {reason}" if reason else "")
+                at = summary.get("diverged_at", self.step)
+                where = f"at step {at}" + (f" (stopped at step {self.step})" if at != self.step else "")
+                skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
+                self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
                                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         return summary

@@ -112,7 +112,9 @@ def test_read_metrics_keeps_sparse_series_and_skips_torn_lines(tmp_path):
     steps, _ = run.metrics["loss"]
     assert steps[-1] == 300 and len(steps) == 31
     assert len(run.metrics["entropy/blocks.0/min"][0]) == 7
-    assert run.diverged_step == 300
+    assert run.diverged_step == 300  # a summary without diverged_at: where it stopped
+    run.summary["diverged_at"] = 290  # the first non-finite step, before the run stopped
+    assert run.diverged_step == 290
     assert P.select_blocks(BLOCKS, None) == BLOCKS
     many = [f"blocks.{i}" for i in range(12)]
     assert P.select_blocks(many, None) == [f"blocks.{i}" for i in (0, 2, 4, 6, 7, 9, 11)]

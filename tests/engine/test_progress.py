@@ -26,6 +26,15 @@ def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
         assert re.search(r"tok/s [\d.]+k? \| s/step [\d.e-]+ \| eta \d", ln), ln
 
 
+def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
+    """The loss shown is what is minimised; with a loss term its share stands beside it."""
+    train(tmp_path, "model=gpt_test", "steps=2", "logger=none", "monitor=off", "batch_size=8", "eval_every=10",
+          "regularizer=zloss", "regularizer.zloss.coef=0.5", quiet=False)
+    line = _lines(capsys.readouterr().err)[-1]
+    loss, penalty = (float(re.search(rf"\| {k} ([\d.]+)", line).group(1)) for k in ("loss", "loss/penalty"))
+    assert 0 < penalty < loss, line
+
+
 def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
     """A slow first interval (compilation) is replaced by the second in the ETA, not averaged in."""
     import time

@@ -88,3 +88,39 @@ def test_the_optimizer_of_a_checkpoint_without_its_name_comes_from_its_config(tm
     torch.save(state, ck)
     with pytest.raises(ConfigError, match="written with optim=adamw2"):
         train(tmp_path / "other", *GPT, "steps=4", "optim=adamw", f"resume={ck}")
+
+
+def test_a_resume_past_the_runs_steps_is_refused(tmp_path):
+    """steps below the checkpoint's step would mark an unfinished run completed: refused, nothing changed."""
+    train(tmp_path, *GPT, "steps=4", "optim=adamw")
+    summary = (tmp_path / "summary.json").read_text()
+    with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 or more"):
+        train(tmp_path, *GPT, "steps=2", "optim=adamw", "resume=auto")
+    assert (tmp_path / "summary.json").read_text() == summary
+
+
+def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_path):
+    """Without resume, an earlier run's checkpoints and records are kept under a free
+    ``.previous`` name: its last.pt is not overwritten, and no rollback restores its ring."""
+    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false", "ckpt.keep=3"]
+
+    def step_of(path):
+        return torch.load(path, weights_only=True)["step"]
+
+    train(tmp_path, *args, "steps=6", "ckpt_every=2", quiet=False)
+    train(tmp_path, *args, "steps=3", "ckpt_every=3", quiet=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_000003.pt"]
+    previous = tmp_path / "checkpoints.previous"
+    assert sorted(p.name for p in previous.iterdir()) == ["last.pt", "step_000002.pt", "step_000004.pt",
+                                                          "step_000006.pt"]
+    assert step_of(previous / "last.pt") == 6
+    train(tmp_path, *args, "steps=1", quiet=False)
+    assert step_of(tmp_path / "checkpoints.previous2/last.pt") == 3 and step_of(previous / "last.pt") == 6
+    from stabletrain.metrics import read_records
+
+    def steps(name):
+        return [r["step"] for r in read_records(tmp_path / name) if "loss" in r]
+
+    assert steps("metrics.previous.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert steps("metrics.previous2.jsonl") == [1, 2, 3] and steps("metrics.jsonl") == [1]
+

@@ -155,6 +155,15 @@ def test_a_divergence_found_by_a_stop_signal_is_rolled_back_too(tmp_path):
     assert losses(tmp_path / "half") == losses(tmp_path / "full")
 
 
+def test_skipped_steps_are_named_on_the_progress_line_and_counted_in_the_summary(tmp_path, capsys):
+    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "logger.log_every=2", "logger=none", "monitor=off",
+              quiet=False)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("step ")]
+    assert ["skipped 1 non-finite step(s)" in ln for ln in lines] == [False, True, False]  # steps 2, 4, 6
+    assert s["skipped_steps"] == 1 and "| 1 non-finite step(s) skipped" in err.splitlines()[-1]
+
+
 def test_max_rollbacks_reached_is_diverged(tmp_path):
     s = train(tmp_path, *GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "divergence.max_rollbacks=0")
     assert s["status"] == "diverged" and "max_rollbacks=0 reached" in s["reason"] and s["rollbacks"] == []
