@@ -166,7 +166,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
     seed_all(cfg.seed)
     data = data_from_config(cfg)
-    notes = fit_model_to_data(cfg, data)
+    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg)
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     blocks = transformer_blocks(model)

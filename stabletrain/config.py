@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
 
@@ -492,6 +492,65 @@ def validate(cfg: Any) -> None:
     _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
     _need(sc.min_lr <= o.lr, f"schedule.min_lr={sc.min_lr} must be <= optim.lr={o.lr}")
     _need(0 < sc.gamma <= 1, f"schedule.gamma={sc.gamma} must be in (0, 1] (the factor of each step decay)")
+
+
+# keys that only some options of their group read: (group, key) -> those options
+READ_BY = {
+    ("norm", "alpha"): ("stablenorm",), ("norm", "eps_mode"): ("stablenorm",),
+    ("attention", "c"): ("stable",), ("attention", "seq_len"): ("stable",), ("attention", "alpha"): ("stable",),
+    ("attention", "eps"): ("qknorm", "stable"),
+    **{("optim", k): ("adamw2",) for k in ("tau", "eps_inside_sqrt", "power_iters", "warm_start", "overlap_sigma_w",
+                                           "bound_norm_gains")},
+    ("optim", "momentum"): ("sgd", "lars"), ("optim", "nesterov"): ("sgd",), ("optim", "trust_coef"): ("lars",),
+    ("schedule", "milestones"): ("step",), ("schedule", "gamma"): ("step",),
+}
+# groups whose every key is unread while the group is off
+OFF = {"reparam": (ReparamConfig, "none"), "deescalate": (DeescConfig, "none")}
+
+
+def unread_keys(cfg: Any) -> list[str]:
+    """One note per key set away from its default that nothing reads in this run, because the
+    option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
+    share such keys across options, so they are said, not refused."""
+    schema = {"norm": NormConfig, "attention": AttentionConfig, "optim": OptimConfig, "schedule": ScheduleConfig}
+    out = []
+
+    def note(group, key, chosen, readers):
+        value = cfg[group][key]
+        out.append(f"note: {group}.{key}={_shown(value)} changes nothing: only {group}="
+                   f"{'/'.join(readers)} reads it, and this run has {group}={chosen}")
+
+    for (group, key), readers in READ_BY.items():
+        chosen = str(cfg[group].name)
+        if chosen not in readers and _differs(cfg[group][key], getattr(schema[group](), key)):
+            note(group, key, chosen, readers)
+    for group, (cls, off) in OFF.items():
+        if str(cfg[group].name) == off:
+            for key in (f.name for f in fields(cls) if f.name != "name"):
+                if _differs(cfg[group][key], getattr(cls(), key)):
+                    out.append(f"note: {group}.{key}={_shown(cfg[group][key])} changes nothing: {group}={off} "
+                               f"is off (choose another {group} option)")
+    if cfg.ema.decay is None:
+        for key in ("every", "warmup"):
+            if _differs(cfg.ema[key], getattr(EmaConfig(), key)):
+                out.append(f"note: ema.{key}={_shown(cfg.ema[key])} changes nothing: the weight average is off "
+                           f"(set ema.decay, e.g. 0.9999)")
+    return out
+
+
+def _differs(value: Any, default: Any) -> bool:
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value)
+    return value != default
+
+
+def _shown(value: Any) -> str:
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    return str(getattr(value, "value", value)).replace(" ", "")
 
 
 # float keys for which inf means something (no clipping, no growth alert, no spike check)
