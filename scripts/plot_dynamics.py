@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         paths = plot_dynamics(args.run_dir, blocks=args.blocks, out_dir=args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no such run; a block it does not have
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in paths:

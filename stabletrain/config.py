@@ -469,6 +469,8 @@ def validate(cfg: Any) -> None:
     for key in ("nan_at_step", "spike_at_step"):
         v = getattr(dbg, key)
         _need(v is None or v >= 1, f"debug.{key}={v} must be >= 1 (1-based) or null")
+        _need(v is None or cfg.steps is None or v <= cfg.steps,
+              f"debug.{key}={v} is past the run's steps={cfg.steps}: the fault would never happen")
     _need(dbg.spike_factor > 0, f"debug.spike_factor={dbg.spike_factor} must be > 0")
     _need(math.isfinite(cfg.dist_timeout) and cfg.dist_timeout > 0,
           f"dist_timeout={cfg.dist_timeout} must be > 0 seconds (e.g. 900)")

@@ -30,6 +30,7 @@ from tests.helpers import make_cfg
     (["ckpt_every=0"], "ckpt_every=0 must be >= 1"),
     (["eval_batches=0"], "eval_batches=0 must be >= 1"),
     (["logger.log_every=0"], "logger.log_every=0 must be >= 1"),
+    (["steps=40", "debug.nan_at_step=500"], "debug.nan_at_step=500 is past the run's steps=40"),
     (["device=tpu"], "device=tpu is not an option"),
     (["schedule.min_lr=-1"], "schedule.min_lr=-1.0 must be >= 0"),
     (["optim=sgd", "optim.momentum=5"], "optim.momentum=5.0 must be in [0, 1)"),

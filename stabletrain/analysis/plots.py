@@ -133,7 +133,8 @@ def select_blocks(all_blocks: list[str], spec: str | None) -> list[str]:
             elif tok in all_blocks:
                 chosen.append(tok)
             else:
-                print(f"note: block {tok!r} not in this run (blocks: {', '.join(all_blocks)})")
+                raise ValueError(f"--blocks: {tok!r} is not a block of this run; choose positions "
+                                 f"0..{len(all_blocks) - 1} (or -1, ...) or names: {', '.join(all_blocks)}")
         return list(dict.fromkeys(chosen))
     if len(all_blocks) <= 8:
         return list(all_blocks)

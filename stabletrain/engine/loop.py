@@ -681,6 +681,8 @@ class Trainer:
                 at = summary.get("diverged_at", self.step)
                 where = f"at step {at}" + (f" (stopped at step {self.step})" if at != self.step else "")
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
+                if status == "interrupted" and not D.may_be_requeued():
+                    reason += f"; continue it with resume=auto hydra.run.dir={self.run_dir}"
                 self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
                                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
         return summary

@@ -119,6 +119,9 @@ def test_read_metrics_keeps_sparse_series_and_skips_torn_lines(tmp_path):
     many = [f"blocks.{i}" for i in range(12)]
     assert P.select_blocks(many, None) == [f"blocks.{i}" for i in (0, 2, 4, 6, 7, 9, 11)]
     assert P.select_blocks(many, "blocks.5,-1") == ["blocks.5", "blocks.11"]
+    for bad in ("12", "foo"):
+        with pytest.raises(ValueError, match=rf"--blocks: '{bad}' is not a block of this run; choose positions 0..11"):
+            P.select_blocks(many, bad)
 
 
 def test_compare_runs_script_overlays_runs(tmp_path):

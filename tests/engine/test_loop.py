@@ -240,3 +240,17 @@ def test_locater_penalty_is_logged_beside_the_loss(tmp_path):
     want = locater_penalty(t.model, cfg.regularizer.locater).item()
     assert rec["loss/penalty"] == pytest.approx(want, rel=1e-5) and rec["loss/penalty"] > 0
     assert rec["loss"] > rec["loss/penalty"]
+
+
+def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatch):
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):  # under a scheduler the job is requeued instead
+        monkeypatch.delenv(var, raising=False)
+    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
+    s = _run_until(t, 3)
+    assert s["reason"] == "signal SIGTERM at step 3"  # the summary keeps the reason alone
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("interrupted at step 3: signal SIGTERM at step 3; continue it with resume=auto "
+                           f"hydra.run.dir={tmp_path}"), last
