@@ -1,4 +1,4 @@
-"""Overlay the health curves of several runs, labelled by directory name.
+"""Overlay the health curves of several runs, labelled by the settings that differ between them.
 
     python scripts/compare_runs.py outputs/run_a outputs/run_b ... [--out DIR]   # default run_a/plots
 

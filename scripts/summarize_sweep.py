@@ -1,4 +1,5 @@
-"""One row per run of a sweep: the swept values, status, step reached, final metrics.
+"""One row per run of a sweep: the swept values, status, step reached, final metrics, and the
+skipped steps, rollbacks and alerts of the runs that had any.
 
     python scripts/summarize_sweep.py multirun/2025-01-01/12-00-00 \
         [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]

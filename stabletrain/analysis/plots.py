@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 
+from stabletrain.analysis import sweeps
 from stabletrain.analysis.ticks import log_scale
 from stabletrain.monitor import names as N
 
@@ -585,8 +586,10 @@ def over_blocks(run: Run, group: str, quantity: str, reduce=np.max) -> Series | 
 @_styled
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     """Overlay loss, validation metric, lr, max-over-blocks sigma1(W_q^T W_k) and min-over-
-    blocks entropy of several runs, labelled by directory name, in ``out_dir/compare.png``."""
+    blocks entropy of several runs, labelled by the settings that differ between them (else by
+    directory name), in ``out_dir/compare.png``."""
     runs = [load_run(d) for d in run_dirs]
+    names = sweeps.labels([r.path for r in runs])
     qk_q = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
             else N.WQ_T_WK_MAX)
     # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
@@ -606,13 +609,13 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     drawn = 0
     for ax, (title, logy, get) in zip(axes.flat, panels):
         any_line = False
-        for i, run in enumerate(runs):
+        for i, (run, name) in enumerate(zip(runs, names)):
             c = colors[i % len(colors)]
-            label = run.name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
+            label = name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
             if _line(ax, get(run), logy=logy, color=c, label=label):
                 any_line = True
             else:  # in the legend, so that a missing run is not mistaken for a hidden line
-                ax.plot([], [], color=c, ls=":", label=f"{run.name}: not logged")
+                ax.plot([], [], color=c, ls=":", label=f"{name}: not logged")
             if run.diverged_step is not None:
                 ax.axvline(run.diverged_step, color=c, ls=":", lw=1)
         if any_line:

@@ -17,6 +17,8 @@ from pathlib import Path
 import yaml
 
 FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss"]
+# shown only when some run of the sweep has one: what a healthy-looking final loss may hide
+EVENTS = ["skipped_steps", "rollbacks", "alerts", "first_alert"]
 
 
 @dataclass
@@ -48,7 +50,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _settings(run_dir: Path) -> dict:
+def settings(run_dir: Path) -> dict:
+    """What the run was given: its overrides, else its whole resolved config, flattened."""
     overrides = run_dir / ".hydra" / "overrides.yaml"
     if overrides.is_file():
         out = {}
@@ -73,7 +76,7 @@ def find_runs(sweep_dir: str | Path) -> list[Run]:
             summary = json.loads((d / "summary.json").read_text())
         except (OSError, json.JSONDecodeError):  # none yet, or one being written
             summary = {"status": "unfinished"}
-        runs.append(Run(d, summary, _settings(d)))
+        runs.append(Run(d, summary, settings(d)))
     return runs
 
 
@@ -81,6 +84,18 @@ def varying_keys(runs: list[Run]) -> list[str]:
     keys = sorted({k for r in runs for k in r.settings})
     missing = object()
     return [k for k in keys if len({repr(r.settings.get(k, missing)) for r in runs}) > 1]
+
+
+def labels(run_dirs: list[Path]) -> list[str]:
+    """A legend label per run: the settings that differ between these runs (``optim.tau=0.01``),
+    which say more than a sweep point's directory name (``3``); the directory name where nothing
+    differs or two runs would share a label."""
+    runs = [Run(Path(d), {}, settings(Path(d))) for d in run_dirs]
+    keys = varying_keys(runs)
+    out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings) for r in runs]
+    if not keys or len(set(out)) < len(out):
+        return [Path(d).resolve().name + (f" ({o})" if o and keys else "") for d, o in zip(run_dirs, out)]
+    return out
 
 
 def final_metrics(runs: list[Run]) -> list[str]:
@@ -96,6 +111,16 @@ def _sort_key(v):
     return (1, 0, str(v))
 
 
+def _events(summary: dict) -> dict:
+    """Skipped steps, rollbacks and entropy-collapse alerts, as counts; the first alert as
+    ``step:layer``. Zero counts stay empty so that a column only shows where something happened."""
+    alerts = [a for a in summary.get("alerts") or [] if isinstance(a, dict)]
+    first = min(alerts, key=lambda a: a.get("step", 0)) if alerts else None
+    return {"skipped_steps": summary.get("skipped_steps") or "", "rollbacks": summary.get("rollbacks") or "",
+            "alerts": len(alerts) or "",
+            "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else ""}
+
+
 def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
     """Columns and one dict per run, sorted by the swept values."""
     keys = varying_keys(runs)
@@ -107,11 +132,17 @@ def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
         row.update(status=s.get("status", "?"), step=s.get("step", ""), total_steps=s.get("total_steps", ""),
                    diverged_at=s.get("diverged_at", s.get("step", "")) if s.get("status") == "diverged" else "",
                    final_loss=final.get("loss", ""))
+        row.update(_events(s))
         row.update({f"final_{k}": final.get(k, "") for k in vals})
         row["run"] = r.path.name
         out.append(row)
     out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
-    return keys + FIXED + [f"final_{k}" for k in vals] + ["run"], out
+    events = [k for k in EVENTS if any(row[k] != "" for row in out)]
+    for row in out:
+        for k in EVENTS:
+            if k not in events:
+                del row[k]
+    return keys + FIXED + events + [f"final_{k}" for k in vals] + ["run"], out
 
 
 def _cell(v) -> str:

@@ -137,6 +137,20 @@ def test_compare_runs_script_overlays_runs(tmp_path):
     assert qk[1][-1] == max(P.load_run(a).metrics[f"sigma1/{b}/wq_t_wk_full"][1][-1] for b in BLOCKS)
 
 
+def test_compare_runs_labels_sweep_points_by_their_swept_values(tmp_path, monkeypatch):
+    dirs = []
+    for i, tau in enumerate([0.01, 0.02]):
+        d = _write_run(tmp_path / str(i), crash=False)
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "overrides.yaml").write_text(f"- optim.tau={tau}\n")
+        dirs.append(d)
+    legends = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: legends.extend(
+        t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()))
+    P.compare_runs(dirs, tmp_path / "cmp")
+    assert legends and set(legends) == {"optim.tau=0.01", "optim.tau=0.02"}
+
+
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     """metrics.jsonl stores NaN/inf as strings (JSON has none); they come back as floats."""
     import numpy as np
