@@ -22,9 +22,13 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
 
 def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
     run = tmp_path / "run"
-    r = cli("model=vit_test", "dry_run=true", "logger=none", f"hydra.run.dir={run}")
+    r = cli("model=vit_test", "dry_run=true", "logger=none", f"hydra.run.dir={run}", "steps=50", "warmup=60",
+            "schedule=step", "schedule.milestones=[30,50,80]")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "blocks.*" in r.stderr and "total" in r.stderr and "dry run: nothing trained" in r.stderr
+    # what the run would warn of, the dry run says too
+    assert "the warmup (60 steps) is as long as the run (50 steps)" in r.stderr
+    assert "schedule.milestones at step(s) 50, 80 are past the run's 50 steps" in r.stderr
     assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
 
 

@@ -557,10 +557,6 @@ class Trainer:
                   f"{' (bf16)' if self.bf16 else ''}, {self.total_steps} steps of {cfg.batch_size} "
                   f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
                   f"run dir {self.run_dir}")
-        warm = self.schedule.warmup_steps
-        if warm >= self.total_steps:
-            m.message(f"warning: the warmup ({warm} steps) is as long as the run ({self.total_steps} steps): the "
-                      f"learning rate never reaches its peak; shorten warmup or train longer")
         for note in self.notes:
             m.message(note)
         self.last_vals: dict = {}

@@ -61,6 +61,20 @@ class LRSchedule:
         if self.warmup_steps < 0:
             raise ValueError(f"warmup={self.warmup_steps} steps must be >= 0")
 
+    def warnings(self) -> list[str]:
+        """What this schedule will not do in a run of ``total_steps``: a warmup that never ends,
+        milestones the run never reaches. Warned, not refused: a shortened recipe is a common test."""
+        out = []
+        if self.warmup_steps >= self.total_steps:
+            out.append(f"warning: the warmup ({self.warmup_steps} steps) is as long as the run ({self.total_steps} "
+                       f"steps): the learning rate never reaches its peak; shorten warmup or train longer")
+        late = [m for m in self.milestones if m >= self.total_steps]
+        if self.name == "step" and late:
+            out.append(f"warning: schedule.milestones at step(s) {', '.join(map(str, late))} are past the run's "
+                       f"{self.total_steps} steps: the learning rate never decays there; check schedule.unit and "
+                       f"the milestones")
+        return out
+
     def __call__(self, step: int) -> float:
         w = self.warmup_steps
         if step < w:

@@ -43,6 +43,17 @@ def test_step_at_milestones():
     assert lr(200) == pytest.approx(0.025)
 
 
+def test_warnings_name_what_the_run_never_reaches():
+    """The last step is total_steps - 1: a milestone at total_steps never applies."""
+    lr = LRSchedule("step", base_lr=0.1, total_steps=300, milestones=(100, 300, 400))
+    assert lr(299) == pytest.approx(0.01)  # only the first milestone was passed
+    (w,) = lr.warnings()
+    assert "milestones at step(s) 300, 400 are past the run's 300 steps" in w
+    assert LRSchedule("step", base_lr=0.1, total_steps=301, milestones=(100, 300)).warnings() == []
+    assert "never reaches its peak" in LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=10).warnings()[0]
+    assert LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=9).warnings() == []
+
+
 def test_constant_with_warmup():
     lr = LRSchedule("constant", base_lr=1.0, total_steps=50, warmup_steps=2)
     assert [lr(0), lr(1), lr(2), lr(49)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
