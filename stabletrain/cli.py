@@ -137,9 +137,29 @@ def check_keys(overrides: list[str]) -> None:
             if not (name.startswith("hydra") or (CONFIG_DIR / name.split("/")[0]).is_dir()):
                 raise ConfigError(f"unknown key '{name}': {ov} adds a key nothing reads; drop the '+' to set an "
                                   f"existing key (`python train.py --cfg job` prints every key)")
+        if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):
+            _check_output_dir(key.lstrip("+"), ov.split("=", 1)[1])
         if ov.startswith("hydra/launcher=slurm") and shutil.which("sbatch") is None:
             raise ConfigError("hydra/launcher=slurm submits through SLURM, but there is no sbatch on this "
                               "machine; run on the cluster's login node, or drop it to sweep locally")
+
+
+def _check_output_dir(key: str, value: str) -> None:
+    """A run directory Hydra could not create (a file in its place or on its path, a folder
+    without write permission) fails inside Hydra with a traceback: said here in one line."""
+    import os
+
+    from stabletrain.errors import ConfigError
+
+    if "${" in value:  # interpolated (${now:...}): Hydra resolves it; nothing to check
+        return
+    path = Path(value).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is below {existing}, which is a file"
+        raise ConfigError(f"{key}={value} {where}: a run directory must be a directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={value}: cannot write in {existing} (permission denied); choose another path")
 
 
 def check_group_choices(cfg, overrides: list[str]) -> None:

@@ -20,6 +20,14 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("sub,needle", [("", "is a file"), ("/run", "is below")])
+def test_a_run_dir_that_cannot_be_a_directory_is_one_line(tmp_path, sub, needle):
+    (tmp_path / "f").write_text("")
+    r = cli("model=vit_test", f"hydra.run.dir={tmp_path}/f{sub}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
 def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
     run = tmp_path / "run"
     r = cli("model=vit_test", "dry_run=true", "logger=none", f"hydra.run.dir={run}", "steps=50", "warmup=60",
