@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{a.out}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
           f"({meta['tokenizer']}, vocab {meta['vocab_size']}, {meta['dtype']})")
+    if skipped := meta.get("skipped_files"):
+        print(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]} "
+              f"(all listed in {Path(a.out) / 'meta.json'})", file=sys.stderr)
     return 0
 
 

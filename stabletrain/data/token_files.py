@@ -159,9 +159,35 @@ def _utf8_contents(paths: list[Path], skipped: list[str]) -> Iterator[bytes]:
         yield data
 
 
+def offline_if_hub_unreachable() -> str | None:
+    """Set ``HF_HUB_OFFLINE=1`` when the Hub cannot be reached, and say so.
+
+    Without network, ``datasets`` retries every request for about half a minute before it
+    fails, even for a data set it has cached; offline it reads the cache at once. One connection
+    attempt decides. Must run before ``datasets`` is first imported, which reads the variable
+    then; a variable already set (either one) is left alone and nothing is tried.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) is not None for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=5).close()
+        return None
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        return f"note: {url.hostname} cannot be reached: reading the Hugging Face cache only (HF_HUB_OFFLINE=1)"
+
+
 def hf_dataset(name: str | None = None, config: str | None = None, split: str = "train",
                disk: str | None = None, text_field: str = "text", revision: str | None = None):
     """One split of a Hugging Face data set, by hub name (cached or downloaded) or ``save_to_disk`` folder."""
+    import sys
+
+    if disk is None and (note := offline_if_hub_unreachable()):
+        print(note, file=sys.stderr)
     import datasets
 
     if disk is not None:
@@ -270,6 +296,7 @@ def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | 
                 n["val"] += _append(fv, _encoded(batch, enc, dtype, eot))
                 n_docs["val"] += len(batch)
                 bar.update(len(batch))
+            bar.total = bar.n  # ``total`` counted files that turned out not to be text
         want = min_tokens
         if val_docs is None and not eot:
             want = max(want, math.ceil(val_fraction * (n["train"] + n["val"])))

@@ -148,6 +148,46 @@ def test_hf_name_offline_says_network_or_local_copy(tmp_path, monkeypatch, capsy
     assert not any(tmp_path.iterdir())
 
 
+def test_the_script_names_skipped_files_and_its_progress_ends_at_what_it_read(tmp_path, capsys):
+    from scripts.prepare_tokens import main
+
+    write_docs(tmp_path)
+    assert main(["--out", str(tmp_path / "out"), "--files", str(tmp_path), "--block-size", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "skipped 1 file(s) that are not UTF-8 text, e.g. " + str(tmp_path / "__pycache__" / "a.pyc") in err
+    final = err.replace("\r", "\n").strip().splitlines()[-2]  # the bar's last state, then the skip line
+    assert "100%" in final and "3/3" in final, final
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+def test_an_unreachable_hub_switches_to_the_cache_at_once(monkeypatch, reachable):
+    """Offline, datasets retries for half a minute before failing: one connection attempt decides."""
+    import socket
+
+    from stabletrain.data import token_files
+
+    tried = []
+
+    def connect(address, timeout):
+        tried.append(address)
+        if not reachable:
+            raise OSError("Name or service not known")
+        return socket.socket()
+
+    monkeypatch.setattr(socket, "create_connection", connect)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.setenv(var, "")  # recorded, so that what the call sets is undone after the test
+        monkeypatch.delenv(var)
+    note = token_files.offline_if_hub_unreachable()
+    assert tried == [("huggingface.co", 443)]
+    if reachable:
+        assert note is None and "HF_HUB_OFFLINE" not in token_files.os.environ
+    else:
+        assert "huggingface.co cannot be reached" in note and token_files.os.environ["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the user's choice: nothing is tried
+    assert token_files.offline_if_hub_unreachable() is None and len(tried) == 1
+
+
 def test_interrupted_run_keeps_the_previous_files(tmp_path):
     prepare_tokens(tmp_path, ["old text " * 10], block_size=4)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
