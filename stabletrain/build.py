@@ -34,6 +34,7 @@ from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import seed_all
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import LoopSettings, Trainer, autocast_for
+from stabletrain.engine.memory import check_host_memory
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
 from stabletrain.layers.deescalate import DEESCALATIONS
@@ -174,12 +175,17 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         from stabletrain.engine.sharding import apply_activation_checkpointing
 
         apply_activation_checkpointing(blocks)
+    shard = _shard(cfg, info)
+    autocast = autocast_for(device, bf16)
+    sharded = cfg.parallel == "fsdp"
+    if device.type == "cpu":  # out of memory, a CPU process is killed without a word
+        check_host_memory(model, next(data.val_batches(1, 1))[0].to(device), shard.micro, autocast,
+                          shards=info.world if sharded else 1)
     ema = None
     if cfg.ema.decay is not None:  # a copy of the model before sharding, sharded alike below
         from stabletrain.engine.ema import WeightEma
 
         ema = WeightEma(model, cfg.ema.decay, cfg.ema.every, cfg.ema.warmup)
-    sharded = cfg.parallel == "fsdp"
     if sharded:  # before the optimizer: FSDP2 replaces the parameters by sharded DTensors
         from stabletrain.engine.sharding import shard_model
 
@@ -198,9 +204,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                           steps_per_epoch=spe)
     notes += lr_at.warnings()
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
-    shard = _shard(cfg, info)
     mixup, criterion = task_loss(data, cfg.data)
-    autocast = autocast_for(device, bf16)
     monitor = None
     if option_value(cfg.monitor.name) != "off":
         from stabletrain.monitor.runner import MonitorRunner

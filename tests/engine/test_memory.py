@@ -1,0 +1,64 @@
+"""The host-memory check of a CPU run: what the forward keeps for the backward, counted exactly."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+from stabletrain.engine.memory import check_host_memory, saved_bytes_per_sample
+from stabletrain.engine.sharding import apply_activation_checkpointing
+from stabletrain.errors import ConfigError
+from stabletrain.models.registry import transformer_blocks
+from tests.helpers import make_cfg, model_of, train
+
+NO_AUTOCAST = contextlib.nullcontext
+
+
+def test_an_mlp_keeps_its_input_hidden_layer_twice_and_output():
+    """Linear keeps its input (for the weight's gradient), GELU its input, the second Linear
+    GELU's output; the loss keeps the output. Weights are not activations."""
+    d, h, c = 7, 33, 5
+    mlp = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, c))
+    assert saved_bytes_per_sample(mlp, torch.randn(16, d), NO_AUTOCAST) == 4 * (d + h + h + c)
+
+
+def test_the_measure_leaves_the_model_and_the_random_stream_as_they_were():
+    model = model_of(make_cfg("model=vit_test", "reparam=sigma", "model.dropout=0.1"))
+    model.eval()
+    before = [b.clone() for b in model.buffers()]
+    x = torch.randn(2, 3, 16, 16)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    saved_bytes_per_sample(model, x, NO_AUTOCAST)
+    assert torch.equal(torch.rand(3), expected) and not model.training
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def test_activation_checkpointing_shrinks_the_estimate():
+    model = model_of(make_cfg("model=gpt_test"))
+    x = torch.randint(0, 64, (2, 32))
+    full = saved_bytes_per_sample(model, x, NO_AUTOCAST)
+    apply_activation_checkpointing(transformer_blocks(model))
+    assert saved_bytes_per_sample(model, x, NO_AUTOCAST) < full / 2
+
+
+def test_a_step_that_cannot_fit_is_refused_in_one_line():
+    model = nn.Sequential(nn.Linear(10, 1000), nn.GELU(), nn.Linear(1000, 10))  # 8 KB per sample
+    x = torch.randn(4, 10)
+    check_host_memory(model, x, micro=100, autocast=NO_AUTOCAST, available=10**9)
+    with pytest.raises(ConfigError, match=r"needs at least 8\.2 MB .* micro-batch of 1000 samples 8\.1 MB .* "
+                                          r"set activation_checkpointing=true, or train on a GPU"):
+        check_host_memory(model, x, micro=1000, autocast=NO_AUTOCAST, available=5 * 10**6)
+
+
+def test_the_run_checks_before_it_trains(tmp_path, monkeypatch):
+    import stabletrain.engine.memory as M
+
+    monkeypatch.setattr(M, "available_bytes", lambda: 1000)
+    with pytest.raises(ConfigError, match="a training step needs at least"):
+        train(tmp_path, "model=vit_test", "steps=1")
+    assert not (tmp_path / "metrics.jsonl").exists()
