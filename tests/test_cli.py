@@ -65,3 +65,20 @@ def test_config_yaml_records_what_the_data_built_and_says_what_it_replaced(tmp_p
     text = (tmp_path / "config.yaml").read_text()
     assert "num_classes: 10" in text and "in_chans: 1" in text
     assert "from the data (data=auto): model.num_classes=10 (was 1000), model.in_chans=1 (was 3)" in r.stderr
+
+
+def test_a_device_that_is_not_there_is_named_as_written(monkeypatch):
+    import torch
+
+    from stabletrain.engine.distributed import pick_device
+    from stabletrain.topology import DistInfo
+
+    info = DistInfo(rank=0, world=1, local_rank=0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device=cuda:0 but no CUDA GPU is visible"):
+        pick_device("cuda:0", info)
+    assert pick_device("auto", info) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"device=cuda:2 but 2 GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
+        pick_device("cuda:2", info)

@@ -27,6 +27,7 @@ _cpu_group = None  # a gloo group for host-side flags when the main backend is N
 def pick_device(name: str, info: DistInfo) -> torch.device:
     """The device this process trains on: ``auto`` is a CUDA GPU if one is visible, and
     ``cuda`` is this rank's (its local rank modulo the visible GPUs)."""
+    asked = name
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -34,7 +35,10 @@ def pick_device(name: str, info: DistInfo) -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA GPU is visible; use device=cpu or device=auto")
+            raise ConfigError(f"device={asked} but no CUDA GPU is visible; use device=cpu or device=auto")
+        if dev.index >= (n := torch.cuda.device_count()):
+            raise ConfigError(f"device={asked} but {n} GPU(s) are visible (cuda:0 to cuda:{n - 1}); use device=cuda, "
+                              f"which picks this rank's GPU")
         torch.cuda.set_device(dev)
     return dev
 
