@@ -16,7 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from stabletrain.cli import check_overrides
 from stabletrain.config import register
 from stabletrain.engine.distributed import detect
-from stabletrain.run import fail, main_guarded
+from stabletrain.errors import fail
+from stabletrain.run import main_guarded
 
 register()
 

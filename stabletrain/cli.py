@@ -7,7 +7,6 @@ validated, and any problem is printed as ``error: <what> <fix>`` with exit code 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -181,5 +180,6 @@ def check_group_choices(cfg, overrides: list[str]) -> None:
 
 
 def _fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    from stabletrain.errors import fail
+
+    fail(msg)

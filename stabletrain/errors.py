@@ -1,6 +1,13 @@
 """The one error a user's mistake raises: a config value, a data file or a checkpoint that
 cannot run. Its message is one line naming the problem and the fix; the command line prints
-it as ``error: ...`` and exits 2, with no traceback."""
+it as ``error: ...`` and exits 2, with no traceback (:func:`fail`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
 
 
 class ConfigError(ValueError):
@@ -12,3 +19,28 @@ def first_line(err: BaseException) -> str:
     for one-line reports of errors raised by other libraries."""
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
+
+
+def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
+    """Print ``error: msg`` and exit with ``code``. A config mistake is the same on every rank of
+    a job: only rank 0 prints it (``every_rank`` for what one rank alone may know)."""
+    from stabletrain.topology import detect
+
+    info = detect()
+    if every_rank or info.rank == 0:
+        line = f"error: {f'rank {info.rank}: ' if every_rank and info.enabled else ''}{msg}"
+        print(line, file=sys.stderr)
+        _tell_torchrun(line)
+    sys.exit(code)
+
+
+def _tell_torchrun(line: str) -> None:
+    """torchrun ends a failed job with its own report, whose "Root Cause" shows the worker's
+    error file (else a link to its docs): put the one line there, where the eye lands last."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from stabletrain.errors import ConfigError
+from stabletrain.errors import ConfigError, fail
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import RunDirLock
@@ -100,16 +100,6 @@ def requeue_after(signum: int, info: D.DistInfo) -> None:
         job = os.environ.get("SLURM_ARRAY_JOB_ID")
         job = f"{job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if job else os.environ["SLURM_JOB_ID"]
         subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
-
-
-def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
-    """One line and an exit code. A config mistake is the same on every rank of a job: only
-    rank 0 prints it (``every_rank`` for what one rank alone may know)."""
-    info = D.detect()
-    if every_rank or info.rank == 0:
-        prefix = f"rank {info.rank}: " if every_rank and info.enabled else ""
-        print(f"error: {prefix}{msg}", file=sys.stderr)
-    sys.exit(code)
 
 
 def main_guarded(cfg, run_dir) -> dict | None:

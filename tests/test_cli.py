@@ -82,3 +82,17 @@ def test_a_device_that_is_not_there_is_named_as_written(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ConfigError, match=r"device=cuda:2 but 2 GPU\(s\) are visible \(cuda:0 to cuda:1\)"):
         pick_device("cuda:2", info)
+
+
+def test_under_torchrun_the_error_line_is_the_root_cause_torchrun_reports(tmp_path, monkeypatch, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from stabletrain.errors import fail
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(SystemExit) as stop:
+        fail("optim.lr=-1.0 must be > 0")
+    assert stop.value.code == 2 and capsys.readouterr().err == "error: optim.lr=-1.0 must be > 0\n"
+    report = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert report.message == "error: optim.lr=-1.0 must be > 0"
