@@ -102,6 +102,11 @@ def logit_max(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tens
     a boolean mask, ``-inf`` in a float one). Swin's shifted-window mask is finite (-100), so
     for Swin the max runs over every query-key pair of a window, cross-region pairs included.
     """
+    return mask_logits_(logits.clone(), attn_mask, causal).amax()
+
+
+def mask_logits_(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
+    """``logits`` with the pairs :func:`logit_max` excludes set to ``-inf``, in place."""
     keep = None
     if attn_mask is not None:
         keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
@@ -109,9 +114,7 @@ def logit_max(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tens
         t, s = logits.shape[-2:]
         tri = torch.ones(t, s, dtype=torch.bool, device=logits.device).tril(s - t)
         keep = tri if keep is None else keep & tri
-    if keep is not None:
-        logits = logits.masked_fill(~keep, float("-inf"))
-    return logits.amax()
+    return logits if keep is None else logits.masked_fill_(~keep, float("-inf"))
 
 
 def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
@@ -120,10 +123,11 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
     q, k = mod.q_norm(q), mod.k_norm(k)
     drop = mod.attn_drop.p if mod.training else 0.0
     if mod.probe is not None:
-        with torch.no_grad():
-            logits = mod.scale * (q.detach().float() @ k.detach().float().transpose(-2, -1))
-            mod.probe["logit_max"] = logit_max(logits, attn_mask, causal)
-            mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, causal, logits)
+        with torch.no_grad():  # masked once, in place: at T = 1024 each copy is B x H x 4 MB
+            logits = mask_logits_((q.detach().float() @ k.detach().float().transpose(-2, -1)).mul_(mod.scale),
+                                  attn_mask, causal)
+            mod.probe["logit_max"] = logits.amax()
+            mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, False, logits)  # causal applied
         mod.probe["x"] = x.detach()
     if mod.attn_fp32:
         with torch.autocast(q.device.type, enabled=False):

@@ -242,15 +242,18 @@ def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False
     Masked entries contribute 0; rows with no allowed key are left out of the mean, which
     runs over queries and examples.
     """
-    p = probs.detach().double()
+    p = probs.detach()
     keep = _key_mask(p.shape, mask, causal, p.device)
-    ent_terms = -torch.special.xlogy(p, p)
+    # p log p in the probabilities' dtype, masked in place, each row summed in it (pairwise
+    # summation: fp32 rows of 1024 keys to ~1e-7), rows averaged in float64. One temporary the
+    # size of ``probs``: at T = 1024 float64 copies of it cost more than the probe's forward.
+    ent_terms = torch.special.xlogy(p, p)
     if keep is not None:
-        ent_terms = ent_terms.masked_fill(~keep, 0.0)
+        ent_terms.masked_fill_(~keep, 0.0)
         valid = keep.any(-1).expand(p.shape[:-1]).double()
     else:
         valid = torch.ones(p.shape[:-1], dtype=torch.float64, device=p.device)
-    row_ent = ent_terms.sum(-1) * valid
+    row_ent = -ent_terms.sum(-1).double() * valid
     return row_ent.sum((0, 2)) / valid.sum((0, 2)).clamp_min(1.0)
 
 
@@ -262,7 +265,8 @@ def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causa
     keep = _key_mask(shape, mask, causal, device)
     if keep is None:
         return math.log(shape[-1])
-    n = keep.expand(shape).sum(-1).double()
+    # rows repeat along the dims ``keep`` broadcasts over: its own rows have the same mean
+    n = keep.sum(-1, dtype=torch.float64)
     valid = n > 0
     return float(torch.log(n[valid]).mean()) if bool(valid.any()) else 0.0
 

@@ -21,8 +21,9 @@ def _batch(model_name: str, cfg, n: int = 3):
     return torch.randn(n, 3, cfg.model.img_size, cfg.model.img_size, generator=g), torch.randint(0, 10, (n,))
 
 
-def _explicit(model, x, causal: bool) -> tuple[dict[str, float], float]:
-    """Per block: norm1 input -> qkv weights -> q/k norms -> scale q.k, masked max; and mean log Z."""
+def _explicit(model, x, causal: bool) -> tuple[dict[str, float], float, dict[str, float]]:
+    """Per block: norm1 input -> qkv weights -> q/k norms -> scale q.k, masked max and the mean
+    over heads of the attention entropy; and mean log Z."""
     inputs = {}
     blocks = transformer_blocks(model)
     hooks = [blk.register_forward_pre_hook(lambda _m, a, name=name: inputs.__setitem__(name, a[0]))
@@ -31,7 +32,7 @@ def _explicit(model, x, causal: bool) -> tuple[dict[str, float], float]:
         out = model(x).double()
     for h in hooks:
         h.remove()
-    maxima = {}
+    maxima, entropy = {}, {}
     for name, blk in blocks:
         a = blk.attn
         h = blk.norm1(inputs[name]).double()
@@ -45,7 +46,9 @@ def _explicit(model, x, causal: bool) -> tuple[dict[str, float], float]:
         if causal:
             logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
         maxima[name] = float(logits.max())
-    return maxima, float(torch.logsumexp(out, -1).mean())
+        probs = logits.softmax(-1)
+        entropy[name] = float(-torch.special.xlogy(probs, probs).sum(-1).mean())
+    return maxima, float(torch.logsumexp(out, -1).mean()), entropy
 
 
 @pytest.mark.parametrize("model_name,extra", [
@@ -63,9 +66,10 @@ def test_monitors_match_explicit_computation(model_name, extra):
     runner = MonitorRunner(model, cfg.monitor, (x, y), device=torch.device("cpu"))
     got = runner.probe_metrics()
     model.eval()
-    maxima, lz = _explicit(model, x, causal=model_name == "gpt_test")
+    maxima, lz, entropy = _explicit(model, x, causal=model_name == "gpt_test")
     for name, want in maxima.items():
         assert got[N.metric(N.ATTN_LOGIT_MAX, name)] == pytest.approx(want, rel=1e-4, abs=1e-5), name
+        assert got[N.metric(N.ENTROPY, name, N.ENT_MEAN)] == pytest.approx(entropy[name], rel=1e-4), name
     assert got[N.LOG_Z] == pytest.approx(lz, rel=1e-5)
     assert all(blk.attn.probe is None for _, blk in transformer_blocks(model))
 

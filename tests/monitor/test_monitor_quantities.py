@@ -166,6 +166,18 @@ def test_entropy_causal_rows_and_masked_entries():
     assert Q.attention_entropy(junk, mask=mask)["entropy/mean"] == pytest.approx(sum(per_row) / t)
 
 
+def test_uniform_reference_with_a_mask_per_sample_is_the_mean_over_every_row():
+    """The mask broadcasts over heads: its own rows carry the mean of all B x H x T rows."""
+    b, h, t = 3, 4, 7
+    g = torch.Generator().manual_seed(1)
+    mask = torch.rand(b, 1, t, t, generator=g) < 0.6
+    mask[0, 0, 2] = False  # a row with no allowed key is left out
+    keep = mask & torch.ones(t, t, dtype=torch.bool).tril()
+    counts = [int(keep[i, 0, r].sum()) for i in range(b) for _ in range(h) for r in range(t)]
+    want = sum(math.log(n) for n in counts if n) / sum(1 for n in counts if n)
+    assert Q.reference_entropy(torch.Size((b, h, t, t)), mask, causal=True) == pytest.approx(want, rel=1e-12)
+
+
 def test_entropy_random_probs_against_formula():
     probs = torch.softmax(torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(7)), -1).double()
     expect = (-(probs * probs.log()).sum(-1)).mean((0, 2))
