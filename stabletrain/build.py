@@ -179,8 +179,9 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     autocast = autocast_for(device, bf16)
     sharded = cfg.parallel == "fsdp"
     if device.type == "cpu":  # out of memory, a CPU process is killed without a word
-        check_host_memory(model, next(data.val_batches(1, 1))[0].to(device), shard.micro, autocast,
-                          shards=info.world if sharded else 1)
+        tight = check_host_memory(model, next(data.val_batches(1, 1))[0].to(device), shard.micro, autocast,
+                                  shards=info.world if sharded else 1, compiled=cfg.compile)
+        notes += [tight] if tight else []
     ema = None
     if cfg.ema.decay is not None:  # a copy of the model before sharding, sharded alike below
         from stabletrain.engine.ema import WeightEma

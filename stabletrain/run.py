@@ -9,12 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from omegaconf import OmegaConf
 
-from stabletrain.errors import ConfigError, fail
+from stabletrain.errors import ConfigError, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import RunDirLock
+from stabletrain.metrics import read_json
 
 
 def run(cfg, run_dir: str | Path) -> dict:
@@ -111,6 +113,13 @@ def main_guarded(cfg, run_dir) -> dict | None:
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
         fail(str(e), 1)
+        return None
+    except torch.OutOfMemoryError as e:  # the loop has written summary.json (status failed, the step)
+        done = read_json(Path(run_dir) / "summary.json") or {}
+        at = f" at step {done['step']}" if done.get("status") == "failed" and "step" in done else ""
+        fail(f"out of GPU memory{at} ({'. '.join(first_line(e).split('. ')[:2])}); lower batch_size, set "
+             f"micro_batch_size to accumulate smaller micro-batches, or set activation_checkpointing=true",
+             1, every_rank=True)
         return None
     except Exception as e:
         if not D.is_timeout(e):

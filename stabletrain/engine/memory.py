@@ -6,7 +6,8 @@ first measures what the forward of one sample keeps for the backward (every tens
 the backward, each storage once, parameters aside), scales it to a micro-batch, adds the
 weights, and refuses a run that cannot fit in the memory the machine has free. Gradients,
 optimizer state and temporaries come on top: the figure is a lower bound, so a refusal is
-certain, and a run that passes may still be tight.
+certain, and a run that passes may still be tight. A compiled model is only warned: inductor
+may save less than the eager forward measured here.
 """
 
 from __future__ import annotations
@@ -74,22 +75,27 @@ def available_bytes() -> int | None:
 
 
 def check_host_memory(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable, shards: int = 1,
-                      available: int | None = None) -> None:
+                      compiled: bool = False, available: int | None = None) -> str | None:
     """Refuse a step that cannot fit: ``micro`` samples' saved activations and the weights
     (their ``1 / shards`` under FSDP2), times the processes on this machine (torchrun's
-    ``LOCAL_WORLD_SIZE``), against the free memory."""
+    ``LOCAL_WORLD_SIZE``), against the free memory. A ``compiled`` model may save less than
+    the eager forward measured here (inductor recomputes cheap operations in the backward), so
+    it gets a warning, returned, instead."""
     free = available_bytes() if available is None else available
     if free is None:
-        return
+        return None
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     acts = saved_bytes_per_sample(model, x, autocast) * micro
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) // shards
     need = (acts + weights) * procs
-    if need > free:
-        each = f" for each of {procs} processes" if procs > 1 else ""
-        checkpointed = any(getattr(m, "activation_checkpointed", False) for m in model.modules())
-        raise ConfigError(
-            f"a training step needs at least {size(need)} of memory (activations of a micro-batch of {micro} "
-            f"samples {size(acts)} + weights {size(weights)}{each}), more than the {size(free)} free here; "
-            f"lower batch_size, set micro_batch_size to accumulate smaller micro-batches, "
-            f"{'' if checkpointed else 'set activation_checkpointing=true, '}or train on a GPU")
+    if need <= free:
+        return None
+    each = f" for each of {procs} processes" if procs > 1 else ""
+    checkpointed = any(getattr(m, "activation_checkpointed", False) for m in model.modules())
+    what = (f"{size(need)} of memory (activations of a micro-batch of {micro} samples {size(acts)} + weights "
+            f"{size(weights)}{each}), more than the {size(free)} free here; lower batch_size, set micro_batch_size "
+            f"to accumulate smaller micro-batches, {'' if checkpointed else 'set activation_checkpointing=true, '}"
+            f"or train on a GPU")
+    if compiled:
+        return f"warning: uncompiled, a training step would need at least {what}"
+    raise ConfigError(f"a training step needs at least {what}")

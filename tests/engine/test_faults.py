@@ -199,3 +199,19 @@ def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):
     assert s["reason"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert _steps(tmp_path) == [1, 2] and t.metrics.file.closed
 
+
+
+def test_out_of_gpu_memory_is_one_line_naming_the_step_and_the_fixes(tmp_path, monkeypatch, capsys):
+    import stabletrain.run as R
+
+    def run(cfg, run_dir):  # what the loop leaves behind: summary.json, then the error
+        (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "step": 2}))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.2 GiB free.\nmore")
+
+    monkeypatch.setattr(R, "run", run)
+    with pytest.raises(SystemExit) as stop:
+        R.main_guarded(None, tmp_path)
+    err = capsys.readouterr().err
+    assert stop.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("error: out of GPU memory at step 2 (CUDA out of memory. Tried to allocate 2.00 GiB); "
+                          "lower batch_size, set micro_batch_size")
