@@ -1,6 +1,7 @@
 """Overlay the health curves of several runs, labelled by the settings that differ between them.
 
     python scripts/compare_runs.py outputs/run_a outputs/run_b ... [--out DIR]   # default run_a/plots
+    python scripts/compare_runs.py multirun/2025-01-01/12-00-00                  # every point of a sweep
 
 Panels: training loss, validation metric, learning rate, max over blocks of
 sigma1(W_q^T W_k), min over blocks of the attention entropy; a diverged run's step is marked.
@@ -17,13 +18,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stabletrain.analysis.plots import compare_runs
 
 
+def sweep_runs(path: Path) -> list[Path]:
+    """``path`` itself, or the runs below a sweep directory (any without metrics.jsonl of its own)."""
+    if not path.is_dir() or (path / "metrics.jsonl").exists():
+        return [path]
+    found = sorted({r.parent for r in path.rglob("metrics.jsonl")})
+    return found or [path]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
-    ap.add_argument("--out", default=None, help="output folder (default: the first run's plots/)")
+    ap.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl, or sweep directories")
+    ap.add_argument("--out", default=None, help="output folder (default: the first run's plots/, a sweep's own)")
     args = ap.parse_args(argv)
+    runs = [r for d in args.run_dirs for r in sweep_runs(Path(d))]
     try:
-        paths = compare_runs(args.run_dirs, args.out or str(Path(args.run_dirs[0]) / "plots"))
+        paths = compare_runs(runs, args.out or str(Path(args.run_dirs[0]) / "plots"))
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

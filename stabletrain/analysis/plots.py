@@ -630,6 +630,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         _skip("compare.png", "none of the runs logged loss, lr, val, sigma1 or entropy")
         return []
-    fig.suptitle(f"{len(runs)} runs: " + ", ".join(r.name for r in runs))
+    parents = {r.path.resolve().parent for r in runs}
+    fig.suptitle(f"{len(runs)} runs in {parents.pop()}" if len(parents) == 1 and len(runs) > 1
+                 else f"{len(runs)} runs: " + ", ".join(r.name for r in runs))
     fig.tight_layout()
     return [_save(fig, Path(out_dir), "compare.png")]

@@ -151,6 +151,16 @@ def test_compare_runs_labels_sweep_points_by_their_swept_values(tmp_path, monkey
     assert legends and set(legends) == {"optim.tau=0.01", "optim.tau=0.02"}
 
 
+def test_compare_runs_script_takes_a_sweep_directory(tmp_path):
+    for i in range(2):
+        _write_run(tmp_path / "sweep" / str(i), crash=False)
+    (tmp_path / "sweep" / "multirun.yaml").write_text("{}\n")  # what Hydra leaves beside the points
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(tmp_path / "sweep")],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    _check_pngs([tmp_path / "sweep" / "plots" / "compare.png"])
+
+
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     """metrics.jsonl stores NaN/inf as strings (JSON has none); they come back as floats."""
     import numpy as np
