@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.engine.test_loop import _run_until
-from tests.helpers import QUIET, has_cpp_compiler, losses, make_cfg, model_of, train
+from tests.helpers import QUIET, losses, make_cfg, model_of, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -29,7 +29,6 @@ def test_a_cuda_run_resumes_where_it_stopped(tmp_path, extra):
     assert all(half[k] == pytest.approx(full[k], rel=1e-5) for k in full)
 
 
-@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler")
 def test_bf16_compiled_run_tracks_the_eager_run(tmp_path):
     args = [*GPT, "steps=6", "precision=bf16", "optim=adamw2"]
     train(tmp_path / "eager", *args)
