@@ -75,12 +75,13 @@ def available_bytes() -> int | None:
 
 
 def check_host_memory(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable, shards: int = 1,
-                      compiled: bool = False, available: int | None = None) -> str | None:
+                      compiled: bool = False, dry_run: bool = False, available: int | None = None) -> str | None:
     """Refuse a step that cannot fit: ``micro`` samples' saved activations and the weights
     (their ``1 / shards`` under FSDP2), times the processes on this machine (torchrun's
     ``LOCAL_WORLD_SIZE``), against the free memory. A ``compiled`` model may save less than
-    the eager forward measured here (inductor recomputes cheap operations in the backward), so
-    it gets a warning, returned, instead."""
+    the eager forward measured here (inductor recomputes cheap operations in the backward), and
+    a ``dry_run`` trains nothing (a GPU recipe looked at on a laptop): both get a warning,
+    returned, instead."""
     free = available_bytes() if available is None else available
     if free is None:
         return None
@@ -98,4 +99,6 @@ def check_host_memory(model: nn.Module, x: torch.Tensor, micro: int, autocast: C
             f"or train on a GPU")
     if compiled:
         return f"warning: uncompiled, a training step would need at least {what}"
+    if dry_run:
+        return f"warning: a training step would need at least {what}"
     raise ConfigError(f"a training step needs at least {what}")

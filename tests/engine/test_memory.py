@@ -55,7 +55,7 @@ def test_a_step_that_cannot_fit_is_refused_in_one_line():
         check_host_memory(model, x, micro=1000, autocast=NO_AUTOCAST, available=5 * 10**6)
 
 
-def test_a_compiled_model_is_warned_not_refused():
+def test_a_compiled_model_and_a_dry_run_are_warned_not_refused():
     """Inductor may save less than the eager forward that was measured: no certainty, no refusal."""
     model = nn.Sequential(nn.Linear(10, 1000), nn.GELU(), nn.Linear(1000, 10))
     note = check_host_memory(model, torch.randn(4, 10), micro=1000, autocast=NO_AUTOCAST, compiled=True,
@@ -63,6 +63,9 @@ def test_a_compiled_model_is_warned_not_refused():
     assert note.startswith("warning: uncompiled, a training step would need at least 8.2 MB of memory")
     assert check_host_memory(model, torch.randn(4, 10), micro=10, autocast=NO_AUTOCAST, compiled=True,
                              available=5 * 10**6) is None
+    note = check_host_memory(model, torch.randn(4, 10), micro=1000, autocast=NO_AUTOCAST, dry_run=True,
+                             available=5 * 10**6)
+    assert note.startswith("warning: a training step would need at least 8.2 MB")  # a dry run trains nothing
 
 
 def test_the_run_checks_before_it_trains(tmp_path, monkeypatch):
