@@ -96,3 +96,19 @@ def test_under_torchrun_the_error_line_is_the_root_cause_torchrun_reports(tmp_pa
     assert stop.value.code == 2 and capsys.readouterr().err == "error: optim.lr=-1.0 must be > 0\n"
     report = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     assert report.message == "error: optim.lr=-1.0 must be > 0"
+
+
+def test_help_opens_with_examples_that_run():
+    """``python train.py --help``: the project's own header, each example a valid command."""
+    import yaml
+
+    from tests.helpers import ROOT
+
+    r = cli("--help")
+    assert r.returncode == 0 and r.stdout.startswith("stabletrain: train a ViT, Swin or GPT")
+    header = yaml.safe_load((ROOT / "configs/train.yaml").read_text())["hydra"]["help"]["header"]
+    examples = [ln.split("python train.py", 1)[1].split("  ")[0].split() for ln in header.splitlines()
+                if ln.startswith("  python train.py")]
+    assert len(examples) == 5
+    for args in (a for a in examples if not a or not a[0].startswith("--")):  # --cfg job: Hydra's own
+        validate(make_cfg(*[a.split(",")[0] for a in args if a != "-m"]))
