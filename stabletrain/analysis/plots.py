@@ -81,6 +81,18 @@ class Run:
         s = self.summary or {}
         return s.get("diverged_at", s.get("step")) if s.get("status") == "diverged" else None
 
+    @property
+    def restored_at(self) -> list[float]:
+        """The steps rollbacks restored (each logged at the step it restored)."""
+        series = self.get(N.rollback("restored_step"))
+        return [] if series is None else sorted(set(series[0].tolist()))
+
+    @property
+    def skipped_at(self) -> list[float]:
+        """The log steps whose interval skipped a non-finite update."""
+        series = self.get(N.SKIPPED_STEPS)
+        return [] if series is None else [float(x) for x, n in zip(*series) if n > 0]
+
 
 _NONFINITE = ("nan", "inf", "-inf")
 
@@ -177,6 +189,13 @@ def _empty(ax, why: str) -> None:
 
 
 def _mark_divergence(ax, run: Run) -> None:
+    """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
+    steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
+    the log steps whose interval skipped a non-finite update (grey)."""
+    for step in run.skipped_at:
+        ax.axvline(step, color="0.6", lw=0.8)
+    for step in run.restored_at:
+        ax.axvline(step, color="tab:orange", ls="--", lw=1)
     step = run.diverged_step
     if step is not None:
         ax.axvline(step, color="red", ls=":", lw=1)
@@ -207,6 +226,10 @@ def _title(run: Run, what: str) -> str:
         status = f" [{run.summary.get('status', '?')}"
         if run.diverged_step is not None:
             status += f" at step {run.diverged_step}"
+        if run.restored_at:
+            status += f", {len(run.restored_at)} rollback(s) (orange: restored step)"
+        if run.skipped_at:
+            status += f", non-finite steps skipped (grey: {int(sum(run.get(N.SKIPPED_STEPS)[1]))})"
         status += "]"
     return f"{run.name}{status}: {what}"
 

@@ -161,6 +161,28 @@ def test_compare_runs_script_takes_a_sweep_directory(tmp_path):
     _check_pngs([tmp_path / "sweep" / "plots" / "compare.png"])
 
 
+def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch):
+    """A rollback restores step 4 (NaN at 6, one skip allowed); a lone NaN at 3 is skipped."""
+    from tests.helpers import train
+
+    gpt = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "steps=8"]
+    train(tmp_path / "rb", *gpt, "divergence.action=rollback", "divergence.max_skips=1", "ckpt_every=4",
+          "debug.nan_at_step=6")
+    train(tmp_path / "skip", *gpt, "debug.nan_at_step=3")
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    # the rollback drops the records after step 4, its skip at 6 with them
+    for name, orange, grey in [("rb", [4.0], []), ("skip", [], [3.0])]:
+        run = P.load_run(tmp_path / name)
+        assert (run.restored_at, run.skipped_at) == (orange, grey)
+        P.plot_training(run, tmp_path / "plots")
+        ax = figures[-1].axes[0]
+        marks = {(float(line.get_xdata()[0]), line.get_color()) for line in ax.get_lines()
+                 if len(set(line.get_xdata())) == 1}
+        assert marks == {(x, "tab:orange") for x in orange} | {(x, "0.6") for x in grey}
+        assert ("rollback(s)" in figures[-1]._suptitle.get_text()) == bool(orange)
+
+
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     """metrics.jsonl stores NaN/inf as strings (JSON has none); they come back as floats."""
     import numpy as np
