@@ -113,6 +113,23 @@ def check_compiler(device: torch.device) -> None:
                               f"or set compile=false")
 
 
+def resolve_compile(asked: bool | None, device: torch.device) -> bool:
+    """``compile``: as asked (checked by :func:`check_compiler`); unset, on for a CUDA GPU with
+    triton, as nanoGPT compiles by default, and off on a CPU, where inductor's C++ build of
+    every kernel takes longer than a short run saves."""
+    if asked is None:
+        if device.type != "cuda":
+            return False
+        try:
+            check_compiler(device)
+        except ConfigError:
+            return False
+        return True
+    if asked:
+        check_compiler(device)
+    return asked
+
+
 def _data_entry(cfg):
     """The registry entry of ``cfg``'s data set, refused when it does not fit the model family."""
     family = MODELS.entry(cfg.model.family)
@@ -156,8 +173,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     device = D.pick_device(cfg.device, info)
-    if cfg.compile:
-        check_compiler(device)
+    compiled = resolve_compile(cfg.compile, device)
     D.init(info, device, cfg.dist_timeout)
     prec = option_value(cfg.precision)
     bf16 = prec == "bf16" or (prec == "auto" and device.type == "cuda")
@@ -180,7 +196,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     sharded = cfg.parallel == "fsdp"
     if device.type == "cpu":  # out of memory, a CPU process is killed without a word
         tight = check_host_memory(model, next(data.val_batches(1, 1))[0].to(device), shard.micro, autocast,
-                                  shards=info.world if sharded else 1, compiled=cfg.compile,
+                                  shards=info.world if sharded else 1, compiled=compiled,
                                   dry_run=cfg.dry_run)
         notes += [tight] if tight else []
     ema = None
@@ -224,7 +240,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, ckpt_every=cfg.ckpt_every,
         log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume,
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
-        compile=cfg.compile, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
+        compile=compiled, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
         flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,

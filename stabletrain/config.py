@@ -331,7 +331,7 @@ class TrainConfig:
     eval_batches: int = 20
     ckpt_every: int = 500
     precision: Precision = Precision.auto
-    compile: bool = False
+    compile: Optional[bool] = None  # null: on for a CUDA GPU (where triton is), off on a CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # ddp: every rank holds the whole model and optimizer state (DistributedDataParallel);
     # fsdp: FSDP2 fully_shard per transformer block and the root, parameters, gradients and

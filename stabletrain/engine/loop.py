@@ -553,8 +553,9 @@ class Trainer:
         """The start lines; a resumed run that already completed returns its summary instead."""
         cfg, m = self.settings, self.metrics
         nparams = sum(p.numel() for p in self.model.parameters())
+        traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
         m.message(f"{cfg.title}: {nparams / 1e6:.2f}M params on {self.device}"
-                  f"{' (bf16)' if self.bf16 else ''}, {self.total_steps} steps of {cfg.batch_size} "
+                  + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
                   f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
                   f"run dir {self.run_dir}")
         for note in self.notes:

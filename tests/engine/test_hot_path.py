@@ -146,3 +146,19 @@ def test_compile_without_its_compiler_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"^compile=true on CUDA needs triton.*set compile=false$"):
         check_compiler(torch.device("cuda"))
+
+
+def test_compile_unset_is_on_for_a_cuda_gpu_with_triton_and_off_on_a_cpu(monkeypatch):
+    import importlib.util
+
+    from stabletrain.build import resolve_compile
+    from stabletrain.errors import ConfigError
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # triton is there
+    assert resolve_compile(None, cuda) is True and resolve_compile(None, cpu) is False
+    assert resolve_compile(False, cuda) is False
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_compile(None, cuda) is False  # unset: eager without triton, no error
+    with pytest.raises(ConfigError, match="compile=true on CUDA needs triton"):
+        resolve_compile(True, cuda)  # asked for: the missing piece is named
