@@ -12,7 +12,7 @@ from tests.helpers import QUIET, losses, make_cfg, model_of, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "device=cuda"]
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "device=cuda", "compile=false"]
 
 
 @pytest.mark.parametrize("extra", [["optim=adamw2"], ["optim=adamw", "reparam=sigma", "ema.decay=0.9"]])
@@ -30,9 +30,9 @@ def test_a_cuda_run_resumes_where_it_stopped(tmp_path, extra):
 
 
 def test_bf16_compiled_run_tracks_the_eager_run(tmp_path):
-    args = [*GPT, "steps=6", "precision=bf16", "optim=adamw2"]
-    train(tmp_path / "eager", *args)
-    train(tmp_path / "compiled", *args, "compile=true")
+    args = [a for a in GPT if a != "compile=false"] + ["steps=6", "precision=bf16", "optim=adamw2"]
+    train(tmp_path / "eager", *args, "compile=false")
+    train(tmp_path / "compiled", *args)  # unset: compiled on a CUDA GPU
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert sorted(eager) == sorted(compiled)
     assert all(compiled[k] == pytest.approx(eager[k], rel=2e-2) for k in eager)
