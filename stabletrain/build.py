@@ -195,9 +195,9 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     autocast = autocast_for(device, bf16)
     sharded = cfg.parallel == "fsdp"
     if device.type == "cpu":  # out of memory, a CPU process is killed without a word
-        tight = check_host_memory(model, next(data.val_batches(1, 1))[0].to(device), shard.micro, autocast,
-                                  shards=info.world if sharded else 1, compiled=compiled,
-                                  dry_run=cfg.dry_run)
+        with torch.random.fork_rng(devices=[]):  # a DataLoader's iterator draws its seed
+            x = next(data.val_batches(2, 1))[0].to(device)
+        tight = check_host_memory(model, x, shard.micro, autocast, compiled=compiled, dry_run=cfg.dry_run)
         notes += [tight] if tight else []
     ema = None
     if cfg.ema.decay is not None:  # a copy of the model before sharding, sharded alike below

@@ -152,7 +152,7 @@ def _check_output_dir(key: str, value: str) -> None:
 
     if "${" in value:  # interpolated (${now:...}): Hydra resolves it; nothing to check
         return
-    path = Path(value).expanduser().absolute()
+    path = Path(value.strip("'\"")).absolute()  # Hydra takes a quoted value without its quotes, and no ~
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         where = "is a file" if existing == path else f"is below {existing}, which is a file"

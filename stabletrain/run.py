@@ -116,7 +116,8 @@ def main_guarded(cfg, run_dir) -> dict | None:
         return None
     except torch.OutOfMemoryError as e:  # the loop has written summary.json (status failed, the step)
         done = read_json(Path(run_dir) / "summary.json") or {}
-        at = f" at step {done['step']}" if done.get("status") == "failed" and "step" in done else ""
+        ours = done.get("status") == "failed" and str(done.get("reason", "")).startswith("OutOfMemoryError")
+        at = f" at step {done['step']}" if ours and "step" in done else ""
         fail(f"out of GPU memory{at} ({'. '.join(first_line(e).split('. ')[:2])}); lower batch_size, set "
              f"micro_batch_size to accumulate smaller micro-batches, or set activation_checkpointing=true",
              1, every_rank=True)

@@ -35,7 +35,7 @@ def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "blocks.*" in r.stderr and "total" in r.stderr and "dry run: nothing trained" in r.stderr
     # what the run would warn of, the dry run says too
-    assert "the warmup (60 steps) is as long as the run (50 steps)" in r.stderr
+    assert "the warmup (60 steps) is as long as the run (50 steps) or longer: the learning rate never" in r.stderr
     assert "schedule.milestones at step(s) 50, 80 are past the run's 50 steps" in r.stderr
     assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
 

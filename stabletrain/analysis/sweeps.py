@@ -93,7 +93,7 @@ def labels(run_dirs: list[Path]) -> list[str]:
     runs = [Run(Path(d), {}, settings(Path(d))) for d in run_dirs]
     keys = varying_keys(runs)
     out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings) for r in runs]
-    if not keys or len(set(out)) < len(out):
+    if not keys or not all(out) or len(set(out)) < len(out):
         return [Path(d).resolve().name + (f" ({o})" if o and keys else "") for d, o in zip(run_dirs, out)]
     return out
 
@@ -116,7 +116,7 @@ def _events(summary: dict) -> dict:
     ``step:layer``. Zero counts stay empty so that a column only shows where something happened."""
     alerts = [a for a in summary.get("alerts") or [] if isinstance(a, dict)]
     first = min(alerts, key=lambda a: a.get("step", 0)) if alerts else None
-    return {"skipped_steps": summary.get("skipped_steps") or "", "rollbacks": summary.get("rollbacks") or "",
+    return {"skipped_steps": summary.get("skipped_steps") or "", "rollbacks": len(summary.get("rollbacks") or []) or "",
             "alerts": len(alerts) or "",
             "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else ""}
 

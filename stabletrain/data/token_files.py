@@ -172,6 +172,8 @@ def offline_if_hub_unreachable() -> str | None:
 
     if any(os.environ.get(k) is not None for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
         return None
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the way out is the proxy, which a direct connection does not take
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
         socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=5).close()

@@ -2,14 +2,13 @@
 
 A GPU out of memory raises an error the run reports; a CPU process out of memory is killed
 by the kernel with no message, after it has spent minutes allocating. So on a CPU the run
-first measures what the forward of one sample keeps for the backward (every tensor saved for
-the backward, each storage once, parameters aside), scales it to a micro-batch, adds the
-weights, and refuses a run that cannot fit in the memory the machine has free. Gradients,
-optimizer state and temporaries come on top: the figure is a lower bound, so a refusal is
-certain, and a run that passes may still be tight. A compiled model is only warned: inductor
-may save less than the eager forward measured here.
+first measures what forwards of one and two samples keep for the backward (every tensor saved
+for the backward, each storage once, parameters aside), scales that to a micro-batch and
+refuses a run whose activations cannot fit in the memory the machine has free, with the model
+already built. Gradients, optimizer state and temporaries come on top: the figure is a lower
+bound, so a refusal is certain, and a run that passes may still be tight. A compiled model is
+only warned: inductor may save less than the eager forward measured here.
 """
-
 from __future__ import annotations
 
 import os
@@ -28,9 +27,9 @@ def size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
-def saved_bytes_per_sample(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
-    """Bytes the forward of ``x[:1]`` keeps for the backward, plus its output in fp32, which
-    the cross-entropy keeps as its log-probabilities. In training mode (activation checkpointing
+def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
+    """Bytes the forward of ``x`` keeps for the backward, plus its output in fp32, which the
+    cross-entropy keeps as its log-probabilities. In training mode (activation checkpointing
     acts only there), on a forked RNG and with the buffers put back, so that neither the model
     nor the run's random stream changes."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -48,13 +47,24 @@ def saved_bytes_per_sample(model: nn.Module, x: torch.Tensor, autocast: Callable
     try:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 autocast():
-            out = model(x[:1].clone())
+            out = model(x.clone())
         return sum(kept.values()) + out.numel() * 4
     finally:
         model.train(was_training)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
+
+
+def activation_bytes(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable) -> int:
+    """What a forward of ``micro`` samples keeps for the backward, from forwards of one and two
+    samples of ``x``: the difference is what each sample adds, the rest is kept once whatever
+    the batch (sigmaReparam's ``W / sigma``, autocast's bf16 copies of the weights)."""
+    one = saved_bytes(model, x[:1], autocast)
+    if len(x) < 2:
+        return one * micro
+    each = saved_bytes(model, x[:2], autocast) - one
+    return max(0, one - each) + each * micro
 
 
 def available_bytes() -> int | None:
@@ -66,37 +76,37 @@ def available_bytes() -> int | None:
     except (OSError, KeyError, ValueError):
         return None
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("inactive_file", 0))
+            free = min(free, int(limit) - used)  # the page cache counts as used there, yet is given back
     except (OSError, ValueError):
         pass
     return free
 
 
-def check_host_memory(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable, shards: int = 1,
-                      compiled: bool = False, dry_run: bool = False, available: int | None = None) -> str | None:
-    """Refuse a step that cannot fit: ``micro`` samples' saved activations and the weights
-    (their ``1 / shards`` under FSDP2), times the processes on this machine (torchrun's
-    ``LOCAL_WORLD_SIZE``), against the free memory. A ``compiled`` model may save less than
-    the eager forward measured here (inductor recomputes cheap operations in the backward), and
-    a ``dry_run`` trains nothing (a GPU recipe looked at on a laptop): both get a warning,
-    returned, instead."""
+def check_host_memory(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable, compiled: bool = False,
+                      dry_run: bool = False, available: int | None = None) -> str | None:
+    """Refuse a step that cannot fit: the activations of ``micro`` samples, times the processes
+    on this machine (torchrun's ``LOCAL_WORLD_SIZE``), against the memory free now, with the
+    weights already allocated. A ``compiled`` model may save less than the eager forward
+    measured here (inductor recomputes cheap operations in the backward), and a ``dry_run``
+    trains nothing (a GPU recipe looked at on a laptop): both get a warning, returned, instead.
+    ``x`` holds two samples or more (one works, and counts every saved tensor per sample)."""
     free = available_bytes() if available is None else available
     if free is None:
         return None
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    acts = saved_bytes_per_sample(model, x, autocast) * micro
-    weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) // shards
-    need = (acts + weights) * procs
-    if need <= free:
+    acts = activation_bytes(model, x, micro, autocast)
+    if acts * procs <= free:
         return None
-    each = f" for each of {procs} processes" if procs > 1 else ""
+    each = f" in each of {procs} processes" if procs > 1 else ""
     checkpointed = any(getattr(m, "activation_checkpointed", False) for m in model.modules())
-    what = (f"{size(need)} of memory (activations of a micro-batch of {micro} samples {size(acts)} + weights "
-            f"{size(weights)}{each}), more than the {size(free)} free here; lower batch_size, set micro_batch_size "
-            f"to accumulate smaller micro-batches, {'' if checkpointed else 'set activation_checkpointing=true, '}"
-            f"or train on a GPU")
+    what = (f"{size(acts * procs)} more memory (the activations of a micro-batch of {micro} samples{each}), more "
+            f"than the {size(free)} free here; lower batch_size, set micro_batch_size to accumulate smaller "
+            f"micro-batches, {'' if checkpointed else 'set activation_checkpointing=true, '}or train on a GPU")
     if compiled:
         return f"warning: uncompiled, a training step would need at least {what}"
     if dry_run:

@@ -266,7 +266,8 @@ def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causa
     if keep is None:
         return math.log(shape[-1])
     # rows repeat along the dims ``keep`` broadcasts over: its own rows have the same mean
-    n = keep.sum(-1, dtype=torch.float64)
+    # (a mask of one column stands for every key)
+    n = keep.sum(-1, dtype=torch.float64) * (shape[-1] // keep.shape[-1])
     valid = n > 0
     return float(torch.log(n[valid]).mean()) if bool(valid.any()) else 0.0
 

@@ -66,8 +66,9 @@ class LRSchedule:
         milestones the run never reaches. Warned, not refused: a shortened recipe is a common test."""
         out = []
         if self.warmup_steps >= self.total_steps:
+            when = "never reaches" if self.warmup_steps > self.total_steps else "reaches only at the last step"
             out.append(f"warning: the warmup ({self.warmup_steps} steps) is as long as the run ({self.total_steps} "
-                       f"steps): the learning rate never reaches its peak; shorten warmup or train longer")
+                       f"steps) or longer: the learning rate {when} its peak; shorten warmup or train longer")
         late = [m for m in self.milestones if m >= self.total_steps]
         if self.name == "step" and late:
             out.append(f"warning: schedule.milestones at step(s) {', '.join(map(str, late))} are past the run's "

@@ -71,7 +71,8 @@ def test_sweep_plot_x_labels_do_not_overlap(x, values):
 
 def test_skips_rollbacks_and_alerts_are_columns_only_where_some_run_had_them(tmp_path):
     quiet = {"status": "completed", "step": 10, "total_steps": 10, "final": {"loss": 1.0}, "alerts": []}
-    eventful = {**quiet, "skipped_steps": 3, "rollbacks": 1,
+    rollback = {"trigger_step": 6, "detected_step": 6, "restored_step": 4, "skipped_steps": 2, "reason": "a | b"}
+    eventful = {**quiet, "skipped_steps": 3, "rollbacks": [rollback],  # as the loop writes them
                 "alerts": [{"step": 40, "layer": "blocks.2", "message": "m"},
                            {"step": 25, "layer": "blocks.1", "message": "m"}]}
     for name, tau, summary in [("a", 0.01, quiet), ("b", 0.02, eventful)]:
@@ -80,7 +81,7 @@ def test_skips_rollbacks_and_alerts_are_columns_only_where_some_run_had_them(tmp
     assert columns[columns.index("final_loss") + 1:][:4] == ["skipped_steps", "rollbacks", "alerts", "first_alert"]
     assert [(r["skipped_steps"], r["rollbacks"], r["alerts"], r["first_alert"]) for r in table] == [
         ("", "", "", ""), (3, 1, 2, "25:blocks.1")]
-    _fake_run(tmp_path / "c", {"optim": {"tau": 0.03}}, {**quiet, "skipped_steps": 0, "rollbacks": 0})
+    _fake_run(tmp_path / "c", {"optim": {"tau": 0.03}}, {**quiet, "skipped_steps": 0, "rollbacks": []})
     columns, table = sweeps.rows(sweeps.find_runs(tmp_path / "c"))
     assert not set(sweeps.EVENTS) & set(columns) and not set(sweeps.EVENTS) & set(table[0])
 
@@ -98,3 +99,7 @@ def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     (twin / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["optim=adamw"]))
     assert sweeps.labels([dirs[2], twin]) == ["2", "twin"]  # nothing differs: directory names
     assert sweeps.labels([dirs[0], dirs[2], twin])[1:] == ["2 (optim=adamw)", "twin (optim=adamw)"]
+    bare = tmp_path / "bare"
+    (bare / ".hydra").mkdir(parents=True)
+    (bare / ".hydra" / "overrides.yaml").write_text("[]\n")
+    assert sweeps.labels([bare, dirs[2]]) == ["bare", "2 (optim=adamw)"]  # no empty label

@@ -175,7 +175,8 @@ def test_an_unreachable_hub_switches_to_the_cache_at_once(monkeypatch, reachable
         return socket.socket()
 
     monkeypatch.setattr(socket, "create_connection", connect)
-    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT"):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "ALL_PROXY",
+                "all_proxy"):
         monkeypatch.setenv(var, "")  # recorded, so that what the call sets is undone after the test
         monkeypatch.delenv(var)
     note = token_files.offline_if_hub_unreachable()
@@ -185,6 +186,10 @@ def test_an_unreachable_hub_switches_to_the_cache_at_once(monkeypatch, reachable
     else:
         assert "huggingface.co cannot be reached" in note and token_files.os.environ["HF_HUB_OFFLINE"] == "1"
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the user's choice: nothing is tried
+    assert token_files.offline_if_hub_unreachable() is None and len(tried) == 1
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the way out is the proxy: nothing is tried
     assert token_files.offline_if_hub_unreachable() is None and len(tried) == 1
 
 

@@ -205,7 +205,8 @@ def test_out_of_gpu_memory_is_one_line_naming_the_step_and_the_fixes(tmp_path, m
     import stabletrain.run as R
 
     def run(cfg, run_dir):  # what the loop leaves behind: summary.json, then the error
-        (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "step": 2}))
+        (tmp_path / "summary.json").write_text(json.dumps({"status": "failed", "step": 2,
+                                                           "reason": "OutOfMemoryError: CUDA out of memory."}))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1.2 GiB free.\nmore")
 
     monkeypatch.setattr(R, "run", run)

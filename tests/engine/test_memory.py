@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from stabletrain.engine.memory import check_host_memory, saved_bytes_per_sample
+from stabletrain.engine.memory import activation_bytes, check_host_memory, saved_bytes
 from stabletrain.engine.sharding import apply_activation_checkpointing
 from stabletrain.errors import ConfigError
 from stabletrain.models.registry import transformer_blocks
@@ -22,7 +22,29 @@ def test_an_mlp_keeps_its_input_hidden_layer_twice_and_output():
     GELU's output; the loss keeps the output. Weights are not activations."""
     d, h, c = 7, 33, 5
     mlp = nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, c))
-    assert saved_bytes_per_sample(mlp, torch.randn(16, d), NO_AUTOCAST) == 4 * (d + h + h + c)
+    assert saved_bytes(mlp, torch.randn(1, d), NO_AUTOCAST) == 4 * (d + h + h + c)
+    assert activation_bytes(mlp, torch.randn(16, d), 100, NO_AUTOCAST) == 100 * 4 * (d + h + h + c)
+
+
+class NormalisedLinear(nn.Module):
+    """Like sigmaReparam: the weight the forward uses, W / |W|, is saved once, whatever the batch."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight / self.weight.norm())
+
+
+def test_what_the_forward_keeps_once_is_not_counted_per_sample():
+    d_in, d_out = 64, 32
+    model = nn.Sequential(nn.Linear(d_in, d_in, bias=False), NormalisedLinear(d_in, d_out))
+    one = saved_bytes(model, torch.randn(1, d_in), NO_AUTOCAST)
+    # W / |W| (its input needs a gradient) and |W|; the sample's input, hidden state and output
+    assert one == 4 * (d_out * d_in + 1 + d_in + d_in + d_out)
+    per_sample = 4 * (d_in + d_in + d_out)
+    assert activation_bytes(model, torch.randn(2, d_in), 100, NO_AUTOCAST) == one + 99 * per_sample
 
 
 def test_the_measure_leaves_the_model_and_the_random_stream_as_they_were():
@@ -33,7 +55,7 @@ def test_the_measure_leaves_the_model_and_the_random_stream_as_they_were():
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    saved_bytes_per_sample(model, x, NO_AUTOCAST)
+    saved_bytes(model, x, NO_AUTOCAST)
     assert torch.equal(torch.rand(3), expected) and not model.training
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
 
@@ -41,16 +63,17 @@ def test_the_measure_leaves_the_model_and_the_random_stream_as_they_were():
 def test_activation_checkpointing_shrinks_the_estimate():
     model = model_of(make_cfg("model=gpt_test"))
     x = torch.randint(0, 64, (2, 32))
-    full = saved_bytes_per_sample(model, x, NO_AUTOCAST)
+    full = saved_bytes(model, x, NO_AUTOCAST)
     apply_activation_checkpointing(transformer_blocks(model))
-    assert saved_bytes_per_sample(model, x, NO_AUTOCAST) < full / 2
+    assert saved_bytes(model, x, NO_AUTOCAST) < full / 2
 
 
 def test_a_step_that_cannot_fit_is_refused_in_one_line():
     model = nn.Sequential(nn.Linear(10, 1000), nn.GELU(), nn.Linear(1000, 10))  # 8 KB per sample
     x = torch.randn(4, 10)
     check_host_memory(model, x, micro=100, autocast=NO_AUTOCAST, available=10**9)
-    with pytest.raises(ConfigError, match=r"needs at least 8\.2 MB .* micro-batch of 1000 samples 8\.1 MB .* "
+    with pytest.raises(ConfigError, match=r"needs at least 8\.1 MB more memory \(the activations of a micro-batch "
+                                          r"of 1000 samples\), more than the 5\.0 MB free here; .*"
                                           r"set activation_checkpointing=true, or train on a GPU"):
         check_host_memory(model, x, micro=1000, autocast=NO_AUTOCAST, available=5 * 10**6)
 
@@ -60,12 +83,12 @@ def test_a_compiled_model_and_a_dry_run_are_warned_not_refused():
     model = nn.Sequential(nn.Linear(10, 1000), nn.GELU(), nn.Linear(1000, 10))
     note = check_host_memory(model, torch.randn(4, 10), micro=1000, autocast=NO_AUTOCAST, compiled=True,
                              available=5 * 10**6)
-    assert note.startswith("warning: uncompiled, a training step would need at least 8.2 MB of memory")
+    assert note.startswith("warning: uncompiled, a training step would need at least 8.1 MB more memory")
     assert check_host_memory(model, torch.randn(4, 10), micro=10, autocast=NO_AUTOCAST, compiled=True,
                              available=5 * 10**6) is None
     note = check_host_memory(model, torch.randn(4, 10), micro=1000, autocast=NO_AUTOCAST, dry_run=True,
                              available=5 * 10**6)
-    assert note.startswith("warning: a training step would need at least 8.2 MB")  # a dry run trains nothing
+    assert note.startswith("warning: a training step would need at least 8.1 MB")  # a dry run trains nothing
 
 
 def test_the_run_checks_before_it_trains(tmp_path, monkeypatch):

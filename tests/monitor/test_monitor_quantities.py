@@ -176,6 +176,8 @@ def test_uniform_reference_with_a_mask_per_sample_is_the_mean_over_every_row():
     counts = [int(keep[i, 0, r].sum()) for i in range(b) for _ in range(h) for r in range(t)]
     want = sum(math.log(n) for n in counts if n) / sum(1 for n in counts if n)
     assert Q.reference_entropy(torch.Size((b, h, t, t)), mask, causal=True) == pytest.approx(want, rel=1e-12)
+    every_key = torch.ones(b, 1, t, 1, dtype=torch.bool)  # a mask of one column: all keys allowed
+    assert Q.reference_entropy(torch.Size((b, h, t, t)), every_key) == pytest.approx(math.log(t), rel=1e-12)
 
 
 def test_entropy_random_probs_against_formula():

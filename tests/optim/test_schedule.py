@@ -50,7 +50,9 @@ def test_warnings_name_what_the_run_never_reaches():
     (w,) = lr.warnings()
     assert "milestones at step(s) 300, 400 are past the run's 300 steps" in w
     assert LRSchedule("step", base_lr=0.1, total_steps=301, milestones=(100, 300)).warnings() == []
-    assert "never reaches its peak" in LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=10).warnings()[0]
+    assert "never reaches its peak" in LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=11).warnings()[0]
+    equal = LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=10)
+    assert equal(9) == 1.0 and "reaches only at the last step its peak" in equal.warnings()[0]
     assert LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=9).warnings() == []
 
 
