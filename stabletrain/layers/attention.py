@@ -82,7 +82,9 @@ def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tenso
     ``logits``: ``scale q k^T`` in fp32 when already computed."""
     if logits is None:
         logits = scale * (q.float() @ k.float().transpose(-2, -1))
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # SDPA's convention: True = attend
+        logits = logits.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
         logits = logits + attn_mask.float()
     if causal:
         t, s = logits.shape[-2:]
@@ -144,6 +146,8 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
 class Attention(nn.Module):
     """Multi-head self-attention with timm's parameter names (qkv, q_norm, k_norm, proj)."""
 
+    entropy_bound_applies = True  # plain q . k logits: the monitors may log Theorem 3.1's bound
+
     def __init__(self, dim: int, num_heads: int, *, attn_cfg, norm_cfg, seq_len: int,
                  qkv_bias: bool = True, proj_bias: bool = True, causal: bool = False,
                  attn_fp32: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0):
@@ -169,6 +173,9 @@ class SwinAttention(WindowAttention):
     """timm's window attention (relative position bias, shift mask) with our q/k variants."""
 
     causal = False
+    # the relative position bias and the shift mask enter the logits: Theorem 3.1 bounds plain
+    # ``q . k`` logits only, so the monitors log no entropy bound for these blocks
+    entropy_bound_applies = False
 
     @classmethod
     def from_timm(cls, old: WindowAttention, *, attn_cfg, norm_cfg, attn_fp32: bool) -> "SwinAttention":
@@ -190,6 +197,9 @@ class SwinAttention(WindowAttention):
         bias = self._get_rel_pos_bias()
         if mask is not None:
             nw = mask.shape[0]
+            if self.probe is not None:  # the keys of the query's own region (timm masks the rest with -100)
+                keep = (mask == 0).view(1, nw, 1, n, n).expand(b // nw, -1, -1, -1, -1)
+                self.probe["key_mask"] = keep.reshape(b, 1, n, n)
             mask = mask.view(1, nw, 1, n, n).expand(b // nw, -1, self.num_heads, -1, -1)
             bias = bias + mask.reshape(-1, self.num_heads, n, n)
         o = attend(self, x, q, k, v, bias, False)

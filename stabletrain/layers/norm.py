@@ -37,7 +37,7 @@ class StableNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 in fp32, float64 kept
         sq = xf.pow(2).sum(-1, keepdim=True)
         if self.eps_mode == "sqrt":
             y = xf * torch.rsqrt(sq + self.eps)

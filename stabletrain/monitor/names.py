@@ -153,9 +153,11 @@ def sec_alert_size(d_h: int) -> int:
     directions, "fewer than 10" (l.166). **Decision:** narrow heads keep that ratio but look at
     two directions at least (``d_h // 16`` clipped to ``[2, 4]``): a collapsed 16-wide head
     showed SEC(16, 2) = 0.99999997 with SEC(16, 1) = 0.93, so one direction would miss it; and
-    at most half the head (``SEC(d_h, d_h)`` is always 1).
+    at most half the head (``SEC(d_h, d_h)`` is always 1). Rounded down to a size the curve
+    logs (:func:`sec_sizes`): 2 for ``d_h`` 48 to 63, a stricter test than 3.
     """
-    return max(1, min(max(2, min(4, d_h // 16)), d_h // 2))
+    s = max(1, min(max(2, min(4, d_h // 16)), d_h // 2))
+    return 1 << (s.bit_length() - 1)
 
 
 def adamw2_lr_eff(param: str) -> str:

@@ -164,15 +164,16 @@ class MonitorRunner:
             out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
             grad_of = dict(zip(names, grads))
             for name, blk in self.blocks:
-                wq, wk = self._qk_weights(blk) if self.with_bound else (None, None)
+                bound = self.with_bound and blk.attn.entropy_bound_applies
+                wq, wk = self._qk_weights(blk) if bound else (None, None)
                 if not self.active:
                     continue
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
                 out.update(block_probe_metrics(
-                    name, probs=cap.get("probs"), attn_input=cap.get("x") if self.with_bound else None,
+                    name, probs=cap.get("probs"), attn_input=cap.get("x") if bound else None,
                     wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
-                    block_input_grad=_tokens(g), causal=_is_causal(blk),
+                    block_input_grad=_tokens(g), mask=cap.get("key_mask"), causal=_is_causal(blk),
                     per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
             return out if self.active else {}
         finally:

@@ -9,8 +9,9 @@ Algorithm 1 of 000 (l.189-210), for every bounded tensor ``W`` at step ``t`` wit
     lr_eff      tau * s_w / s_u   if lr * s_u / s_w > tau and s_w > 0,   else lr
     W_t         W_{t-1} - lr_eff * U - lr_eff * weight_decay * W_{t-1}
 
-By Weyl, ``sigma1(W_t) <= (1 - lr_eff*wd) s_w + lr_eff s_u <= (1 + tau) s_w``: no step can grow
-a bounded tensor's spectral norm by more than the ratio ``tau``. Unbounded tensors take the
+By Weyl, ``sigma1(W_t) <= (1 - lr_eff*wd) s_w + lr_eff s_u <= (1 + tau) s_w``: with exact norms
+no step can grow a bounded tensor's spectral norm by more than the ratio ``tau``. Power
+iteration estimates both from below, so the bound holds up to its error (docs/methods.md §1). Unbounded tensors take the
 plain AdamW step, identical to ``torch.optim.AdamW``.
 
 How a step is laid out (all on the device, no host sync):

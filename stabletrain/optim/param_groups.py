@@ -2,8 +2,8 @@
 
 Every trainable parameter gets a role:
 
-- ``gamma``: sigmaReparam's scale (name ends in ``gamma`` under a ``parametrizations`` path)
-  or any 0-dim parameter. Never decays, never bounded, LARS-excluded, ``lr_mult`` =
+- ``gamma``: sigmaReparam's scale (name ends in ``gamma`` under a ``parametrizations`` path).
+  Never decays, never bounded, LARS-excluded, ``lr_mult`` =
   ``reparam.gamma_lr_mult`` (docs/methods.md §2).
 - ``norm_gain``: a ``*weight`` vector of a norm layer (every type a ``norm`` option registers,
   e.g. StableNorm, and torch's own: :func:`stabletrain.layers.norm.is_norm_layer`). No decay; bounded by AdamW²

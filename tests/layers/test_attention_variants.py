@@ -194,3 +194,19 @@ def test_attn_fp32_under_bf16_autocast_matches_fp32():
     assert fp32.dtype == torch.bfloat16 and bf16.dtype == torch.bfloat16
     torch.testing.assert_close(fp32.float(), want.bfloat16().float(), rtol=0, atol=0)
     assert ref.shape == (2, t, D)
+
+
+def test_explicit_probs_reads_a_boolean_mask_as_sdpa_does():
+    """True = attend, as in F.scaled_dot_product_attention; a float mask is added."""
+    import torch.nn.functional as F
+
+    from stabletrain.layers.attention import explicit_probs
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 2, 5, 4).unbind(0)
+    keep = torch.rand(5, 5) > 0.4
+    keep[:, 0] = True
+    for mask in (keep, torch.zeros(5, 5).masked_fill(~keep, float("-inf"))):
+        p = explicit_probs(q, k, 0.5, mask, False)
+        assert torch.allclose(p @ v, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5), atol=1e-6)
+        assert bool((p[..., ~keep] == 0).all())

@@ -93,3 +93,12 @@ def test_null_eps_is_each_modes_own(eps_mode, eps):
     qn, kn, _ = qk_transform(AttentionConfig(name="stable"), NormConfig(alpha=alpha, eps_mode=eps_mode), d, 64)
     assert qn.eps == kn.eps == eps and qn.eps_mode == eps_mode
     assert make_norm(NormConfig(name="rmsnorm"), d).eps == 1e-5
+
+
+def test_float64_input_is_normalised_in_float64():
+    """Low precision is computed in fp32; float64 (a gradcheck, a reference run) stays float64."""
+    x = _x(4, 32).double()
+    sn = StableNorm(32, alpha=0.25, eps=1e-5).double()
+    expect = 32**0.25 * x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-5)
+    assert sn(x).dtype == torch.float64
+    torch.testing.assert_close(sn(x), expect, rtol=1e-14, atol=0)

@@ -22,4 +22,7 @@ def test_fifteen_quantities_and_sec_sizes():
     assert N.sec_sizes(24) == [1, 2, 4, 8, 16, 24]
     assert N.sec_alert_size(64) == 4 and N.sec_alert_size(128) == 4 and N.sec_alert_size(32) == 2
     assert N.sec_alert_size(16) == 2 and N.sec_alert_size(4) == 2 and N.sec_alert_size(2) == 1
+    assert N.sec_alert_size(48) == 2 and N.sec_alert_size(63) == 2 and N.sec_alert_size(47) == 2
+    # the alert reads a logged point of the curve: otherwise it can never fire
+    assert all(N.sec_alert_size(d) in N.sec_sizes(d) for d in range(2, 1025))
     assert N.adamw2_lr_eff("blocks.0.mlp.fc1.weight") == "adamw2/lr_eff/blocks.0.mlp.fc1.weight"

@@ -22,9 +22,11 @@ def test_monitors_change_nothing(tmp_path, model):
     names = set().union(*recs)
     block = "layers.0.blocks.0" if model == "swin_test" else "blocks.0"
     for key in (f"sigma1/{block}/wq_t_wk_max", f"sigma1/{block}/wo_wv_full", f"sec/{block}/s1",
-                f"entropy/{block}/min", f"entropy/{block}/bound_min", f"token_sim/{block}",
+                f"entropy/{block}/min", f"token_sim/{block}",
                 f"norm/{block}/grad_x", f"qk_spectrum/{block}/eig_mean_trace", f"sigma1/{block}/w2_w1"):
         assert key in names, key
+    # Swin's logits carry a relative position bias, outside Theorem 3.1
+    assert (f"entropy/{block}/bound_min" in names) == (model != "swin_test")
     assert any(r["step"] == 0 for r in recs)  # the step-0 baseline
 
 
@@ -154,3 +156,29 @@ def test_a_resumed_run_logs_the_monitor_values_of_the_whole_run(tmp_path):
     assert sorted(full) == sorted(half) == [6, 8]
     for step, rec in full.items():
         assert half[step] == pytest.approx(rec, rel=1e-6), step
+
+
+def test_swin_shifted_windows_entropy_reference_counts_the_keys_of_each_region(tmp_path):
+    """In a shifted-window block a query attends to the keys of its own region only (timm masks
+    the rest with -100): the uniform reference is the mean over queries of log(region keys),
+    and no Theorem 3.1 bound is logged (the bound of all window keys exceeded the measured
+    entropy there)."""
+    import math
+
+    import torch
+
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET, make_cfg
+
+    t = build_trainer(make_cfg(*QUIET, "monitor=standard", "model=swin_test", "model.depths=[2,1]",
+                               "batch_size=8"), tmp_path)
+    got = t.monitor.probe_metrics()
+    shifted = t.model.layers[0].blocks[1]
+    assert any(shifted.shift_size) and shifted.attn_mask is not None
+    keys = (shifted.attn_mask == 0).sum(-1).double()  # (windows, queries)
+    expect = float(torch.log(keys).mean())
+    assert expect < math.log(shifted.window_area) - 0.1  # the regions are smaller than a window
+    assert got["entropy/layers.0.blocks.1/log_T"] == pytest.approx(expect, rel=1e-9)
+    assert got["entropy/layers.0.blocks.0/log_T"] == pytest.approx(math.log(shifted.window_area), rel=1e-9)
+    assert got["entropy/layers.0.blocks.1/min"] <= expect
+    assert not any(k.endswith("/bound_min") for k in got)
