@@ -127,7 +127,9 @@ def check_keys(overrides: list[str]) -> None:
     ``+group=option`` (appending a config group, e.g. ``+experiment=...``) and Hydra's own keys pass."""
     import shutil
 
+    from stabletrain.engine.rundir import RunDirLock
     from stabletrain.errors import ConfigError
+    from stabletrain.topology import detect
 
     for ov in overrides:
         key = ov.split("=", 1)[0]
@@ -138,6 +140,9 @@ def check_keys(overrides: list[str]) -> None:
                                   f"existing key (`python train.py --cfg job` prints every key)")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):
             _check_output_dir(key.lstrip("+"), ov.split("=", 1)[1])
+        if key.lstrip("+") == "hydra.run.dir" and "${" not in ov and detect().is_main:
+            # the other ranks of this job start while rank 0 holds it
+            RunDirLock(Path(ov.split("=", 1)[1].strip("'\""))).check_free()
         if ov.startswith("hydra/launcher=slurm") and shutil.which("sbatch") is None:
             raise ConfigError("hydra/launcher=slurm submits through SLURM, but there is no sbatch on this "
                               "machine; run on the cluster's login node, or drop it to sweep locally")

@@ -123,7 +123,7 @@ class Metrics:
         self.file = open(self.path, "a", buffering=1)
         mode = option_value(logger.wandb)
         if mode != "disabled":
-            self._start_wandb(Path(run_dir), logger, name, mode, config_dict)
+            self._start_wandb(Path(run_dir), logger, name, mode, config_dict, resumed=resume_step is not None)
 
     def truncate_after(self, step: int) -> None:
         """Drop the records after ``step`` while the run goes on (a rollback): the file is
@@ -147,12 +147,14 @@ class Metrics:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _start_wandb(self, run_dir: Path, logger, name: str, mode: str, config_dict: dict | None) -> None:
+    def _start_wandb(self, run_dir: Path, logger, name: str, mode: str, config_dict: dict | None,
+                     resumed: bool) -> None:
         try:
             import wandb
 
             id_file = run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+            # a resume continues the run's wandb history; a fresh run in a used directory starts its own
+            run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
             settings = {"silent": True}
             if mode == "offline":

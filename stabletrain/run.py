@@ -123,14 +123,19 @@ def main_guarded(cfg, run_dir) -> dict | None:
              1, every_rank=True)
         return None
     except Exception as e:
-        if not D.is_timeout(e):
+        if not (D.detect().enabled and D.is_timeout(e)):  # one process has no other rank to wait for
             raise
         fail(f"a collective waited dist_timeout={cfg.dist_timeout:g} s for another rank, which stopped "
              f"answering (hung, stopped or dead); the job ends here, and resume=auto continues it from "
              f"its last checkpoint", 1, every_rank=True)
         return None
-    except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
-        fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler, or a second one
+        done = read_json(Path(run_dir) / "summary.json") or {}
+        if "second Ctrl-C" in str(done.get("reason", "")):
+            fail(f"interrupted: {done['reason']}; continue it with resume=auto hydra.run.dir={run_dir}",
+                 128 + signal.SIGINT)
+        else:
+            fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
         return None
     if summary.get("status") == "interrupted" and not D.may_be_requeued():
         # the shell's code for a process ended by that signal: a sweep stops, scripts see it

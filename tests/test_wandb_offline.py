@@ -105,3 +105,18 @@ def test_the_sink_logs_the_step_as_wandbs_x_axis(tmp_path, monkeypatch):
     assert ("define", "*", {"step_metric": WANDB_STEP}) in calls
     logs = [(values, kw) for kind, values, kw in calls if kind == "log"]
     assert logs == [({"loss": 1.0, WANDB_STEP: s}, {}) for s in (5, 6, 4)]
+
+
+def test_a_fresh_run_in_a_used_directory_gets_its_own_wandb_run(tmp_path):
+    """The wandb id is the run's: a resume continues it, a fresh run in the same directory (which
+    moves the earlier run's records aside) starts another, so a sync keeps the two apart."""
+    args = ["model=gpt_test", "batch_size=8", "steps=2", "eval_every=1000", "monitor=off", "logger.progress=false",
+            "logger.wandb=offline"]
+    id_file = tmp_path / "wandb_id.txt"
+    train(tmp_path, *args)
+    first = id_file.read_text()
+    train(tmp_path, *args, "seed=1")
+    second = id_file.read_text()
+    assert second != first
+    train(tmp_path, *args, "seed=1", "steps=3", "resume=auto")
+    assert id_file.read_text() == second

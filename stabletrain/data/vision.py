@@ -156,7 +156,10 @@ class ImageData(Data):
             yield [next(it) for _ in range(shard.accum)]
 
     def val_batches(self, batch_size: int, max_batches: int) -> Iterator[Batch]:
-        loader = DataLoader(self.val_set, batch_size=batch_size, num_workers=self.workers)
+        # its own generator: the global one is the model's (dropout, drop path), and how often a run
+        # evaluates may differ between a run and its resume
+        loader = DataLoader(self.val_set, batch_size=batch_size, num_workers=self.workers,
+                            generator=torch.Generator().manual_seed(self.seed))
         for i, b in enumerate(loader):
             if i >= max_batches:
                 break

@@ -300,9 +300,11 @@ class Checkpointer:
         """Refuse, in one line, to resume a checkpoint into a run it does not fit: another config
         (a requeued job), another optimizer, changed keys (``resume=auto`` unless
         ``allow_changes``), another ``parallel``."""
-        if requeued and changed_keys(ck["config"], self.config_yaml, may_change=("resume",)):
-            raise ConfigError(f"{path} was written by a run with another config; pass resume=auto to "
-                                  f"continue it anyway, or give this run its own hydra.run.dir")
+        changed = changed_keys(ck["config"], self.config_yaml, may_change=("resume",)) if requeued else []
+        if changed:
+            raise ConfigError(f"{path} was written by a run with another {', '.join(changed[:8])}"
+                              f"{' ...' if len(changed) > 8 else ''}; pass resume=auto resume_allow_changes=true "
+                              f"to continue it anyway, or give this run its own hydra.run.dir")
         theirs = ck.get("optim_name") or optim_name_of(ck.get("config", ""))
         if theirs is not None and theirs != self.optim_name:
             raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "

@@ -32,8 +32,9 @@ from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
+from stabletrain.config import RESUME_MAY_CHANGE, changed_keys
 from stabletrain.errors import ConfigError, first_line
-from stabletrain.metrics import duration, logged_value, peak_flops, read_json, si, write_json
+from stabletrain.metrics import duration, logged_value, peak_flops, previous_name, read_json, si, write_json
 from stabletrain.monitor import names as N
 
 
@@ -156,6 +157,7 @@ class Trainer:
         self.rollbacks: list[dict] = []
         self.skipped_steps = 0  # non-finite steps skipped so far (divergence.skip_nonfinite)
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
+        self.saved_step: int | None = None  # of last.pt
 
     @staticmethod
     def _allow_a_compile_per_block(model: nn.Module) -> None:
@@ -429,7 +431,9 @@ class Trainer:
         is not written: then returns False, and the run is to end as diverged, for
         ``nonfinite_reason``."""
         ok = self.ckpt.save(self.step, self.survival_state(), ring=ring)
-        if not ok:
+        if ok:
+            self.saved_step = self.step
+        else:
             self.nonfinite_reason = (f"non-finite weights or optimizer state at step {self.step} (the loss was "
                                      f"still finite): checkpoint not written, last.pt keeps the previous one")
             self.diverged_at = self.diverged_at or self.step
@@ -454,16 +458,40 @@ class Trainer:
         ck = self.ckpt.load(path)
         if ck["step"] > self.total_steps:
             raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: pass "
-                              f"steps={ck['step']} or more to continue it (steps counts from the run's start)")
+                              f"steps={ck['step']} to finish it, more to train on (steps counts from the run's "
+                              f"start)")
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
         self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
                                   allow_changes=self.settings.resume_allow_changes)
         self.ckpt.restore(path, ck)
         self.load_survival_state(ck.get("survival"))
-        self.step = ck["step"]
+        self.step = self.saved_step = ck["step"]
+        self._resume_notes(path, ck)
+        if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
+            # an earlier checkpoint: the history after it is abandoned, so no rollback may restore
+            # a checkpoint of it and no resume=auto may continue it
+            self.ckpt.drop_after(self.step)
+            self.save()
         return self.step
 
-    def survive(self, reason: str) -> str | None:
+    def _resume_notes(self, path: Path, ck: dict) -> None:
+        """What a resume changes that the user may not expect: keys changed through ``resume=PATH``
+        (only resume=auto refuses them) and a new run length, which reshapes the lr schedule."""
+        saved, mine = ck.get("config"), self.ckpt.config_yaml
+        if not (saved and mine):
+            return
+        changed = changed_keys(saved, mine, may_change=("resume", "resume_allow_changes"))
+        if self.settings.resume not in (None, "auto"):
+            keys = [k for k in changed if k.split(".")[0] not in RESUME_MAY_CHANGE]
+            if keys:
+                self.notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
+                                  f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
+        if {"steps", "epochs"} & {k.split(".")[0] for k in changed}:
+            self.notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
+                              f"from step 0, so at step {self.step} the lr is "
+                              f"{self.schedule.lr_at(self.step) * self.lr_scale:.3g}")
+
+    def survive(self, reason: str, refused_save: bool = False) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the
         trouble began, skip the data from there to the trouble (at least ``skip_window`` steps),
         scale the lr, and go on; returns None then. Returns the reason to stop otherwise.
@@ -472,7 +500,8 @@ class Trainer:
         all-reduce of :meth:`_log_interval`); rank 0 picks the checkpoint. metrics.jsonl keeps one
         consistent history: the records after the restored step are dropped, as on a resume."""
         w = self.divergence
-        onset, kind = self.trigger or (self.step, "divergence")
+        # a refused save: the state went non-finite after the last checkpoint, which is finite
+        onset, kind = (self.step, "divergence") if refused_save else self.trigger or (self.step, "divergence")
         if w.action != "rollback" or (kind == "alert" and not self.settings.rollback_on_alert):
             return reason
         if len(self.rollbacks) >= w.max_rollbacks:
@@ -510,6 +539,8 @@ class Trainer:
 
     def _install_signals(self):
         def handler(signum, _frame):
+            if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
+                raise KeyboardInterrupt  # the second Ctrl-C: a step that hangs can still be left
             self.stop_signal = signum
 
         # SIGUSR1 is the usual preemption warning of a plain sbatch script (--signal=USR1@90),
@@ -532,15 +563,26 @@ class Trainer:
             if moved is not None:
                 self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/ "
                                   f"(to continue that run instead, pass resume=auto)")
+            done = self.run_dir / "summary.json"
+            if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
+                done.replace(previous_name(done))
         self.metrics = self.open_sink(resumed)
         if self.monitor is not None:
             self.monitor.attach(self.metrics)
+        # from here to the last record: a signal is answered at the next step, or ignored once
+        # the steps are done; a second Ctrl-C stops at once
+        old_handlers = self._install_signals()
         try:
             previous = self._start(resumed)
             if previous is not None:
                 return previous
             status, reason = self._train(resumed)
             return self._finish(status, reason, self.last_vals)
+        except KeyboardInterrupt:
+            last = self.saved_step
+            self._finish("interrupted", f"a second Ctrl-C at step {self.step}, without a checkpoint"
+                         + (f" (last.pt holds step {last})" if last is not None else ""), {}, quiet=True)
+            raise
         except Exception as e:
             # a crash (out of memory, a bug, a rank that stopped answering) still leaves a
             # summary.json saying where and why
@@ -548,6 +590,8 @@ class Trainer:
             raise
         finally:
             self.metrics.close()
+            for sig, h in old_handlers.items():
+                signal.signal(sig, h)
 
     def _start(self, resumed: int | None) -> dict | None:
         """The start lines; a resumed run that already completed returns its summary instead."""
@@ -570,7 +614,8 @@ class Trainer:
             return None
         done = self.run_dir / "summary.json"
         previous = read_json(done)
-        if previous is not None and previous.get("status") == "completed":
+        if (previous is not None and previous.get("status") == "completed"
+                and (previous.get("step"), previous.get("total_steps")) == (self.step, self.total_steps)):
             m.message(f"the checkpoint is at step {self.step} of {self.total_steps}: nothing to train; "
                       f"{done} stays as it is")
             return previous
@@ -588,7 +633,6 @@ class Trainer:
         """The steps, until the last one, a divergence that cannot be survived, or a signal;
         returns the run's status and the reason it stopped early."""
         cfg, m = self.settings, self.metrics
-        old_handlers = self._install_signals()
         if self.divergence.action == "rollback" and resumed is None:
             self.save(ring=True)  # step 0 in the ring: a rollback is possible from the first step
         stream = self.data.train_iter(self.step + self.data_offset, self.shard)
@@ -602,50 +646,53 @@ class Trainer:
             pending.clear()
             return reason
 
-        try:
-            while self.step < self.total_steps:
-                step = self.step
-                save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
-                eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
-                # a checkpoint is written only after its steps' losses were checked; an evaluation
-                # is shown on the log line of its own step
-                log_now = (step + 1) % cfg.log_every == 0 or save_due or eval_due
-                pending.append((step, self.train_step(next(stream), want_grad_norm=log_now)))
-                self.step = step + 1
-                if self.monitor is not None:
-                    self.monitor.after_step(step, last=self.step == self.total_steps)
-                t_end = time.perf_counter()  # the interval's time excludes evaluation and checkpoints
-                fresh = {}
-                if eval_due:
-                    self.last_vals = fresh = self.evaluate()  # before the log line, which shows it
-                    m.log(self.step, fresh)
-                reason = flush(t_end, fresh) if log_now else None
-                # every step, on every rank: a signal landing during the agreement counts at the next step
-                agreed = D.agree_on_signal(self.stop_signal, self.info)
-                if agreed is not None and pending:
-                    reason = flush(time.perf_counter(), {})
-                rolled_back = False
-                if reason:
-                    reason = self.survive(reason)
+        while self.step < self.total_steps:
+            step = self.step
+            save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
+            eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
+            # a checkpoint is written only after its steps' losses were checked; an evaluation
+            # is shown on the log line of its own step
+            log_now = (step + 1) % cfg.log_every == 0 or save_due or eval_due
+            pending.append((step, self.train_step(next(stream), want_grad_norm=log_now)))
+            self.step = step + 1
+            if self.monitor is not None:
+                self.monitor.after_step(step, last=self.step == self.total_steps)
+            t_end = time.perf_counter()  # the interval's time excludes evaluation and checkpoints
+            fresh = {}
+            if eval_due:
+                self.last_vals = fresh = self.evaluate()  # before the log line, which shows it
+                m.log(self.step, fresh)
+            reason = flush(t_end, fresh) if log_now else None
+            # every step, on every rank: a signal landing during the agreement counts at the next step
+            agreed = D.agree_on_signal(self.stop_signal, self.info)
+            if agreed is not None and pending:
+                reason = flush(time.perf_counter(), {})
+            rolled_back = False
+            if reason:
+                reason = self.survive(reason)
+                if reason is not None:
+                    return "diverged", reason
+                # rolled back, and saved: the step counter and the data stream moved
+                stream = self.data.train_iter(self.step + self.data_offset, self.shard)
+                rolled_back = True
+            # no checkpoint inside a run of skipped (non-finite) steps, but for the last one; none
+            # into the ring during a spike not yet confirmed (it would push out the states before it)
+            save_now = save_due and not rolled_back and (self.divergence.skips == 0 or self.step == self.total_steps)
+            ring = save_now and self.divergence.over == 0
+            if agreed is not None and self.step < self.total_steps:  # at the last step: the run ends anyway
+                self.stop_signal = agreed
+                if not rolled_back and not self.save(ring=ring):
+                    reason = self.survive(self.nonfinite_reason, refused_save=True)
                     if reason is not None:
                         return "diverged", reason
-                    # rolled back, and saved: the step counter and the data stream moved
-                    stream = self.data.train_iter(self.step + self.data_offset, self.shard)
-                    rolled_back = True
-                if agreed is not None:
-                    self.stop_signal = agreed
-                    if not rolled_back and not self.save():
-                        return "diverged", self.nonfinite_reason
-                    return "interrupted", f"signal {signal.Signals(agreed).name} at step {self.step}"
-                # no checkpoint inside a run of skipped (non-finite) steps, but for the last one
-                if save_due and not rolled_back and (self.divergence.skips == 0 or self.step == self.total_steps):
-                    if not self.save(ring=True):  # non-finite weights: last.pt and the ring keep the last finite
-                        return "diverged", self.nonfinite_reason
-                if not pending:
-                    t_last = time.perf_counter()  # the next interval starts after this one's evaluation and saves
-        finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
+                return "interrupted", f"signal {signal.Signals(agreed).name} at step {self.step}"
+            if save_now and not self.save(ring=ring):  # non-finite weights: last.pt and the ring keep the last finite
+                reason = self.survive(self.nonfinite_reason, refused_save=True)
+                if reason is not None:
+                    return "diverged", reason
+                stream = self.data.train_iter(self.step + self.data_offset, self.shard)
+            if not pending:
+                t_last = time.perf_counter()  # the next interval starts after this one's evaluation and saves
         return "completed", None
 
     def _finish(self, status: str, reason: str | None, last_vals: dict, quiet: bool = False) -> dict:

@@ -28,6 +28,25 @@ class RunDirLock:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._lock_or_refuse(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def check_free(self) -> None:
+        """Refuse, as :meth:`acquire` would, while another run holds the lock; takes nothing.
+        Checked before Hydra writes the run's ``.hydra/``, which would overwrite the running one's."""
+        if fcntl is None or not self.path.is_file():
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        self._lock_or_refuse(fd)
+        os.close(fd)  # releases it
+
+    def _lock_or_refuse(self, fd: int) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -35,10 +54,6 @@ class RunDirLock:
             os.close(fd)
             raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder} holds {self.path}); "
                               f"wait for it to end or give this run its own hydra.run.dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
 
     def release(self) -> None:
         if self.fd is not None:

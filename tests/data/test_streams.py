@@ -129,3 +129,21 @@ def test_every_value_of_a_sweep_is_checked_before_it_starts(tmp_path):
     r = cli("-m", "optim.lr=1e-3,-1,2e-3", "model=vit_test", "steps=1", f"hydra.sweep.dir={tmp_path}", timeout=120)
     assert r.returncode == 2 and r.stderr.strip() == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)"
     assert not any(tmp_path.rglob("summary.json"))  # no point ran
+
+
+def test_image_evaluation_draws_nothing_from_the_global_rng():
+    """A DataLoader without its own generator draws its seed from torch's global one, which
+    dropout and drop path use: an evaluation would shift a run's masks by when it happened."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from stabletrain.data.vision import ImageData
+
+    ds = TensorDataset(torch.randn(10, 3, 4, 4), torch.arange(10) % 2)
+    d = ImageData(SimpleNamespace(num_workers=0, repeated_aug=1), 0, ds, ds, 2)
+    torch.manual_seed(1)
+    expect = torch.rand(3)
+    torch.manual_seed(1)
+    assert len(list(d.val_batches(4, 10))) == 3
+    assert torch.equal(torch.rand(3), expect)

@@ -141,7 +141,7 @@ def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path
     assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "reference"), rel=1e-6)
 
     config = (tmp_path / "run" / "config.yaml").read_text()
-    with pytest.raises(ConfigError, match="another config"):
+    with pytest.raises(ConfigError, match="another optim.lr; pass resume=auto resume_allow_changes=true"):
         train(tmp_path / "run", *args, "optim.lr=0.5")
     assert (tmp_path / "run" / "config.yaml").read_text() == config
 

@@ -171,6 +171,7 @@ def test_the_lock_of_another_process_refuses_train_py(tmp_path):
         r = cli(*QUIET, *GPT, "steps=1", f"hydra.run.dir={tmp_path}")
         assert r.returncode == 2
         assert f"error: {tmp_path} is in use by another run (pid {holder.pid} holds" in r.stderr
+        assert not (tmp_path / ".hydra").exists()  # refused before Hydra writes over the running run's
     finally:
         holder.kill()
         holder.wait()
@@ -216,3 +217,43 @@ def test_out_of_gpu_memory_is_one_line_naming_the_step_and_the_fixes(tmp_path, m
     assert stop.value.code == 1 and err.count("\n") == 1
     assert err.startswith("error: out of GPU memory at step 2 (CUDA out of memory. Tried to allocate 2.00 GiB); "
                           "lower batch_size, set micro_batch_size")
+
+
+def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_path, monkeypatch):
+    """Only a job of several ranks has collectives: one process's 'timed out' is its own error."""
+    from stabletrain import build as build_module
+    from stabletrain import run as run_module
+    from tests.helpers import make_cfg
+
+    def build(*a, **k):
+        raise RuntimeError("DataLoader timed out after 5 seconds")
+
+    monkeypatch.setattr(build_module, "build_trainer", build)
+    with pytest.raises(RuntimeError, match="DataLoader timed out"):
+        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys):
+    """The first Ctrl-C asks for a checkpoint at the end of the step; a second one, say while a
+    step hangs, stops at once: summary.json and the last line say so and name last.pt's step."""
+    import signal
+
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2"), tmp_path)
+    orig = t.train_step
+
+    def step(*a, **k):
+        if t.step == 3:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return orig(*a, **k)
+
+    t.train_step = step
+    with pytest.raises(KeyboardInterrupt):
+        t.fit()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["step"] == 3
+    assert s["reason"] == "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back

@@ -1,12 +1,12 @@
 """Never lose a run (#18): finite checkpoints, completing a run whose steps are done, resume checks."""
 
 import json
+import signal
 
 import pytest
 import torch
 
 from stabletrain.errors import ConfigError
-from tests.engine.test_loop import _run_until
 from tests.helpers import train
 
 GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
@@ -40,19 +40,49 @@ def test_a_checkpoint_never_holds_non_finite_weights_or_optimizer_state(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
 
 
-def test_a_run_interrupted_in_its_last_step_completes_on_resume(tmp_path, capsys):
+def test_a_signal_in_the_last_step_lets_the_run_complete(tmp_path):
+    """Every step ran: the run ends completed (exit 0), with its last checkpoint, not interrupted."""
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    s = _run_until(build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path), 4)
-    assert s["status"] == "interrupted" and s["step"] == 4
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2", "divergence.action=rollback"), tmp_path)
+    orig = t.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if t.step == 3:
+            t.stop_signal = signal.SIGTERM
+        return out
+
+    t.train_step = step
+    s = t.fit()
+    assert s["status"] == "completed" and s["step"] == 4 and "val/loss" in s["final"]
+    assert (tmp_path / "checkpoints/step_000004.pt").is_file()
+
+
+def test_a_run_whose_steps_are_done_without_a_summary_completes_on_resume(tmp_path, capsys):
+    """A kill after the last checkpoint but before summary.json: the resume runs the final
+    evaluation, logs it once, and writes the summary; the next resume has nothing to train."""
+    train(tmp_path, *GPT, "steps=4")
+    (tmp_path / "summary.json").unlink()
+    capsys.readouterr()
     again = train(tmp_path, *GPT, "steps=4", "resume=auto")
     assert again["status"] == "completed" and again["step"] == 4 and "val/loss" in again["final"]
-    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
     assert "running the final evaluation" in capsys.readouterr().err
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert sum("val/loss" in r for r in recs) == 1  # the evaluation the interrupted run logged, once
+    assert sum("val/loss" in r for r in recs) == 1  # the evaluation the first run logged, once
     assert train(tmp_path, *GPT, "steps=4", "resume=auto") == again  # now nothing to train
+
+
+def test_another_runs_completed_summary_is_not_taken_for_this_ones(tmp_path, capsys):
+    """A fresh run in a used directory moves the earlier summary.json aside; a resume trusts a
+    completed summary only if it is of this step and length."""
+    train(tmp_path, *GPT, "steps=3")
+    train(tmp_path, *GPT, "steps=2", "seed=1")
+    assert json.loads((tmp_path / "summary.previous.json").read_text())["total_steps"] == 3
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "step": 3, "total_steps": 3}))
+    s = train(tmp_path, *GPT, "steps=2", "seed=1", "resume=auto")
+    assert s["status"] == "completed" and s["total_steps"] == 2 and "val/loss" in s["final"]
 
 
 def test_a_refused_resume_changes_nothing_and_names_the_changed_keys(tmp_path):
@@ -94,7 +124,7 @@ def test_a_resume_past_the_runs_steps_is_refused(tmp_path):
     """steps below the checkpoint's step would mark an unfinished run completed: refused, nothing changed."""
     train(tmp_path, *GPT, "steps=4", "optim=adamw")
     summary = (tmp_path / "summary.json").read_text()
-    with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 or more"):
+    with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 to finish it, more"):
         train(tmp_path, *GPT, "steps=2", "optim=adamw", "resume=auto")
     assert (tmp_path / "summary.json").read_text() == summary
 
@@ -124,3 +154,21 @@ def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_
     assert steps("metrics.previous.jsonl") == [1, 2, 3, 4, 5, 6]
     assert steps("metrics.previous2.jsonl") == [1, 2, 3] and steps("metrics.jsonl") == [1]
 
+
+
+def test_a_resume_says_what_it_changes(tmp_path, capsys):
+    """resume=PATH takes changed keys (resume=auto refuses them) and says which; a new length
+    reshapes the schedule from step 0, and the note gives the lr the run continues with."""
+    train(tmp_path / "a", *GPT, "steps=4", "optim=adamw")
+    capsys.readouterr()
+    last = tmp_path / "a/checkpoints/last.pt"
+    train(tmp_path / "b", *GPT, "steps=8", "optim=adamw", "optim.lr=0.002", "seed=3", f"resume={last}",
+          quiet=False)
+    err = capsys.readouterr().err
+    assert f"resume={last} continues with another optim.lr, seed than the run that wrote it" in err
+    from stabletrain.optim.schedule import make_schedule
+    from tests.helpers import make_cfg
+
+    cfg = make_cfg(*GPT, "steps=8", "optim=adamw", "optim.lr=0.002")
+    lr = make_schedule(cfg.schedule, 0.002, 8, warmup=cfg.warmup, steps_per_epoch=1)(4)
+    assert f"the lr schedule is that of 8 steps from step 0, so at step 4 the lr is {lr:.3g}" in err

@@ -298,3 +298,76 @@ def test_an_entropy_collapse_alert_rolls_back_when_asked(tmp_path):
     s = t.fit()
     assert s["status"] == "completed" and len(s["rollbacks"]) == 1
     assert s["rollbacks"][0]["restored_step"] == 4 and "entropy collapse" in s["rollbacks"][0]["reason"]
+
+
+def _stop_after(t, n, when=lambda: True):
+    """Have trainer ``t`` receive SIGTERM during step ``n`` (1-based) when ``when()``."""
+    orig = t.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if t.step + 1 == n and when():
+            t.stop_signal = signal.SIGTERM
+        return out
+
+    t.train_step = step
+
+
+def test_a_signal_on_a_checkpoint_step_adds_that_checkpoint_to_the_ring(tmp_path):
+    """Interrupted at step 8 (a ring step), resumed, and rolled back at step 10: the resumed run
+    restores step 8, as the uninterrupted one does, not the older step 4."""
+    args = [*GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=10"]
+    full = train(tmp_path / "full", *args)
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path / "half")
+    _stop_after(t, 8)
+    assert t.fit()["status"] == "interrupted"
+    assert (tmp_path / "half/checkpoints/step_000008.pt").is_file()
+    s = train(tmp_path / "half", *args, "resume=auto")
+    assert s["rollbacks"][0]["restored_step"] == full["rollbacks"][0]["restored_step"] == 8
+    assert losses(tmp_path / "half") == losses(tmp_path / "full")
+
+
+def test_a_refused_checkpoint_is_rolled_back_when_asked(tmp_path):
+    """Non-finite optimizer state with a finite loss (a 3e37 spike overflows Adam's second
+    moment; skipping off): the save is refused, and divergence.action=rollback restores the
+    newest ring checkpoint instead of ending the run."""
+    args = [*GPT, "ckpt_every=4", "steps=12", "optim=adamw", "divergence.skip_nonfinite=false",
+            "debug.spike_at_step=6", "debug.spike_factor=3e37"]
+    stop = train(tmp_path / "stop", *args)
+    assert stop["status"] == "diverged" and "non-finite weights or optimizer state" in stop["reason"]
+    s = train(tmp_path / "rb", *args, "divergence.action=rollback")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    rb = s["rollbacks"][0]
+    assert (rb["detected_step"], rb["restored_step"]) == (8, 4) and "non-finite" in rb["reason"]
+    assert rb["skipped_steps"] == 4  # the steps after the restored checkpoint, the spike among them
+
+
+def test_checkpoints_written_during_a_spike_stay_out_of_the_ring(tmp_path):
+    """A sustained spike is confirmed only after divergence.window steps above the mean; the
+    ring must still hold a checkpoint from before it then, however short ckpt_every is."""
+    from stabletrain.build import build_trainer
+
+    args = [*GPT, "divergence.action=rollback", "steps=24", "ckpt_every=2", "ckpt.keep=2",
+            "divergence.window=6", "divergence.warmup_steps=2"]
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path)
+    t._fault_due = lambda: (t.step + t.data_offset + 1) if 9 <= t.step + t.data_offset + 1 <= 14 else None
+    t._inject = lambda loss, done: loss * 1e3
+    s = t.fit()
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1
+    rb = s["rollbacks"][0]
+    assert rb["trigger_step"] == 9 and rb["restored_step"] == 8, rb
+
+
+def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_path):
+    """resume=<step_000004.pt> after a run reached step 12: the ring's later checkpoints are
+    dropped and last.pt holds step 4, so neither a rollback nor resume=auto returns to them."""
+    args = [*GPT, "steps=12", "ckpt_every=4", "optim=adamw"]
+    train(tmp_path, *args)
+    ck = tmp_path / "checkpoints"
+    s = train(tmp_path, *args, "steps=6", f"resume={ck / 'step_000004.pt'}")
+    assert s["status"] == "completed"
+    assert sorted(p.name for p in ck.glob("step_*.pt")) == ["step_000004.pt", "step_000006.pt"]  # 8, 12 gone
+    assert _load(ck / "last.pt")["step"] == 6
+    assert max(r["step"] for r in _records(tmp_path)) == 6
