@@ -29,7 +29,7 @@ def run(cfg, run_dir: str | Path) -> dict:
 
     validate(cfg)
     info = D.detect()
-    lock = None
+    lock = trainer = None
     try:
         D.init(info, D.pick_device(cfg.device, info), cfg.dist_timeout)
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
@@ -61,9 +61,11 @@ def run(cfg, run_dir: str | Path) -> dict:
     finally:
         if lock is not None:
             lock.release()
+        stop_signal = getattr(trainer, "stop_signal", None)
+        trainer = None  # freed before the process group: see D.shutdown
         D.shutdown(info)
     if summary["status"] == "interrupted":
-        requeue_after(trainer.stop_signal, info)
+        requeue_after(stop_signal, info)
     return summary
 
 

@@ -275,6 +275,7 @@ class Checkpointer:
                 ema = self.ema.counters() if self.ema is not None else None
                 save_checkpoint(self.dir / "last.pt", {**self._payload(step, survival), "ema": ema,
                                                        "dcp": S.DCP_DIR, "dcp_optim": stepped})
+                S.drop_previous_dcp(self.dir)
         return ok
 
     @property
@@ -324,13 +325,14 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------
 
-    def restore(self, path: Path, ck: dict) -> None:
+    def restore(self, path: Path, ck: dict) -> str | None:
         """Put checkpoint ``path`` (loaded as ``ck``) back: the model, the optimizer, the weight
         average, the divergence watch, the monitors and every RNG. The step and the survival
-        state are the caller's (``ck["step"]``, ``ck.get("survival")``)."""
+        state are the caller's (``ck["step"]``, ``ck.get("survival")``). Returns a note for the
+        user when the checkpoint had to be repaired."""
         try:
-            self._load_weights(path, ck)
-        except torch.OutOfMemoryError:
+            note = self._load_weights(path, ck)
+        except (torch.OutOfMemoryError, ConfigError):
             raise
         except (RuntimeError, ValueError, KeyError) as e:  # load_state_dict's mismatches
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({first_line(e)[:200]}); resume it "
@@ -341,24 +343,55 @@ class Checkpointer:
             self.monitor.load_state_dict(ck["monitor"])
         if self.ema is not None:
             self.ema.load_state_dict(ck.get("ema"), self.model)
+        return note
 
-    def _load_weights(self, path: Path, ck: dict) -> None:
+    def _load_weights(self, path: Path, ck: dict) -> str | None:
         """The model and optimizer: from ``ck``, or from its DCP directory when sharded (with the
-        weight average's model)."""
+        weight average's model). Returns a note when the shards were found elsewhere."""
         if not self.sharded:
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])
-            return
-        from stabletrain.engine.sharding import load_dcp
+            return None
+        from stabletrain.engine import sharding as S
 
         # a weight average added on resume has none saved: it starts from the loaded weights
         ema = self._ema_module if ck.get("ema") is not None else None
         stepped = ck.get("dcp_optim", True)
-        saved_step = load_dcp(dcp_dir(path), self.model, self.optimizer if stepped else None, ema)
+        found = []
+        for shards in self._dcp_candidates(path):  # the same list on every rank: each load is collective
+            saved_step = S.load_dcp(shards, self.model, self.optimizer if stepped else None, ema)
+            if saved_step == ck["step"]:
+                break
+            found.append(f"{shards.name}/ holds step {saved_step}")
+        else:
+            ring = [p.name for s, p in ring_checkpoints(self.run_dir) if s <= ck["step"]]
+            instead = (f"resume={path.parent / ring[-1]} (the newest ring checkpoint)" if ring
+                       else "start a new run (no ring checkpoint to resume)")
+            raise ConfigError(f"the sharded weights of {path} (step {ck['step']}) are not beside it "
+                              f"({'; '.join(found) or f'no {dcp_dir(path).name}/'}): a kill or another run "
+                              f"replaced them; {instead}")
         if not stepped:  # saved before the first step: the optimizer starts afresh, as it did then
             self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
-        if saved_step != ck["step"]:
-            raise ValueError(f"{dcp_dir(path).name}/ holds step {saved_step}, {path.name} step {ck['step']}")
+        if shards != dcp_dir(path) and self.info.is_main:
+            # a kill in a save between its shards and last.pt: the previous shards become last.pt's
+            # again, before a save could drop them
+            shutil.rmtree(dcp_dir(path), ignore_errors=True)
+            shards.rename(dcp_dir(path))
+        D.barrier(self.info)
+        if shards != dcp_dir(path):
+            return (f"{path.name}'s shards were in {shards.name}/ (a save was cut off before its last.pt): "
+                    f"resumed from them, and moved them back to {dcp_dir(path).name}/")
+        return None
+
+    def _dcp_candidates(self, path: Path) -> list[Path]:
+        """Where the shards of ``path`` may be: its own directory, and for last.pt the previous
+        shards a cut-off save left (rank 0's view of the shared filesystem)."""
+        from stabletrain.engine.sharding import previous_dcp
+
+        found = [dcp_dir(path)]
+        if path.name == "last.pt":
+            found.append(previous_dcp(path.parent))
+        return D.broadcast_object([p for p in found if (p / ".metadata").is_file()], self.info)
 
     def set_aside(self) -> Path | None:
         """A fresh run in a directory that holds an earlier run's checkpoints: move them to

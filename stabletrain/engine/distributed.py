@@ -10,9 +10,11 @@ all-reduce: see docs/distributed.md for which numbers are identical on every ran
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import re
 import shutil
+import signal
 import subprocess
 
 import torch
@@ -130,9 +132,20 @@ def agree_on_signal(signum: int | None, info: DistInfo) -> int | None:
     """
     if not info.enabled:
         return signum
-    flag = torch.tensor([signum or 0], dtype=torch.int64)
+    flag = torch.tensor([signal_rank(signum)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_cpu_group)
-    return int(flag.item()) or None
+    return int(flag.item()) % 256 or None
+
+
+def signal_rank(signum: int | None) -> int:
+    """An order on stop signals, the signal in its low byte: where ranks caught different ones, the
+    largest wins. A preemption warning (SIGUSR1/2: checkpoint, then requeue) outranks SIGTERM and
+    SIGINT (checkpoint and stop), so that no requeue is lost to another rank's plain stop."""
+    if not signum:
+        return 0
+    usr = [getattr(signal, n) for n in ("SIGUSR1", "SIGUSR2") if hasattr(signal, n)]
+    priority = 3 if signum in usr else 2 if signum == signal.SIGTERM else 1
+    return priority * 256 + int(signum)
 
 
 def barrier(info: DistInfo) -> None:
@@ -141,8 +154,12 @@ def barrier(info: DistInfo) -> None:
 
 
 def shutdown(info: DistInfo) -> None:
+    """Destroy the process groups, after the garbage that may hold their work: sharded
+    parameters' gradients keep collectives' work objects, and one destroyed at the
+    interpreter's exit instead aborted the rank now and then, after a run that had succeeded."""
     global _cpu_group
     if info.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
     _cpu_group = None
 

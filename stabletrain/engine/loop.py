@@ -463,7 +463,9 @@ class Trainer:
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
         self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
                                   allow_changes=self.settings.resume_allow_changes)
-        self.ckpt.restore(path, ck)
+        note = self.ckpt.restore(path, ck)
+        if note:
+            self.notes.append(note)
         self.load_survival_state(ck.get("survival"))
         self.step = self.saved_step = ck["step"]
         self._resume_notes(path, ck)

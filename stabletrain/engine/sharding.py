@@ -179,12 +179,14 @@ def sharded_state(model: nn.Module, optimizer, ema: nn.Module | None = None) -> 
 
 def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int, ema: nn.Module | None = None) -> None:
     """Every rank writes its shards into ``ckpt_dir/.last_dcp.tmp``; rank 0 then swaps it into
-    ``ckpt_dir/last_dcp`` (the previous one kept until then). The step is saved with them, so a
-    ``last.pt`` from another step (a kill between the swap and writing last.pt) is detected on resume."""
+    ``ckpt_dir/last_dcp``, the previous one moved to ``.last_dcp.old``. That one is the shards of
+    the ``last.pt`` still in place until the caller has written the new last.pt and called
+    :func:`drop_previous_dcp`: a kill anywhere in between leaves a last.pt whose shards are one of
+    the two (see :func:`dcp_candidates`). The step is saved with the shards, to tell which."""
     import torch.distributed.checkpoint as dcp
 
     ckpt_dir = Path(ckpt_dir)
-    tmp, final, old = ckpt_dir / f".{DCP_DIR}.tmp", ckpt_dir / DCP_DIR, ckpt_dir / f".{DCP_DIR}.old"
+    tmp, final, old = ckpt_dir / f".{DCP_DIR}.tmp", ckpt_dir / DCP_DIR, previous_dcp(ckpt_dir)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -198,8 +200,16 @@ def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int, ema: nn.Mod
         if final.exists():
             final.rename(old)
         tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=_gloo())
+
+
+def previous_dcp(ckpt_dir: Path) -> Path:
+    return Path(ckpt_dir) / f".{DCP_DIR}.old"
+
+
+def drop_previous_dcp(ckpt_dir: Path) -> None:
+    """After last.pt of the new shards is in place, the previous shards are no checkpoint's (rank 0)."""
+    shutil.rmtree(previous_dcp(ckpt_dir), ignore_errors=True)
 
 
 def load_dcp(path: Path, model: nn.Module, optimizer, ema: nn.Module | None = None) -> int:

@@ -4,6 +4,8 @@ two ranks under torchrun)."""
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -108,6 +110,39 @@ def test_fsdp_trains_like_ddp_and_resumes_identically(tmp_path, optim, extra):
     log = _torchrun(cut, *args, "steps=4", "parallel=fsdp", "resume=auto")
     assert "resumed from step 2" in log, log[-3000:]  # a fresh start would log the same losses
     _assert_same_losses(cut, fsdp, 1e-6, keys)
+
+
+def test_a_save_cut_off_before_its_last_pt_resumes_from_the_previous_shards(tmp_path):
+    """A save swaps the new shards in as last_dcp/ and keeps the previous ones (.last_dcp.old) until
+    the new last.pt is written: a kill between the two leaves a last.pt whose shards are the
+    previous ones, and the resume finds them there (exactly: the losses of an uncut run)."""
+    args = ["optim=adamw2", "parallel=fsdp"]
+    whole = tmp_path / "whole"
+    _torchrun(whole, *args, "steps=4")
+    cut = tmp_path / "cut"
+    _torchrun(cut, *args, "steps=2")
+    for name in ("swapped", "lost"):
+        shutil.copytree(cut, tmp_path / name)
+    ckpts = {d: tmp_path / d / "checkpoints" for d in ("cut", "swapped", "lost")}
+    # killed between moving last_dcp/ aside and moving the new shards in
+    (ckpts["cut"] / "last_dcp").rename(ckpts["cut"] / ".last_dcp.old")
+    # killed after the new shards (step 4's) were moved in, before their last.pt
+    (ckpts["swapped"] / "last_dcp").rename(ckpts["swapped"] / ".last_dcp.old")
+    shutil.copytree(whole / "checkpoints" / "last_dcp", ckpts["swapped"] / "last_dcp")
+    for d in ("cut", "swapped"):
+        log = _torchrun(tmp_path / d, *args, "steps=4", "resume=auto")
+        assert "resumed from step 2" in log and "resumed from them, and moved them back to last_dcp/" in log, log
+        _assert_same_losses(tmp_path / d, whole, 1e-6)
+        assert not (ckpts[d] / ".last_dcp.old").exists() and (ckpts[d] / "last_dcp" / ".metadata").is_file()
+    # shards of another step and none beside them: one line that says so, not a load_state_dict error
+    shutil.rmtree(ckpts["lost"] / "last_dcp")
+    shutil.copytree(whole / "checkpoints" / "last_dcp", ckpts["lost"] / "last_dcp")
+    out = subprocess.run(torchrun_cmd(2, *FSDP_ARGS, *args, "steps=4", "resume=auto",
+                                      f"hydra.run.dir={tmp_path / 'lost'}"),
+                         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0
+    assert ("the sharded weights of " in out.stderr and "(step 2) are not beside it (last_dcp/ holds step 4)"
+            in out.stderr and "start a new run" in out.stderr), out.stderr[-3000:]
 
 
 @pytest.mark.parametrize("nan_at,restored", [(6, 4), (2, 0)])

@@ -214,3 +214,17 @@ def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env,
     assert log.is_file() == bool(subdir)
     if subdir:
         assert "hello" in log.read_text()
+
+
+def test_ranks_that_caught_different_signals_agree_on_the_preemption_warning():
+    """The value each rank puts into agree_on_signal's MAX all-reduce: a requeue warning (SIGUSR1,
+    SIGUSR2) wins over another rank's SIGTERM or SIGINT (by number SIGTERM would win, and the job
+    would stop without the requeue it was warned of)."""
+    def agreed(*caught):  # what the all-reduce hands every rank
+        return max(D.signal_rank(s) for s in caught) % 256 or None
+
+    assert agreed(signal.SIGTERM, signal.SIGUSR1) == signal.SIGUSR1
+    assert agreed(signal.SIGINT, signal.SIGUSR2, signal.SIGTERM) == signal.SIGUSR2
+    assert agreed(signal.SIGINT, signal.SIGTERM) == signal.SIGTERM
+    assert agreed(None, signal.SIGINT) == signal.SIGINT
+    assert agreed(None, None) is None
