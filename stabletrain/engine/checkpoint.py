@@ -34,11 +34,26 @@ def save_checkpoint(path: Path, payload: dict) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+        _sync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         kept = f"{path} still holds the previous checkpoint" if path.is_file() else "no checkpoint was kept"
         why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
         raise CheckpointWriteError(e.errno, f"cannot write {path.name}: {why}; {kept}") from None
+
+
+def _sync_dir(d: Path) -> None:
+    """Make a rename in ``d`` durable: without it a power loss can bring back the old name's file."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # a platform or filesystem that cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temps(ckpt_dir: Path) -> list[Path]:

@@ -40,6 +40,23 @@ def test_summary_is_written_atomically(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
+def test_a_checkpoint_is_synced_before_and_after_its_rename(tmp_path, monkeypatch):
+    """The file's bytes reach the disk before the rename, and the rename itself (the directory's
+    entry) after it: otherwise a power loss can leave last.pt empty or the old one."""
+    import stat
+
+    from stabletrain.engine import checkpoint as C
+
+    synced = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(C.os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)),
+                                                   real_fsync(fd))[1])
+    monkeypatch.setattr(C.os, "replace", lambda a, b: (synced.append("rename"), real_replace(a, b))[1])
+    C.save_checkpoint(tmp_path / "last.pt", {"step": 3})
+    assert synced == [False, "rename", True]  # the file, the rename, the directory
+    assert torch.load(tmp_path / "last.pt", weights_only=True) == {"step": 3}
+
+
 def test_a_torn_summary_is_no_completed_run(tmp_path):
     train(tmp_path, *GPT, "steps=2")
     (tmp_path / "summary.json").write_text('{"status": "compl')  # torn by a kill (pre-atomic writes)
