@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stabletrain.config import RESUME_MAY_CHANGE, changed_keys
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
-from stabletrain.config import RESUME_MAY_CHANGE, changed_keys
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import duration, logged_value, peak_flops, previous_name, read_json, si, write_json
 from stabletrain.monitor import names as N
