@@ -1,4 +1,4 @@
-"""Stability benchmark (issue #16): learning-rate sensitivity of every fix, one table, one figure.
+"""Stability benchmark: learning-rate sensitivity of every fix, one table, one figure.
 
     python scripts/stability_bench.py --out runs/stab --preset tiny       # 2-core CPU, < 15 min
     python scripts/stability_bench.py --out runs/stab --preset gpu --launcher slurm \\

@@ -31,8 +31,8 @@ class Placement(str, Enum):
 
 
 class EpsMode(str, Enum):
-    sqrt = "sqrt"  # x / sqrt(||x||^2 + eps), the StableNorm text (004 l.200)
-    add = "add"  # x / (||x|| + eps), the StableNorm demo (004 l.997-1005)
+    sqrt = "sqrt"  # x / sqrt(||x||^2 + eps), the StableNorm text (004)
+    add = "add"  # x / (||x|| + eps), the StableNorm demo (004)
 
 
 class ApplyTo(str, Enum):
@@ -57,8 +57,8 @@ class QKVInit(str, Enum):
 
 
 class DeescPlacement(str, Enum):
-    block = "block"  # end of each block, after its second norm (002 l.166)
-    ffn = "ffn"  # at each FFN input (002 l.176)
+    block = "block"  # end of each block, after its second norm (002)
+    ffn = "ffn"  # at each FFN input (002)
 
 
 class Unit(str, Enum):
@@ -99,7 +99,7 @@ class ModelConfig:
     drop_path: float = 0.0
     qkv_bias: bool = True
     class_token: bool = True
-    act: str = "gelu"  # gelu | relu (the de-escalation CIFAR ViT uses ReLU, 002 l.50)
+    act: str = "gelu"  # gelu | relu (the de-escalation CIFAR ViT uses ReLU, 002)
     init_std: float = 0.02  # ViT family init: trunc_normal std of Linear weights (timm's 0.02)
     patch_embed_std: Optional[float] = None  # ViT: trunc_normal std of the patch conv; None = torch's
     # vit / gpt
@@ -141,11 +141,11 @@ class AttentionConfig:
 class ReparamConfig:
     name: str = "none"  # registered in stabletrain.layers.reparam
     apply_to: ApplyTo = ApplyTo.all  # every linear layer, or the query/key rows only (reparam=sigma_qk)
-    gamma_init: GammaInit = GammaInit.one  # svd: the vision recipe; diverged outside vision (001 l.747)
+    gamma_init: GammaInit = GammaInit.one  # svd: the vision recipe; diverged outside vision (001)
     power_iters: int = 1
     qkv_split: QKVSplit = QKVSplit.joint
     gamma_lr_mult: float = 1.0
-    attn_fp32: bool = False  # attention logits and softmax in fp32 (001 l.136)
+    attn_fp32: bool = False  # attention logits and softmax in fp32 (001)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""logger.wandb=offline makes no network attempt from the training process (#18)."""
+"""logger.wandb=offline makes no network attempt from the training process."""
 
 import os
 import re

@@ -54,7 +54,7 @@ def _styled(fn):
             return fn(*args, **kwargs)
     return wrapper
 
-# quantities spanning decades (a crash multiplies them by 10-100, 000 l.97) get a log axis
+# quantities spanning decades (a crash multiplies them by 10-100, 000) get a log axis
 _LOG_QUANTITIES = {N.WQ_T_WK_FULL, N.WO_WV_FULL, N.W2_W1, N.ACT_X, N.ACT_GRAD_X}
 
 

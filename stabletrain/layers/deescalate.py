@@ -1,4 +1,4 @@
-"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21, l.157-160; docs/methods.md §3).
+"""Token de-escalation ``X <- X - lambda * P X`` (002 Eq. 21; docs/methods.md §3).
 
 ``P X`` is the mean over tokens. ``lambda`` in [0, 1]: 0 does nothing, 1 centres the token
 columns (complete de-escalation). Because ``P`` is a projection, one de-escalation takes the
@@ -10,9 +10,9 @@ Decisions (docs/methods.md §3):
   text singles out). ``learnable: true`` makes it a parameter (the paper says it can be,
   reports no such run); it is not clamped to [0, 1].
 - Placement (``deescalate.placement``): ``block`` at the end of each block, after the second
-  norm of a post-norm block (ViT/CIFAR, l.166); ``ffn`` on the residual stream entering the
+  norm of a post-norm block (ViT/CIFAR); ``ffn`` on the residual stream entering the
   FFN, after the attention sub-layer (and its norm, post-norm), so the de-escalated ``X``
-  feeds both the FFN and its residual path (Transformer-XL, l.176). ViT's class token is
+  feeds both the FFN and its residual path (Transformer-XL). ViT's class token is
   part of the mean; Swin averages over all tokens of the feature map.
 - Causal models use the prefix mean over tokens ``<= t`` (our deviation, so no position
   sees the future); non-causal ones the full mean, as the paper. With ``lambda = 1`` the

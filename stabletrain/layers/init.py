@@ -10,12 +10,12 @@ names re-draw every ``nn.Linear`` weight (biases set to 0) after the model is bu
 - ``trunc_xavier``: the same normal truncated at ``+-2 std`` (our reading of 000 Table 2's
   "Truncated Xavier", ViT). As with timm's ``trunc_normal_``, ``std`` is the untruncated
   normal's; the drawn values' std is ``0.880 * std``.
-- ``stable``: StableInit (004 Eq. 1, l.145-147), ``N(0, (gain / (sqrt(n_in) + sqrt(n_out)))^2)``,
+- ``stable``: StableInit (004 Eq. 1), ``N(0, (gain / (sqrt(n_in) + sqrt(n_out)))^2)``,
   so ``E[sigma_max(W)] <= gain``.
 
 Decisions:
 
-- Only ``nn.Linear`` weights are touched, as StableInit's demo does (004 l.988-994): token
+- Only ``nn.Linear`` weights are touched, as StableInit's demo does (004): token
   and position embeddings, the patch-embedding conv, class token, Swin's relative-position
   tables and norms keep the family init; a tied ``lm_head`` (its weight is the embedding's)
   keeps the embedding's init; nanoGPT's residual-projection scaling is not applied (those

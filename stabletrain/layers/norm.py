@@ -18,7 +18,7 @@ class StableNorm(nn.Module):
     :class:`ConfigError`.
 
     ``eps_mode`` (docs/methods.md §5 decision): ``'sqrt'`` (default) follows the text, eps inside
-    the root (004 l.200); ``'add'`` is the demo's ``||x|| + eps`` (004 l.997-1005). ``eps``
+    the root (004); ``'add'`` is the demo's ``||x|| + eps`` (004). ``eps``
     None is each mode's own (:func:`mode_eps`: 1e-5 under the root, the demo's 1e-8 added). A zero
     input (the first causal token after complete de-escalation, docs/methods.md §3) maps to 0
     with a finite gradient in both modes. Computed in fp32 under autocast.
@@ -51,7 +51,7 @@ class StableNorm(nn.Module):
         return f"{self.dim}, alpha={self.alpha}, eps={self.eps}, eps_mode={self.eps_mode}"
 
 
-EPS_BY_MODE = {"sqrt": 1e-5, "add": 1e-8}  # 004 l.200 (the text) and l.997-1005 (the demo)
+EPS_BY_MODE = {"sqrt": 1e-5, "add": 1e-8}  # 004: the text and the demo
 
 
 def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:

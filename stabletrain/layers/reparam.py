@@ -3,27 +3,27 @@
 ``reparam=sigma`` reparametrises every ``nn.Linear`` and every ``nn.Conv2d`` (the patch
 embedding, as its ``(out, in*kh*kw)`` flattening); ``reparam.apply_to=qk`` (``reparam=sigma_qk``) only the query and key
 rows of each fused ``qkv`` and keeps the LayerNorms (only the all-layer form lets them go,
-001 l.395). It is installed with ``torch.nn.utils.parametrize``, so ``module.weight`` *is*
+001). It is installed with ``torch.nn.utils.parametrize``, so ``module.weight`` *is*
 the effective weight everywhere (forward, monitors, exports) while the optimizer trains the
 raw ``module.parametrizations.weight.original`` and the gains.
 
 Per reparametrised matrix (or ``qkv`` slice) there is a learned ``gamma`` and two persistent
 unit buffers ``u`` (rows) and ``v`` (columns); ``sigma = u^T W v`` is computed in fp32 with
-autocast off, with the gradient flowing through ``W`` (001 Alg. 1, l.400-404).
+autocast off, with the gradient flowing through ``W`` (001 Alg. 1).
 
 Decisions (docs/methods.md §2):
 
 - ``u, v`` change only in :func:`reparam_step`, called once per optimizer step by the
-  trainer (``power_iters`` iterations, default 1, "more steps made no difference", l.395),
+  trainer (``power_iters`` iterations, default 1, "more steps made no difference"),
   batched by shape over the whole model through :mod:`stabletrain.spectral`. Every
   micro-batch and DDP rank therefore uses the same ``sigma``; forward and eval never touch
-  the buffers (the paper's sketch iterates at every training forward, l.406-411).
+  the buffers (the paper's sketch iterates at every training forward).
   :func:`apply_reparam` makes the first call, so ``sigma`` is meaningful from step 0.
-- ``gamma_init``: ``one`` (default, l.95) or ``svd``: ``gamma = sigma1(W_init)`` and ``u, v``
+- ``gamma_init``: ``one`` (default) or ``svd``: ``gamma = sigma1(W_init)`` and ``u, v``
   the top singular vectors, so the initial effective weight equals the initial weight
-  (the vision recipe, l.749). **Warning:** outside vision this kernel-derived init diverged
-  (l.747); keep ``one`` for language and speech.
-- ``qkv_split`` for the fused ``qkv`` (l.751-753, l.576): ``joint`` (default, the official
+  (the vision recipe). **Warning:** outside vision this kernel-derived init diverged; keep
+  ``one`` for language and speech.
+- ``qkv_split`` for the fused ``qkv``: ``joint`` (default, the official
   code: one sigma/gamma for the ``3d x d`` matrix), ``qk_v`` (queries+keys together, values
   apart; App. I's wording) or ``q_k_v`` (each slice its own). Under ``apply_to: qk`` the value
   rows stay raw; ``joint`` and ``qk_v`` then both mean one sigma for ``[W_q; W_k]``.

@@ -1,6 +1,6 @@
 """Swin: timm's SwinTransformer, its window attention and blocks given our components.
 
-The AdamW² paper used Liu et al.'s Swin code (000 l.660); timm's is the same architecture
+The AdamW² paper used Liu et al.'s Swin code (000); timm's is the same architecture
 (docs/methods.md §6 decision). Norms come from our factory via ``norm_layer``; each block's
 window attention becomes :class:`SwinAttention` (same weights, our q/k variants) and each
 block :class:`SwinBlock` (the shared block arrangement: post-norm and de-escalation). With default components the model

@@ -1,9 +1,9 @@
 """Health alerts and crash forensics on top of the logged metrics (docs/methods.md §7).
 
 Near-zero attention entropy alone is not a crash signal: healthy runs show a benign collapse
-to a near-identity attention map with a spread-out ``W_q^T W_k`` spectrum (000, l.136).
+to a near-identity attention map with a spread-out ``W_q^T W_k`` spectrum (000).
 The malignant collapse that precedes a crash has entropy near zero, a rapidly growing
-``sigma1(W_q^T W_k)`` and its spectral energy in a few directions (000, l.97, l.149, l.166).
+``sigma1(W_q^T W_k)`` and its spectral energy in a few directions (000).
 :class:`HealthWatch` alerts only when all three hold in the same block.
 """
 
@@ -47,7 +47,7 @@ class HealthWatch:
        growth since initialisation would not do, as healthy training multiplies it 1000-fold;
     3. **Decision:** spectral energy concentration ``SEC(d_h, s*) > sec_threshold`` with
        ``s* = names.sec_alert_size(d_h)`` (4 at ``d_h = 64``: the paper's ``SEC(64, 4) > 99%``,
-       000 l.149). An absolute threshold rather than a rise, because the paper states the
+       000). An absolute threshold rather than a rise, because the paper states the
        signature as a level and a rise from a random init's low SEC also happens in healthy
        training. ``d_h`` is read off the SEC curve (its last point is ``s = d_h``). In a
        block whose SEC is never logged, conditions 1 and 2 decide alone.

@@ -149,8 +149,8 @@ def sec_sizes(d_h: int) -> list[int]:
 def sec_alert_size(d_h: int) -> int:
     """The ``s`` whose SEC marks concentration in the alert: 4 at the paper's ``d_h = 64``.
 
-    The paper's signature is ``SEC(64, 4) > 99%`` (000, l.149), energy in 1/16 of the head's
-    directions, "fewer than 10" (l.166). **Decision:** narrow heads keep that ratio but look at
+    The paper's signature is ``SEC(64, 4) > 99%`` (000), energy in 1/16 of the head's
+    directions, "fewer than 10". **Decision:** narrow heads keep that ratio but look at
     two directions at least (``d_h // 16`` clipped to ``[2, 4]``): a collapsed 16-wide head
     showed SEC(16, 2) = 0.99999997 with SEC(16, 1) = 0.93, so one direction would miss it; and
     at most half the head (``SEC(d_h, d_h)`` is always 1). Rounded down to a size the curve

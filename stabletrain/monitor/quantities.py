@@ -20,7 +20,7 @@ Two implementations of the weight-side metrics, with the same names and values:
 How each sigma1 is obtained (all through :mod:`stabletrain.spectral`):
 
 - single matrices (``W_q`` ... ``W_2``): batched power iteration, warm-started across calls,
-  as the brief asks for cheap per-step telemetry (lower bounds, ~1% on random-init weights,
+  since per-step telemetry must be cheap (lower bounds, ~1% on random-init weights,
   tightening over warm passes);
 - per-head products ``W_q^h^T W_k^h`` and ``W_o^h W_v^h``: exact, from a ``d_h x d_h``
   matrix: after thin QR (:func:`spectral.product_singular_values`, per block) or from the
@@ -236,7 +236,7 @@ def _key_mask(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> T
 
 
 def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-    """Mean attention entropy per head, ``(H,)`` float64, natural log (001 l.73; docs/methods.md §7).
+    """Mean attention entropy per head, ``(H,)`` float64, natural log (001; docs/methods.md §7).
 
     ``probs`` is ``(B, H, T, S)``; ``mask`` (bool, ``True`` = key allowed) broadcasts to it.
     Masked entries contribute 0; rows with no allowed key are left out of the mean, which
@@ -304,7 +304,7 @@ def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
 
 
 def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False) -> Tensor:
-    """Theorem 3.1 (001 l.77-85) beside the measured entropy, per head ``(H,)`` float64.
+    """Theorem 3.1 (001) beside the measured entropy, per head ``(H,)`` float64.
 
     docs/methods.md §7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
     folded in; q/k biases, position biases and q/k norms are outside the theorem),

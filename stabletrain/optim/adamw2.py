@@ -1,6 +1,6 @@
 """AdamW² — AdamW whose step on each bounded tensor obeys Weyl's inequality (docs/methods.md §1).
 
-Algorithm 1 of 000 (l.189-210), for every bounded tensor ``W`` at step ``t`` with rate ``lr``:
+Algorithm 1 of 000, for every bounded tensor ``W`` at step ``t`` with rate ``lr``:
 
     m, v        Adam moments of the gradient (betas), bias-corrected to m_hat, v_hat
     U           m_hat / (sqrt(v_hat) + eps)        (eps_inside_sqrt=False, PyTorch's form)
@@ -151,7 +151,7 @@ class AdamW2(Optimizer):
     Args mean what they mean for ``torch.optim.AdamW``, plus:
         tau: largest allowed ``lr * sigma1(U) / sigma1(W)`` per step (000 Table 2: 0.004
             vision, 0.01 GPT).
-        power_iters: power-iteration steps per sigma1 estimate (000 l.230: 3).
+        power_iters: power-iteration steps per sigma1 estimate (000: 3).
         warm_start: keep the power-iteration vectors across steps (docs/methods.md decision).
         eps_inside_sqrt: ``sqrt(v_hat + eps)`` as in Alg. 1 line 5 instead of PyTorch's
             ``sqrt(v_hat) + eps`` (docs/methods.md decision: default False).

@@ -137,7 +137,7 @@ def set_lr(optimizer: Optimizer, lr: float) -> None:
 
 def weight_decay_at(start: float, end: float | None, step: int, total_steps: int) -> float:
     """Weight decay at ``step``: constant ``start`` when ``end`` is None, else a half cosine
-    from ``start`` to ``end`` over the run (001 l.136: a cosine schedule 0 -> 1e-5 eases
+    from ``start`` to ``end`` over the run (001: a cosine schedule 0 -> 1e-5 eases
     sigmaReparam's ViT-L/H)."""
     if end is None:
         return start

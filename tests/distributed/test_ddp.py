@@ -39,7 +39,7 @@ def assert_same_training(ddp_dir, one_dir):
 def test_torchrun_two_ranks_match_one_process_in_one_run_dir(tmp_path):
     work = tmp_path / "cwd"
     work.mkdir()
-    # The brief's command, with the default timestamped run dir under the working directory.
+    # A plain torchrun command, with the default timestamped run dir under the working directory.
     run(torchrun_cmd(2, "model=gpt_test", "steps=5", *GPT), cwd=work)
     made = sorted(p for p in (work / "outputs").glob("*/*"))
     assert [p.name for p in work.iterdir()] == ["outputs"], "a rank > 0 wrote into the working directory"

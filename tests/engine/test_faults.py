@@ -1,5 +1,5 @@
 """Fault injection on the run directory's files: each fault as a crash or a full disk leaves it,
-then what the next run or resume must make of it (#18)."""
+then what the next run or resume must make of it."""
 
 import errno
 import json

@@ -1,4 +1,4 @@
-"""Never lose a run (#18): finite checkpoints, completing a run whose steps are done, resume checks."""
+"""Never lose a run: finite checkpoints, completing a run whose steps are done, resume checks."""
 
 import json
 import signal

@@ -1,4 +1,4 @@
-"""Surviving a spike (#15): skipped non-finite steps, the checkpoint ring, rollbacks."""
+"""Surviving a spike: skipped non-finite steps, the checkpoint ring, rollbacks."""
 
 import itertools
 import json

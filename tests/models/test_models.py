@@ -79,9 +79,9 @@ def _size(name: str) -> int:
 
 
 @pytest.mark.parametrize("name,width,depth,heads,mlp,patch,paper_m", [
-    ("vit_b", 768, 12, 12, 3072, 16, 86),  # 000 l.239
-    ("vit_l", 1024, 24, 16, 4096, 16, 307),  # 000 l.239 counts 307M; timm's ViT-L/16 is 304M
-    ("vit_g", 1408, 40, 16, 6144, 14, 1011),  # 000 l.625
+    ("vit_b", 768, 12, 12, 3072, 16, 86),  # 000
+    ("vit_l", 1024, 24, 16, 4096, 16, 307),  # 000 counts 307M; timm's ViT-L/16 is 304M
+    ("vit_g", 1408, 40, 16, 6144, 14, 1011),  # 000
 ])
 def test_vit_sizes_follow_from_their_shape_and_the_papers(name, width, depth, heads, mlp, patch, paper_m):
     """Blocks of 4 d^2 + 2 d mlp weights plus biases and norms, the patch embedding, the
@@ -100,7 +100,7 @@ def test_vit_sizes_follow_from_their_shape_and_the_papers(name, width, depth, he
 
 @pytest.mark.parametrize("name,paper_m", [("swin_s", 50), ("swin_b", 88), ("gpt2_m", 355), ("gpt2_l", 774)])
 def test_other_sizes_match_the_papers(name, paper_m):
-    assert abs(_size(name) / 1e6 - paper_m) / paper_m < 0.01  # 000 l.239, l.637; GPT-2's 355M
+    assert abs(_size(name) / 1e6 - paper_m) / paper_m < 0.01  # 000; GPT-2's 355M
 
 
 def test_gpt_family_init_is_nanogpts():

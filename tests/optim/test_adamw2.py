@@ -1,4 +1,4 @@
-"""AdamW² against Algorithm 1 (000, l.189-210) written out with exact float64 SVD."""
+"""AdamW² against Algorithm 1 (000) written out with exact float64 SVD."""
 
 import copy
 import io

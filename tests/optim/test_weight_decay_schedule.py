@@ -1,4 +1,4 @@
-"""The cosine weight-decay schedule (001 l.136) against hand-computed values, and in the loop."""
+"""The cosine weight-decay schedule (001) against hand-computed values, and in the loop."""
 
 import math
 
