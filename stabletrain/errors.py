@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A value that cannot run; the message is one line naming the key and the fix."""
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C ended training mid-step, without a checkpoint; the message says at which
+    step and which step last.pt holds."""
+
+
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message (its type's name when the message is empty),
     for one-line reports of errors raised by other libraries."""

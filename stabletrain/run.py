@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from stabletrain.errors import ConfigError, fail, first_line
+from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import RunDirLock
@@ -131,13 +131,11 @@ def main_guarded(cfg, run_dir) -> dict | None:
              f"answering (hung, stopped or dead); the job ends here, and resume=auto continues it from "
              f"its last checkpoint", 1, every_rank=True)
         return None
-    except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler, or a second one
-        done = read_json(Path(run_dir) / "summary.json") or {}
-        if "second Ctrl-C" in str(done.get("reason", "")):
-            fail(f"interrupted: {done['reason']}; continue it with resume=auto hydra.run.dir={run_dir}",
-                 128 + signal.SIGINT)
-        else:
-            fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
+    except StoppedAtOnce as e:
+        fail(f"interrupted: {e}; continue it with resume=auto hydra.run.dir={run_dir}", 128 + signal.SIGINT)
+        return None
+    except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
+        fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
         return None
     if summary.get("status") == "interrupted" and not D.may_be_requeued():
         # the shell's code for a process ended by that signal: a sweep stops, scripts see it

@@ -387,16 +387,16 @@ class Checkpointer:
                               f"replaced them; {instead}")
         if not stepped:  # saved before the first step: the optimizer starts afresh, as it did then
             self.optimizer.load_state_dict({"state": {}, "param_groups": self.optimizer.state_dict()["param_groups"]})
-        if shards != dcp_dir(path) and self.info.is_main:
-            # a kill in a save between its shards and last.pt: the previous shards become last.pt's
-            # again, before a save could drop them
+        if shards == dcp_dir(path):
+            return None
+        # a kill in a save between its shards and last.pt: the previous shards become last.pt's
+        # again, before a save could drop them
+        if self.info.is_main:
             shutil.rmtree(dcp_dir(path), ignore_errors=True)
             shards.rename(dcp_dir(path))
         D.barrier(self.info)
-        if shards != dcp_dir(path):
-            return (f"{path.name}'s shards were in {shards.name}/ (a save was cut off before its last.pt): "
-                    f"resumed from them, and moved them back to {dcp_dir(path).name}/")
-        return None
+        return (f"{path.name}'s shards were in {shards.name}/ (a save was cut off before its last.pt): "
+                f"resumed from them, and moved them back to {dcp_dir(path).name}/")
 
     def _dcp_candidates(self, path: Path) -> list[Path]:
         """Where the shards of ``path`` may be: its own directory, and for last.pt the previous

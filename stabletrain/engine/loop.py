@@ -33,7 +33,7 @@ from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
-from stabletrain.errors import ConfigError, first_line
+from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
 from stabletrain.metrics import duration, logged_value, peak_flops, previous_name, read_json, si, write_json
 from stabletrain.monitor import names as N
 
@@ -582,9 +582,10 @@ class Trainer:
             return self._finish(status, reason, self.last_vals)
         except KeyboardInterrupt:
             last = self.saved_step
-            self._finish("interrupted", f"a second Ctrl-C at step {self.step}, without a checkpoint"
-                         + (f" (last.pt holds step {last})" if last is not None else ""), {}, quiet=True)
-            raise
+            reason = (f"a second Ctrl-C at step {self.step}, without a checkpoint"
+                      + (f" (last.pt holds step {last})" if last is not None else ""))
+            self._finish("interrupted", reason, {}, quiet=True)
+            raise StoppedAtOnce(reason) from None
         except Exception as e:
             # a crash (out of memory, a bug, a rank that stopped answering) still leaves a
             # summary.json saying where and why

@@ -182,7 +182,7 @@ def save_dcp(ckpt_dir: Path, model: nn.Module, optimizer, step: int, ema: nn.Mod
     ``ckpt_dir/last_dcp``, the previous one moved to ``.last_dcp.old``. That one is the shards of
     the ``last.pt`` still in place until the caller has written the new last.pt and called
     :func:`drop_previous_dcp`: a kill anywhere in between leaves a last.pt whose shards are one of
-    the two (see :func:`dcp_candidates`). The step is saved with the shards, to tell which."""
+    the two (``Checkpointer`` resumes from the one of its step). The step is saved with the shards, to tell which."""
     import torch.distributed.checkpoint as dcp
 
     ckpt_dir = Path(ckpt_dir)

@@ -250,29 +250,39 @@ def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_pa
         run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
 
 
-def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys):
+def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch):
     """The first Ctrl-C asks for a checkpoint at the end of the step; a second one, say while a
     step hangs, stops at once: summary.json and the last line say so and name last.pt's step."""
     import signal
 
-    from stabletrain.build import build_trainer
+    from stabletrain import build as build_module
+    from stabletrain import run as run_module
     from tests.helpers import make_cfg
 
-    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2"), tmp_path)
-    orig = t.train_step
+    real_build = build_module.build_trainer
 
-    def step(*a, **k):
-        if t.step == 3:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
-        return orig(*a, **k)
+    def build(*a, **k):
+        t = real_build(*a, **k)
+        orig = t.train_step
 
-    t.train_step = step
+        def step(*a, **k):
+            if t.step == 3:
+                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(signal.SIGINT)
+            return orig(*a, **k)
+
+        t.train_step = step
+        return t
+
+    monkeypatch.setattr(build_module, "build_trainer", build)
     # Python's own handler, or SIG_IGN where the shell started the tests in the background
     before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        t.fit()
+    with pytest.raises(SystemExit) as stopped:
+        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2"), tmp_path)
+    assert stopped.value.code == 128 + signal.SIGINT
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["step"] == 3
     assert s["reason"] == "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: interrupted: {s['reason']}; continue it with resume=auto hydra.run.dir={tmp_path}")
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back
