@@ -138,3 +138,21 @@ def wait_ok(proc: subprocess.Popen, log: Path, timeout: int = 240, expect: int =
     out = log.read_text()
     assert proc.returncode == expect, f"exit {proc.returncode}, expected {expect}:\n{out[-4000:]}"
     return out
+
+
+def finish(message: str) -> None:
+    """End a torchrun test script: free what holds collectives' work, then the group, then say so.
+
+    Sharded parameters' gradients keep gloo work objects; left to the interpreter's exit they
+    sometimes aborted a rank there ("terminate called without an active exception") after every
+    check had passed. The caller's models must already be out of scope (built inside a function).
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+    dist.destroy_process_group()

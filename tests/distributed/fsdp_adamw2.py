@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from stabletrain.optim import AdamW2
+from tests.distributed.common import finish
 
 
 class Mixed(nn.Module):
@@ -159,9 +160,7 @@ def main():
     world = dist.get_world_size()
     check((world,))  # FSDP2
     check((1, world))  # HSDP: the rows are split along the mesh's second dim
-    if dist.get_rank() == 0:
-        print("fsdp adamw2 ok", flush=True)
-    dist.destroy_process_group()
+    finish("fsdp adamw2 ok")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ once. Prints "fsdp locater ok" on success.
 from __future__ import annotations
 
 import copy
-import gc
 from types import SimpleNamespace
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from stabletrain.engine.sharding import set_gradient_sync, with_whole_weights
 from stabletrain.layers.reparam import apply_reparam
 from stabletrain.losses.locater import Locater, LocaterParams
+from tests.distributed.common import finish
 from tests.distributed.fsdp_reparam import Net
 
 MICRO = 2  # micro-batches per rank
@@ -33,14 +33,7 @@ MICRO = 2  # micro-batches per rank
 def main():
     dist.init_process_group("gloo")
     compare(dist.get_rank(), dist.get_world_size())
-    # the sharded models and their gradients (which hold collectives' work) freed before the group:
-    # left to the interpreter's exit, the rank sometimes aborted there ("terminate called without an
-    # active exception")
-    gc.collect()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("fsdp locater ok", flush=True)
-    dist.destroy_process_group()
+    finish("fsdp locater ok")
 
 
 def compare(rank: int, world: int) -> None:

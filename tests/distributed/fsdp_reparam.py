@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from stabletrain.layers.reparam import PowerStep, apply_reparam, sigma_reparams
+from tests.distributed.common import finish
 
 
 class Attn(nn.Module):
@@ -53,9 +54,14 @@ class Net(nn.Module):
 
 def main():
     dist.init_process_group("gloo")
+    compare(dist.get_world_size())
+    finish("fsdp reparam ok")
+
+
+def compare(world: int) -> None:
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh("cpu", (world,))
     for apply_to, split, iters in (("all", "joint", 1), ("all", "q_k_v", 2), ("qk", "qk_v", 1), ("all", "qk_v", 3)):
         cfg = SimpleNamespace(name="sigma", apply_to=apply_to, qkv_split=split, gamma_init="one", power_iters=iters)
         torch.manual_seed(1)
@@ -83,10 +89,6 @@ def main():
                     torch.testing.assert_close(pb.u, pa.u, rtol=1e-5, atol=1e-6)
                     torch.testing.assert_close(pb.v, pa.v, rtol=1e-5, atol=1e-6)
                     assert not torch.equal(pa.u, torch.zeros_like(pa.u))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("fsdp reparam ok", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
