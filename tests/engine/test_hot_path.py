@@ -1,6 +1,6 @@
 """The training step's hot path, as far as a CPU can check it: ``compile=true`` traces every
-component in one graph and trains the eager run's numbers, and no step waits for the device
-except the log, evaluation and checkpoint steps.
+component in one graph, trains the eager run's numbers and generates the kernels of a bare
+compiled loop, and no step waits for the device except the log, evaluation and checkpoint steps.
 
 A host sync cannot be timed on a CPU, but it can be seen: every way a tensor's value reaches
 Python (``.item()``, ``.tolist()``, ``bool``, ``float``, ``.cpu()``) goes through
@@ -86,6 +86,36 @@ def test_compiled_run_trains_the_eager_run(tmp_path, extra):
     counters = torch._dynamo.utils.counters
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.skipif(not has_cpp_compiler(), reason="inductor needs a C++ compiler on the CPU")
+@pytest.mark.parametrize("model_name", ["gpt_test", "vit_test"])
+def test_compiled_step_generates_the_kernels_of_a_bare_loop(tmp_path, model_name):
+    """The trainer compiles the model and its objective as two functions; a nanoGPT / timm loop
+    compiles model and cross-entropy as one. Forward and backward, inductor must generate as many
+    kernels for the trainer's step as for the bare loop's: no device work of the framework's
+    hides inside the compiled graphs, and splitting them costs no fusion."""
+    import torch.nn.functional as F
+    from torch._inductor import config as inductor_config
+    from torch._inductor import metrics
+
+    cfg = make_cfg(*QUIET, f"model={model_name}", "optim=adamw", "batch_size=8", "monitor=off", "compile=true")
+    trainer = build_trainer(cfg, tmp_path)
+    batch = [trainer._to_device(x, y) for x, y in next(trainer.data.train_iter(0, trainer.shard))]
+    raw = trainer.model
+
+    def bare(x, y):
+        return F.cross_entropy(raw(x).float().flatten(0, -2), y.flatten())
+
+    counts = []
+    with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        for step in (lambda: trainer.train_step(batch, False),
+                     lambda: [torch.compile(bare)(x, y).backward() for x, y in batch]):
+            torch._dynamo.reset()
+            metrics.reset()
+            step()
+            counts.append(metrics.generated_kernel_count)
+    assert counts[0] == counts[1] > 0, f"trainer {counts[0]} kernels, bare loop {counts[1]}"
 
 
 SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
