@@ -94,18 +94,22 @@ def test_compiled_step_generates_the_kernels_of_a_bare_loop(tmp_path, model_name
     """The trainer compiles the model and its objective as two functions; a nanoGPT / timm loop
     compiles model and cross-entropy as one. Forward and backward, inductor must generate as many
     kernels for the trainer's step as for the bare loop's: no device work of the framework's
-    hides inside the compiled graphs, and splitting them costs no fusion."""
+    hides inside the compiled graphs, and splitting them costs no fusion. In bf16 autocast, as on
+    a GPU: the trainer's objective runs outside autocast, the bare loop's cast is inside."""
     import torch.nn.functional as F
     from torch._inductor import config as inductor_config
     from torch._inductor import metrics
 
-    cfg = make_cfg(*QUIET, f"model={model_name}", "optim=adamw", "batch_size=8", "monitor=off", "compile=true")
+    cfg = make_cfg(*QUIET, f"model={model_name}", "optim=adamw", "batch_size=8", "monitor=off", "compile=true",
+                   "precision=bf16")
     trainer = build_trainer(cfg, tmp_path)
     batch = [trainer._to_device(x, y) for x, y in next(trainer.data.train_iter(0, trainer.shard))]
     raw = trainer.model
 
     def bare(x, y):
-        return F.cross_entropy(raw(x).float().flatten(0, -2), y.flatten())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = raw(x)
+        return F.cross_entropy(out.float().flatten(0, -2), y.flatten())
 
     counts = []
     with inductor_config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
