@@ -71,11 +71,50 @@ def explain(err: Exception, overrides: list[str]) -> str:
         if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer"):
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
+        hint = _nearest_key(bad.lstrip("+~")) if bad else None
+        if hint:
+            return f"unknown key '{bad}': {hint}"
         top = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
         return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")
     return f"{key}: {first}" if key else first
 
+
+def schema_keys(node=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the typed schema (``optim.lr``, ``divergence.spike_factor``, ...)."""
+    import dataclasses
+    import typing
+
+    from stabletrain.config import TrainConfig
+
+    node = node or TrainConfig
+    keys = []
+    for name, hint in typing.get_type_hints(node).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(hint):
+            keys += schema_keys(hint, f"{prefix}{name}.")
+    return keys
+
+
+def _nearest_key(bad: str) -> str | None:
+    """``did you mean optim.lr?`` for a misspelt key (or node), else the keys of the node it names."""
+    import difflib
+
+    keys = schema_keys()
+    nodes = {k.rpartition(".")[0] for k in keys}
+    parent, _, leaf = bad.rpartition(".")
+    if parent not in nodes:  # otpim.lr: the node misspelt
+        near = difflib.get_close_matches(parent, sorted(nodes - {""}), n=1, cutoff=0.6)
+        return f"did you mean {near[0]}.{leaf}?" if near and f"{near[0]}.{leaf}" in keys else None
+    leaves = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    near = [x for x in leaves if x.startswith(leaf)] if leaf else []
+    near = near if len(near) == 1 else difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
+    if near:
+        return f"did you mean {parent + '.' if parent else ''}{near[0]}?"
+    if parent:
+        return f"{parent} has no such key; its keys: {', '.join(leaves)}"
+    elsewhere = [k for k in keys if k.endswith("." + leaf)]  # lr=0.1 for optim.lr=0.1
+    return f"did you mean {' or '.join(elsewhere)}?" if elsewhere else None
 
 def compose_config(overrides: list[str]):
     """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra."""

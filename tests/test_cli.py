@@ -9,6 +9,7 @@ from tests.helpers import cli, make_cfg, model_of
 
 @pytest.mark.parametrize("args,needle", [
     (["+foo=1"], "unknown key 'foo'"),
+    (["optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
     (["regularizer.locater.scale_coef=100"], "the locater loss term, which is not active: add regularizer=locater"),
@@ -19,6 +20,22 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
 
+
+@pytest.mark.parametrize("key,hint", [
+    ("optim.tua", "did you mean optim.tau?"),               # a misspelt key
+    ("otpim.lr", "did you mean optim.lr?"),                 # a misspelt node
+    ("divergence.spike", "did you mean divergence.spike_factor?"),  # a key's start
+    ("batchsize", "did you mean batch_size?"),
+    ("lr", "did you mean optim.lr?"),                       # a key of a group, set at the top
+    ("alpha", "did you mean norm.alpha or attention.alpha?"),
+    ("ema.zzz", "ema has no such key; its keys: decay, every, warmup"),
+    ("zzz", None),                                          # the general message, listing the groups
+])
+def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
+    from stabletrain.cli import _nearest_key, schema_keys
+
+    assert _nearest_key(key) == hint
+    assert {"optim.lr", "divergence.spike_factor", "model.depth", "batch_size"} <= set(schema_keys())
 
 @pytest.mark.parametrize("sub,needle", [("", "is a file"), ("/run", "is below")])
 def test_a_run_dir_that_cannot_be_a_directory_is_one_line(tmp_path, sub, needle):
