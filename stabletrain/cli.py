@@ -77,6 +77,8 @@ def explain(err: Exception, overrides: list[str]) -> str:
         top = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
         return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")
+    if key and "is not a ListConfig" in first:
+        return f"{key} takes a list: write it in brackets, {key}=[x,y,...]"
     return f"{key}: {first}" if key else first
 
 
