@@ -371,7 +371,7 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         ref = run.get(N.metric(N.ENTROPY, layers[0], N.ENT_LOG_T))
         if ref is not None:
             ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1,
-                       label="uniform attention (log T)")
+                       label="uniform over each query's keys")
         _mark_divergence(ax, run)
         ax.set_title(f"attention entropy, {title}")
         ax.set_xlabel("step")
