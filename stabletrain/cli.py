@@ -79,7 +79,43 @@ def explain(err: Exception, overrides: list[str]) -> str:
                 f"`python train.py --cfg job` prints every key)")
     if key and "is not a ListConfig" in first:
         return f"{key} takes a list: write it in brackets, {key}=[x,y,...]"
+    if key and (wrong := _wrong_type(key, first)):
+        return wrong
     return f"{key}: {first}" if key else first
+
+
+def _wrong_type(key: str, first: str) -> str | None:
+    """``steps=abc must be an integer, e.g. steps=1000`` for OmegaConf's type errors."""
+    import re
+
+    given = re.search(r"[Vv]alue '(.*?)'", first)
+    given = given.group(1) if given else "?"
+    if (choices := re.search(r"expected one of \[(.*)\]", first)):
+        return f"{key}={given} is not one of: {choices.group(1)}"
+    kind = next((k for t, k in (("to Integer", "an integer"), ("to Float", "a number"),
+                                ("valid bool", "true or false")) if t in first), None)
+    if kind is None:
+        return None
+    example = _schema_default(key)
+    return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "")
+
+
+def _schema_default(key: str):
+    """The typed schema's default of a dotted key, when it is a plain value."""
+    import dataclasses
+
+    from stabletrain.config import TrainConfig
+
+    node = TrainConfig
+    for name in key.split("."):
+        f = {f.name: f for f in dataclasses.fields(node)}.get(name) if dataclasses.is_dataclass(node) else None
+        if f is None:
+            return None
+        node = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    if isinstance(node, bool):
+        return str(node).lower()
+    return node if isinstance(node, (int, float)) else None
 
 
 def schema_keys(node=None, prefix: str = "") -> list[str]:
@@ -117,6 +153,7 @@ def _nearest_key(bad: str) -> str | None:
         return f"{parent} has no such key; its keys: {', '.join(leaves)}"
     elsewhere = [k for k in keys if k.endswith("." + leaf)]  # lr=0.1 for optim.lr=0.1
     return f"did you mean {' or '.join(elsewhere)}?" if elsewhere else None
+
 
 def compose_config(overrides: list[str]):
     """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra."""

@@ -38,6 +38,22 @@ def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
     assert _nearest_key(key) == hint
     assert {"optim.lr", "divergence.spike_factor", "model.depth", "batch_size"} <= set(schema_keys())
 
+
+@pytest.mark.parametrize("override,line", [
+    ("optim.lr=fast", "optim.lr=fast must be a number, e.g. optim.lr=0.001"),
+    ("optim.power_iters=2.5", "optim.power_iters=2.5 must be an integer, e.g. optim.power_iters=3"),
+    ("steps=abc", "steps=abc must be an integer"),
+    ("compile=maybe", "compile=maybe must be true or false"),
+    ("schedule.unit=days", "schedule.unit=days is not one of: steps, epochs"),
+])
+def test_a_value_of_the_wrong_type_names_the_type_wanted(override, line):
+    from stabletrain.cli import compose_config, explain
+
+    with pytest.raises(Exception) as e:
+        compose_config([override])
+    assert explain(e.value, [override]) == line
+
+
 @pytest.mark.parametrize("sub,needle", [("", "is a file"), ("/run", "is below")])
 def test_a_run_dir_that_cannot_be_a_directory_is_one_line(tmp_path, sub, needle):
     (tmp_path / "f").write_text("")
