@@ -85,7 +85,7 @@ def explain(err: Exception, overrides: list[str]) -> str:
 
 
 def _wrong_type(key: str, first: str) -> str | None:
-    """``steps=abc must be an integer, e.g. steps=1000`` for OmegaConf's type errors."""
+    """``optim.lr=fast must be a number, e.g. optim.lr=0.001`` for OmegaConf's type errors."""
     import re
 
     given = re.search(r"[Vv]alue '(.*?)'", first)
