@@ -25,7 +25,7 @@ bench: setup
 	$(BIN)/python scripts/bench_optim.py --optims adamw,adamw2,adamw2-overlap $(ARGS)
 
 lint: setup
-	$(BIN)/ruff check stabletrain tests scripts train.py
+	$(BIN)/ruff check stabletrain tests scripts examples train.py
 
 clean:
 	rm -rf outputs multirun .pytest_cache

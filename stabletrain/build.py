@@ -43,18 +43,22 @@ from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
 from stabletrain.metrics import Metrics
-from stabletrain.models.registry import MODELS, build_model_and_hook, transformer_blocks
+from stabletrain.models.registry import KINDS, MODELS, build_model_and_hook, family_entry, transformer_blocks
 from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
 from stabletrain.optim.schedule import SCHEDULES
-from stabletrain.registry import option_value
+from stabletrain.registry import import_modules, option_value
 
 
 def validate(cfg) -> None:
     """Every check that runs before any work: the config's ranges, each option against its
     registry, what the model family and the data set allow, the loss terms' parameters.
     Raises :class:`ConfigError` with one line."""
+    import_modules(cfg.imports)
     C.validate(cfg)
-    family = MODELS.entry(cfg.model.family)
+    family = family_entry(cfg.model.family)
+    if cfg.model.kwargs and family.fn.__module__.startswith("stabletrain."):
+        raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
+                          f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
     for registry, name in ((NORMS, cfg.norm.name), (ATTENTIONS, cfg.attention.name), (INITS, cfg.init.name),
                            (REPARAMS, cfg.reparam.name), (OPTIMIZERS, cfg.optim.name),
                            (SCHEDULES, cfg.schedule.name), (DEESCALATIONS, cfg.deescalate.name)):
@@ -132,8 +136,8 @@ def resolve_compile(asked: bool | None, device: torch.device) -> bool:
 
 def _data_entry(cfg):
     """The registry entry of ``cfg``'s data set, refused when it does not fit the model family."""
-    family = MODELS.entry(cfg.model.family)
-    data = DATASETS.entry(resolve_name(cfg.data, family.info["data"]))
+    family = family_entry(cfg.model.family)
+    data = DATASETS.entry(resolve_name(cfg.data, family.info.get("data") or KINDS[family.info["kind"]]))
     if data.info["kind"] != family.info["kind"]:
         fits = ", ".join(e.name for e in DATASETS.entries() if e.info["kind"] == family.info["kind"])
         raise ConfigError(f"data={data.name} does not fit model={cfg.model.name} (a {family.name} model); "
@@ -169,6 +173,7 @@ def fit_model_to_data(cfg, data: Data) -> list[str]:
 def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:
     """The trainer of ``cfg`` with everything built, on this process's device."""
     info = info or D.DistInfo()
+    import_modules(cfg.imports)
     run_dir = Path(run_dir)
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -186,6 +191,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg)
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
+    notes += unbuilt_components(model, cfg)
     blocks = transformer_blocks(model)
     if cfg.activation_checkpointing:
         from stabletrain.engine.sharding import apply_activation_checkpointing
@@ -232,7 +238,9 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         plain = ATTENTIONS.get(cfg.attention.name) is ATTENTIONS.get("softmax")
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
+        notes += [monitor.coverage()] if monitor.coverage() else []
     messages = [group_summary] + notes
+    flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:
         messages.append(f"steps={cfg.steps} overrides epochs={cfg.epochs:g}; set steps=null to train by epochs")
     settings = LoopSettings(
@@ -241,7 +249,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         log_every=cfg.logger.log_every, adamw2_every=cfg.monitor.adamw2_every, resume=cfg.resume,
         resume_allow_changes=cfg.resume_allow_changes, bf16=bf16,
         compile=compiled, config_yaml=OmegaConf.to_yaml(cfg, resolve=True), title=cfg.model.name,
-        flops_per_sample=float(MODELS.entry(cfg.model.family).info["flops"](model, cfg.model)),
+        flops_per_sample=float(flops(model, cfg.model)) if flops else 0.0,
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
         spike_factor=cfg.debug.spike_factor, sharded=sharded)
@@ -257,6 +265,26 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                    step_hooks=[reparam_hook] if reparam_hook is not None else [],
                    mixup=mixup, ema=ema, monitor=monitor, divergence=DivergenceWatch(cfg.divergence),
                    messages=messages)
+
+
+def unbuilt_components(model, cfg) -> list[str]:
+    """A family of the user's own whose builder ignores ``components`` builds none of the chosen
+    norm or attention: said at the start, not trained silently without them."""
+    family = MODELS.entry(cfg.model.family)
+    if family.fn.__module__.startswith("stabletrain."):
+        return []  # the tests build every option into every family of stabletrain's own
+    notes, kinds = [], {type(m) for m in model.modules()}
+    layer = NORMS.entry(cfg.norm.name).info.get("layer")
+    asked = option_value(cfg.norm.name) != C.NormConfig().name  # the default: nothing was asked
+    if asked and layer is not None and not any(issubclass(k, layer) for k in kinds):
+        notes.append(f"norm={cfg.norm.name} changes nothing: model.family={family.name} built no {layer.__name__} "
+                     f"(its builder does not use components.norm)")
+    attention = option_value(cfg.attention.name)
+    ours = any(hasattr(m, "probe") and hasattr(m, "q_norm") for m in model.modules())  # layers/attention.py's
+    if attention != C.AttentionConfig().name and not ours:
+        notes.append(f"attention={attention} changes nothing: model.family={family.name} built no attention of "
+                     f"stabletrain's (its builder does not use components.attention)")
+    return notes
 
 
 def _monitor_sharding():

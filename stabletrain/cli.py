@@ -13,9 +13,24 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _PASSTHROUGH_FLAGS = {"-m", "--multirun"}
 
 
-def group_options(group: str) -> list[str]:
-    d = CONFIG_DIR / group
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else []
+def config_dirs(overrides: list[str] = ()) -> list[Path]:
+    """``configs/`` and the folders of the user's own options, ``hydra.searchpath=[file://DIR,...]``."""
+    dirs = [CONFIG_DIR]
+    for ov in overrides:
+        key, _, value = ov.lstrip("+").partition("=")
+        if key == "hydra.searchpath":
+            items = (v.strip().strip("'\"") for v in value.strip().strip("[]").split(","))
+            dirs += [Path(v[len("file://"):]) for v in items if v.startswith("file://")]
+    return dirs
+
+
+def is_group(name: str, overrides: list[str] = ()) -> bool:
+    return any((d / name).is_dir() for d in config_dirs(overrides))
+
+
+def group_options(group: str, overrides: list[str] = ()) -> list[str]:
+    """The options of config group ``group``: its yaml files in ``configs/`` and the searchpath's folders."""
+    return sorted({p.stem for d in config_dirs(overrides) for p in (d / group).glob("*.yaml")})
 
 
 def _sweep_points(overrides: list[str]) -> list[list[str]]:
@@ -27,6 +42,8 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
     first, values = [], []
     for o in OverridesParser.create().parse_overrides(overrides):
         if o.is_hydra_override():
+            if o.get_key_element() == "hydra.searchpath":  # the user's own options: composing needs them
+                first.append(o.input_line)
             continue
         if o.is_sweep_override():
             key = o.get_key_element()
@@ -49,8 +66,13 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if isinstance(err, MissingConfigException) or "Could not find" in text:
         for ov in overrides:
             key, _, val = ov.lstrip("+~").partition("=")
-            if "." not in key and (CONFIG_DIR / key).is_dir() and val not in group_options(key):
-                return f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(group_options(key))}"
+            if "." not in key and is_group(key, overrides) and val not in group_options(key, overrides):
+                own = any(o.startswith("imports=") for o in overrides) and not any(
+                    o.startswith("hydra.searchpath=") for o in overrides)
+                return (f"{key}={val} is not an option of '{key}'; choose one of: "
+                        f"{', '.join(group_options(key, overrides))}"
+                        + (f" (an option of your own: DIR/{key}/{val}.yaml and hydra.searchpath=[file://DIR])"
+                           if own else ""))
     from stabletrain.errors import ConfigError
 
     link = err
@@ -71,6 +93,8 @@ def explain(err: Exception, overrides: list[str]) -> str:
         if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer"):
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
+        if bad and bad.startswith("model.kwargs."):
+            return f"{bad} is a new argument in model.kwargs: add it with a '+', +{bad}=VALUE"
         hint = _nearest_key(bad.lstrip("+~")) if bad else None
         if hint:
             return f"unknown key '{bad}': {hint}"
@@ -213,7 +237,8 @@ def check_keys(overrides: list[str]) -> None:
         key = ov.split("=", 1)[0]
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")
-            if not (name.startswith("hydra") or (CONFIG_DIR / name.split("/")[0]).is_dir()):
+            if not (name.startswith("hydra") or name.startswith("model.kwargs.")
+                    or is_group(name.split("/")[0], overrides)):
                 raise ConfigError(f"unknown key '{name}': {ov} adds a key nothing reads; drop the '+' to set an "
                                   f"existing key (`python train.py --cfg job` prints every key)")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):
@@ -221,6 +246,11 @@ def check_keys(overrides: list[str]) -> None:
         if key.lstrip("+") == "hydra.run.dir" and "${" not in ov and detect().is_main:
             # the other ranks of this job start while rank 0 holds it
             RunDirLock(Path(ov.split("=", 1)[1].strip("'\""))).check_free()
+        if key.lstrip("+") == "hydra.searchpath":
+            missing = [str(d) for d in config_dirs([ov]) if not d.is_dir()]
+            if missing:
+                raise ConfigError(f"hydra.searchpath: {missing[0]} is not a folder; give file://DIR, DIR holding "
+                                  f"one folder per group (model/, norm/, ...) with your options' yaml files")
         if ov.startswith("hydra/launcher=slurm") and shutil.which("sbatch") is None:
             raise ConfigError("hydra/launcher=slurm submits through SLURM, but there is no sbatch on this "
                               "machine; run on the cluster's login node, or drop it to sweep locally")
@@ -254,9 +284,9 @@ def check_group_choices(cfg, overrides: list[str]) -> None:
         return
     for ov in overrides:
         group, _, option = ov.partition("=")
-        node = cfg.get(group) if "." not in group and (CONFIG_DIR / group).is_dir() else None
+        node = cfg.get(group) if "." not in group and is_group(group, overrides) else None
         got = node.get("name") if node is not None and hasattr(node, "get") else None
-        if got is not None and str(getattr(got, "value", got)) != option and option in group_options(group):
+        if got is not None and str(getattr(got, "value", got)) != option and option in group_options(group, overrides):
             raise ConfigError(f"experiment={recipe} sets its own {group} ({group}.name={got}), which replaces "
                               f"{group}={option}; change the recipe's {group} with {group}.KEY=VALUE overrides, "
                               f"or copy configs/experiment/{recipe}.yaml")

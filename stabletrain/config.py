@@ -117,6 +117,9 @@ class ModelConfig:
     block_size: int = 1024
     bias: bool = False  # nanoGPT: no biases in LayerNorm and Linear
     dropout: float = 0.0
+    # a family registered outside stabletrain (``imports``): its own arguments, as timm's train.py
+    # --model-kwargs; stabletrain's families take theirs as the keys above
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -297,6 +300,9 @@ class DebugConfig:
 
 @dataclass
 class TrainConfig:
+    # the user's own modules (.py paths or module names), imported before the config is checked so
+    # that the options they register (a model family, a norm, a loss term...) can be chosen
+    imports: list[str] = field(default_factory=list)
     model: ModelConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

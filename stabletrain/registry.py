@@ -12,7 +12,9 @@ itself with a decorator where it is written::
 and the builders and the config check ask the registry, so no code outside a registry
 dispatches on option names. A registry knows the module(s) that hold its options and
 imports them on first use: a new option written in one of them, or in a new module of a
-package registry (``package=True``), needs no other edit.
+package registry (``package=True``), needs no other edit. Options written outside the package
+register the same way in the user's own module, which the ``imports`` key names
+(:func:`import_modules`).
 
 This module imports nothing of stabletrain but its error type: every layer may use it.
 """
@@ -20,6 +22,7 @@ This module imports nothing of stabletrain but its error type: every layer may u
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -91,3 +94,47 @@ class Registry:
     def entries(self) -> list[Entry]:
         self._load()
         return [self._entries[n] for n in sorted(self._entries)]
+
+
+def import_modules(names: list[str] | tuple[str, ...]) -> None:
+    """Import the user's own modules (the ``imports`` key) so that what they register, a model
+    family, a norm, a loss term, an optimizer, becomes an option beside stabletrain's own.
+
+    Each name is a ``.py`` path (relative to the working directory) or a module name found on
+    ``sys.path`` or in the working directory. Importing again is a no-op, so every process of a
+    job (ranks, sweep points, requeued tasks) can call this with the config it was given."""
+    import os
+    import sys
+    from pathlib import Path
+
+    for name in names or ():
+        name = str(name)
+        if name.endswith(".py") or os.sep in name or "/" in name:
+            path = Path(name).expanduser().resolve()
+            if not path.is_file():
+                raise ConfigError(f"imports: {name} is not a file (relative paths start at {os.getcwd()}); "
+                                  f"give the path of a .py file or a module name")
+            known = sys.modules.get(path.stem)
+            if known is not None:
+                if Path(getattr(known, "__file__", "") or "").resolve() != path:
+                    raise ConfigError(f"imports: {name} has the name of the module {path.stem} imported from "
+                                      f"{getattr(known, '__file__', 'elsewhere')}: rename the file")
+                continue
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module  # before running it: dataclasses and pickling look it up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[path.stem]
+                raise
+            continue
+        if os.getcwd() not in sys.path:  # `python path/to/train.py` puts the script's folder there, not ours
+            sys.path.append(os.getcwd())
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                raise  # the module itself imports something missing: its own traceback says what
+            raise ConfigError(f"imports: no module named {name} on sys.path or in {os.getcwd()}; give a module "
+                              f"name or the path of a .py file") from None

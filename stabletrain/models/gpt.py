@@ -40,7 +40,8 @@ def gpt_flops(model: nn.Module, m) -> float:
     return (6 * n + 12 * m.depth * m.embed_dim * t) * t
 
 
-@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops)
+@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops,
+                 no_decay=())  # nanoGPT decays every matrix, its position embedding too
 class GPT(nn.Module):
     """GPT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``.
 

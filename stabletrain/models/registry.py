@@ -7,8 +7,27 @@ from torch import nn
 from stabletrain.config import Components
 from stabletrain.registry import Registry
 
-# family -> ``(model_cfg, components) -> nn.Module``; each family module registers itself
+# family -> ``(model_cfg, components) -> nn.Module``; each family module registers itself with
+#   kind      "vision" (images -> class logits) or "text" (tokens -> next-token logits): required,
+#             it decides which data sets fit and which task loss trains it
+#   data      the data set ``data=auto`` picks (default: digits for vision, pytext for text)
+#   check     ``(model_cfg, components)`` raising ConfigError before anything is built
+#   flops     ``(model, model_cfg) -> training FLOPs of one sample``, for MFU (none: no MFU)
+#   no_decay  parameter names (the last part of the dotted name) kept out of weight decay
 MODELS = Registry("model.family", "stabletrain.models", package=True)
+KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
+
+
+def family_entry(name):
+    """The registry entry of model family ``name``, checked: a family registered outside
+    stabletrain (``imports=...``) that forgot its ``kind`` is told so in one line."""
+    from stabletrain.errors import ConfigError
+
+    entry = MODELS.entry(name)
+    if entry.info.get("kind") not in KINDS:
+        raise ConfigError(f"model.family={entry.name} is registered without kind='vision' or kind='text': add it "
+                          f"to its @MODELS.register(...)")
+    return entry
 
 
 def build_model(model_cfg, components: Components | None = None) -> nn.Module:

@@ -71,7 +71,8 @@ def swin_flops(model: nn.Module, m) -> float:
     return total + 6 * sum(p.numel() for p in model.parameters() if id(p) not in counted) * tokens
 
 
-@MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops)
+@MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops,
+                 no_decay=("absolute_pos_embed", "relative_position_bias_table"))  # timm's Swin recipe
 def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
     cfg = components

@@ -41,7 +41,11 @@ def vit_flops(model: nn.Module, m) -> float:
     return (6 * n + 12 * m.depth * m.embed_dim * t) * t
 
 
-@MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops)
+# timm's VisionTransformer.no_weight_decay(): the position embedding and the extra tokens
+VIT_NO_DECAY = ("pos_embed", "cls_token", "dist_token", "reg_token")
+
+
+@MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops, no_decay=VIT_NO_DECAY)
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)

@@ -66,7 +66,11 @@ class MonitorRunner:
         self.active, self.with_bound = active, with_bound
         self.sharding = sharding
         self.sharded = sharding is not None  # every rank takes part in the passes
-        self.blocks = transformer_blocks(model)
+        # the blocks whose attention is stabletrain's (it captures what the probe reads); a model of
+        # one's own built of other blocks has only its output's log Z monitored (:meth:`coverage`)
+        found = transformer_blocks(model)
+        self.blocks = [(n, b) for n, b in found if hasattr(b.attn, "probe")]
+        self.found = len(found)
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
         self.history: list[dict] = []
@@ -74,6 +78,16 @@ class MonitorRunner:
         self.stop_reason: str | None = None
         self.probe_batch = probe_batch
         self.sink = None
+
+    def coverage(self) -> str | None:
+        """What the monitors cannot read of this model, for the start of the run; None: every block."""
+        if not self.found:
+            return ("monitor: the model has no transformer blocks (modules with norm1, attn and mlp), so only "
+                    "its output's logits/log_z is monitored")
+        if len(self.blocks) < self.found:
+            return (f"monitor: {self.found - len(self.blocks)} of {self.found} blocks have an attention that is not "
+                    f"stabletrain's (stabletrain/layers/attention.py), so they are not monitored")
+        return None
 
     def attach(self, sink) -> None:
         self.sink = sink
@@ -159,7 +173,7 @@ class MonitorRunner:
                 logits = self._probe_logits(model, x)
                 loss = self._loss_of(logits, y)
                 names = list(inputs)
-                grads = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True)
+                grads = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True) if names else ()
             # logits/log_z: mean over positions (GPT tokens, images) of logsumexp of the output logits
             out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
             grad_of = dict(zip(names, grads))

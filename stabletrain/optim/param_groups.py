@@ -9,10 +9,12 @@ Every trainable parameter gets a role:
   e.g. StableNorm, and torch's own: :func:`stabletrain.layers.norm.is_norm_layer`). No decay; bounded by AdamW²
   when ``bound_norm_gains`` (docs/methods.md decision: App. M plots RMSNorm gains hitting the bound).
 - ``vector``: any other tensor with < 2 dims (biases, norm biases). No decay, unbounded.
-- ``position``: vision families' ``pos_embed``, ``cls_token`` (and timm's ``dist_token``,
-  ``reg_token``, Swin's ``absolute_pos_embed``), ``relative_position_bias_table``. No decay
-  (timm's recipe); bounded when a matrix after ``as_matrix`` (``pos_embed`` yes, ``cls_token``
-  no), as every matrix is.
+- ``position``: the names a model family registers as ``no_decay`` (ViT: ``pos_embed``,
+  ``cls_token``, timm's ``dist_token``, ``reg_token``; Swin: ``absolute_pos_embed``,
+  ``relative_position_bias_table``; GPT: none), a whole dotted name or its last part; a family
+  that registers none (one of the user's own) gets its model's ``no_weight_decay()`` (timm's).
+  No decay (timm's recipe); bounded when a matrix after ``as_matrix`` (``pos_embed`` yes,
+  ``cls_token`` no), as every matrix is.
 - ``matrix``: everything else (>= 2 dims: linear and conv weights, embeddings). Decays,
   bounded. The GPT family decays every >= 2-D tensor incl. embeddings (nanoGPT).
 
@@ -29,18 +31,6 @@ from torch import nn
 
 from stabletrain.layers.norm import is_norm_layer
 from stabletrain.spectral import matrix_shape
-
-FAMILIES = ("vit", "swin", "gpt")
-VISION_NO_DECAY = frozenset(
-    {
-        "pos_embed",
-        "cls_token",
-        "dist_token",
-        "reg_token",
-        "absolute_pos_embed",
-        "relative_position_bias_table",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -66,11 +56,13 @@ def classify(
     model: nn.Module, family: str, *, bound_norm_gains: bool = True, gamma_lr_mult: float = 1.0
 ) -> list[tuple[str, nn.Parameter, ParamRole]]:
     """``(name, param, role)`` for every trainable parameter, in ``named_parameters`` order."""
-    family = str(getattr(family, "value", family))
-    if family not in FAMILIES:
-        raise ValueError(f"model.family={family!r}: use one of {', '.join(FAMILIES)}")
-    vision = family in ("vit", "swin")
     from stabletrain.layers.reparam import gamma_parameters
+    from stabletrain.models.registry import MODELS
+
+    no_decay = MODELS.entry(family).info.get("no_decay")  # an unknown family: one line
+    if no_decay is None:  # a family of the user's own that registers none: timm's convention, if it has it
+        no_decay = model.no_weight_decay() if callable(getattr(model, "no_weight_decay", None)) else ()
+    no_decay = frozenset(no_decay)
 
     norm_gains = _norm_gain_ids(model)
     gammas = {id(p) for _, p in gamma_parameters(model)}
@@ -85,7 +77,7 @@ def classify(
             role = ParamRole("norm_gain", decay=False, bound=bound_norm_gains, lars_exclude=True, lr_mult=1.0)
         elif p.dim() < 2:
             role = ParamRole("vector", decay=False, bound=False, lars_exclude=True, lr_mult=1.0)
-        elif vision and name.split(".")[-1] in VISION_NO_DECAY:
+        elif name in no_decay or name.split(".")[-1] in no_decay:
             role = ParamRole("position", decay=False, bound=is_matrix, lars_exclude=not is_matrix, lr_mult=1.0)
         else:
             role = ParamRole("matrix", decay=True, bound=is_matrix, lars_exclude=False, lr_mult=1.0)

@@ -1,0 +1,288 @@
+"""Code of your own: a model family or a fix written in the user's module (``imports=[...]``),
+its options' yaml in a folder of theirs (``hydra.searchpath=[file://DIR]``), no edit to stabletrain."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from stabletrain.build import validate
+from stabletrain.errors import ConfigError
+from tests.helpers import ROOT, cli, make_cfg, model_of
+
+EXAMPLE = ROOT / "examples" / "conv_stem"
+OWN = [f"imports=[{EXAMPLE}/conv_stem_vit.py]", f"hydra.searchpath=[file://{EXAMPLE}/configs]"]
+
+
+def _registries():
+    from stabletrain.data import DATASETS
+    from stabletrain.layers.attention import ATTENTIONS
+    from stabletrain.layers.deescalate import DEESCALATIONS
+    from stabletrain.layers.init import INITS
+    from stabletrain.layers.norm import NORMS
+    from stabletrain.layers.reparam import REPARAMS
+    from stabletrain.losses import LOSS_TERMS
+    from stabletrain.models.registry import MODELS
+    from stabletrain.optim import OPTIMIZERS
+    from stabletrain.optim.schedule import SCHEDULES
+
+    return [DATASETS, ATTENTIONS, DEESCALATIONS, INITS, NORMS, REPARAMS, LOSS_TERMS, MODELS, OPTIMIZERS, SCHEDULES]
+
+
+@pytest.fixture(autouse=True)
+def own_code_is_forgotten(monkeypatch):
+    """What a test imports registers into the process's registries: taken out again after it, so
+    that other tests in this worker see stabletrain's own options only."""
+    regs = _registries()
+    for r in regs:
+        r.names()  # stabletrain's own options, loaded before the snapshot
+    before = [dict(r._entries) for r in regs]
+    modules = set(sys.modules)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    for r, entries in zip(regs, before):
+        r._entries = entries
+    for name in set(sys.modules) - modules:
+        if not name.startswith(("stabletrain", "torch", "timm", "omegaconf", "hydra")):
+            sys.modules.pop(name)
+
+
+def _module(tmp_path, name: str, body: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+SCALE_NORM = """
+    import torch
+    from stabletrain.layers.norm import NORMS
+
+    class ScaleNorm(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(dim))
+
+        def forward(self, x):
+            return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    @NORMS.register("scale_own", layer=ScaleNorm)
+    def scale_own(cfg, dim, **kw):
+        return ScaleNorm(dim)
+"""
+
+
+@pytest.mark.parametrize("how", ["path", "module"])
+def test_a_norm_of_your_own_is_an_option_in_every_slot(tmp_path, monkeypatch, how):
+    """Imported by path or by module name (from the working directory), the module's norm is
+    checked by name, built into both norms of every block, and its gain bounded by AdamW²."""
+    path = _module(tmp_path, "my_norms", SCALE_NORM)
+    monkeypatch.chdir(tmp_path)
+    cfg = make_cfg("model=gpt_test", "norm.name=scale_own", "optim=adamw2",
+                   f"imports=[{path if how == 'path' else 'my_norms'}]")
+    with pytest.raises(ConfigError, match="norm=scale_own is not an option"):
+        validate(make_cfg("model=gpt_test", "norm.name=scale_own"))  # not without the import
+    validate(cfg)
+    net = model_of(cfg)
+    norms = [m for m in net.modules() if type(m).__name__ == "ScaleNorm"]
+    assert len(norms) == 2 * cfg.model.depth + 1  # norm1, norm2 of each block and the final norm
+    from stabletrain.optim import build_optimizer
+
+    opt, _ = build_optimizer(net, cfg.optim, cfg.model.family)
+    bound = {id(p) for g in opt.param_groups if g["bound"] for p in g["params"]}
+    assert all(id(n.weight) in bound for n in norms)
+    validate(cfg)  # importing again is a no-op, not "registered twice"
+
+
+@pytest.mark.parametrize("imports,needle", [
+    ("nowhere/mine.py", "imports: nowhere/mine.py is not a file (relative paths start at"),
+    ("no_such_module_here", "imports: no module named no_such_module_here on sys.path or in"),
+    ("{tmp}/json.py", "has the name of the module json imported from"),
+])
+def test_an_import_that_cannot_be_found_is_one_line(tmp_path, imports, needle):
+    (tmp_path / "json.py").write_text("")
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=vit_test", f"imports=[{imports.format(tmp=tmp_path)}]"))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_module_that_fails_on_its_own_import_keeps_its_traceback(tmp_path):
+    """A dependency the user's module lacks is the user's code's error: raised as Python raises
+    it, naming the dependency, not reported as a missing ``imports`` entry."""
+    path = _module(tmp_path, "needs_dep", "import a_dependency_not_installed\n")
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_not_installed"):
+        validate(make_cfg("model=vit_test", f"imports=[{path}]"))
+    assert "needs_dep" not in sys.modules  # a later fixed file can be imported again
+
+
+def test_a_family_registered_without_its_kind_is_one_line(tmp_path):
+    path = _module(tmp_path, "kindless", """
+        from stabletrain.models.registry import MODELS
+        from stabletrain.models.vit import build_vit
+
+        MODELS.register("kindless_vit")(build_vit)
+    """)
+    with pytest.raises(ConfigError, match=r"^model.family=kindless_vit is registered without kind='vision' or "
+                                          r"kind='text': add it to its @MODELS.register\(\.\.\.\)$"):
+        validate(make_cfg("model=vit_test", "model.family=kindless_vit", f"imports=[{path}]"))
+
+
+def test_model_kwargs_are_refused_by_stabletrains_own_families():
+    with pytest.raises(ConfigError, match="model.kwargs is for a model family of your own"):
+        validate(make_cfg("model=vit_test", "+model.kwargs.depth=3"))
+
+
+def test_the_registered_no_decay_names_decide_weight_decay(tmp_path):
+    """A family's ``no_decay`` names keep those tensors out of decay; an empty one decays every
+    matrix (the GPT family: nanoGPT decays its position embedding)."""
+    from stabletrain.optim import classify
+
+    path = _module(tmp_path, "vit_decays", """
+        from stabletrain.models.registry import MODELS
+        from stabletrain.models.vit import build_vit
+
+        MODELS.register("vit_all_decay", kind="vision", no_decay=())(build_vit)
+    """)
+    cfg = make_cfg("model=vit_test", f"imports=[{path}]")
+    validate(cfg)
+    net = model_of(cfg)
+    own = {n: r.decay for n, _, r in classify(net, "vit_all_decay")}
+    vit = {n: r.decay for n, _, r in classify(net, "vit")}
+    assert vit["pos_embed"] is False and own["pos_embed"] is True
+    assert {n for n in own if own[n] != vit[n]} == {"pos_embed", "cls_token"}  # (1, 1, d): decayed as a tensor
+    gpt = {n: r.decay for n, _, r in classify(model_of(make_cfg("model=gpt_test")), "gpt")}
+    assert gpt["wpe.weight"] is True
+
+
+def test_the_conv_stem_example_is_a_vit_with_a_stem_in_place_of_the_patchify():
+    """examples/conv_stem: two stride-2 3x3 convolutions (with BatchNorm and ReLU) and a 1x1 to
+    the width give the patchify's 4x4 grid of tokens; every other tensor is vit_test's."""
+    cfg = make_cfg(*OWN, "model=conv_vit_test")
+    validate(cfg)
+    net, vit = model_of(cfg), model_of(make_cfg("model=vit_test"))
+    stem = net.patch_embed.proj
+    convs = [m for m in stem if isinstance(m, torch.nn.Conv2d)]
+    assert [(c.kernel_size, c.stride, c.out_channels) for c in convs] == [((3, 3), (2, 2), 8), ((3, 3), (2, 2), 16),
+                                                                          ((1, 1), (1, 1), 32)]
+    x = torch.randn(2, 3, 16, 16)
+    assert net.patch_embed(x).shape == vit.patch_embed(x).shape == (2, 16, 32)
+    assert net(x).shape == (2, 1000)
+    theirs = {n: p.shape for n, p in vit.named_parameters() if not n.startswith("patch_embed")}
+    assert {n: p.shape for n, p in net.named_parameters() if not n.startswith("patch_embed")} == theirs
+    from stabletrain.optim import classify
+
+    roles = {n: r for n, _, r in classify(net, "conv_vit")}
+    assert not roles["pos_embed"].decay and roles["patch_embed.proj.0.weight"].decay
+    assert roles["patch_embed.proj.0.weight"].bound
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.kwargs.stem_channels=[8]", "the list must hold 2 channel counts"),
+    ("+model.kwargs.stem_channel=[8,16]", "model.kwargs.stem_channel: the conv_vit family reads only"),
+    ("model.patch_size=8", "must hold 3 channel counts"),
+])
+def test_the_example_checks_its_arguments_in_one_line(override, needle):
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(*OWN, "model=conv_vit_test", override))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_example_trains_from_the_command_line_with_a_fix(tmp_path):
+    """The README's command, relative paths from the repository: the stem's convolutions are
+    sigmaReparam'd with the rest, the run completes and its loss falls."""
+    r = cli("imports=[examples/conv_stem/conv_stem_vit.py]", "hydra.searchpath=[file://examples/conv_stem/configs]",
+            "model=conv_vit_test", "reparam=sigma", "steps=60", "optim.lr=3e-3", "eval_every=60", "monitor=off",
+            "logger=none", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", weights_only=True)["model"]
+    assert "patch_embed.proj.0.parametrizations.weight.original" in state
+    from tests.helpers import losses
+
+    first, last = (lambda ls: (ls[min(ls)], ls[max(ls)]))(losses(tmp_path))
+    assert last < first - 0.3, (first, last)
+
+
+def test_the_command_line_finds_options_in_the_searchpath_folders(tmp_path):
+    """A sweep point keeps the searchpath (composing it needs the user's yaml); a missing option
+    or folder, and a new kwarg without its '+', are each one line naming the fix."""
+    from hydra.errors import MissingConfigException
+
+    from stabletrain.cli import _sweep_points, check_keys, compose_config, explain, group_options
+
+    ovs = [f"hydra.searchpath=[file://{EXAMPLE}/configs]", "model=conv_vit_test", "optim.lr=1,2"]
+    assert all(ovs[0] in p for p in _sweep_points(ovs))
+    assert {"conv_vit_test", "conv_vit_mini", "vit_test"} <= set(group_options("model", ovs))
+    with pytest.raises(ConfigError, match=r"hydra.searchpath: .*nowhere is not a folder"):
+        check_keys([f"hydra.searchpath=[file://{tmp_path}/nowhere]"])
+    bad = [OWN[0], "model=conv_vit_test"]  # imports, but the yaml's folder not on the searchpath
+    with pytest.raises(MissingConfigException) as e:
+        compose_config(bad)
+    assert explain(e.value, bad).endswith("(an option of your own: DIR/model/conv_vit_test.yaml and "
+                                          "hydra.searchpath=[file://DIR])")
+    kw = [*OWN, "model=conv_vit_test", "model.kwargs.extra=1"]
+    with pytest.raises(Exception) as e:
+        compose_config(kw)
+    assert explain(e.value, kw) == "model.kwargs.extra is a new argument in model.kwargs: add it with a '+', " \
+                                   "+model.kwargs.extra=VALUE"
+
+
+MLP = """
+    from torch import nn
+    from stabletrain.models.registry import MODELS
+
+    @MODELS.register("mlp_own", kind="vision")
+    def build_mlp(m, components):  # uses none of the components
+        return nn.Sequential(nn.Flatten(), nn.Linear(m.in_chans * m.img_size ** 2, m.embed_dim), nn.GELU(),
+                             nn.Linear(m.embed_dim, m.num_classes))
+"""
+TIMM_VIT = """
+    import timm
+    from stabletrain.models.registry import MODELS
+
+    @MODELS.register("timm_vit_own", kind="vision")
+    def build(m, components):  # timm's own blocks and attention
+        return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=m.img_size,
+                                 patch_size=m.patch_size, num_classes=m.num_classes, in_chans=m.in_chans,
+                                 depth=m.depth, embed_dim=m.embed_dim, num_heads=m.num_heads)
+"""
+
+
+@pytest.mark.parametrize("name,body,family,coverage", [
+    ("mlp_own", MLP, "mlp_own", "monitor: the model has no transformer blocks (modules with norm1, attn and mlp), "
+                                "so only its output's logits/log_z is monitored"),
+    ("timm_vit_own", TIMM_VIT, "timm_vit_own", "monitor: 2 of 2 blocks have an attention that is not stabletrain's"),
+])
+def test_a_model_of_other_blocks_trains_and_is_told_what_it_does_not_get(tmp_path, name, body, family, coverage):
+    """A builder that ignores ``components``: the run says the chosen norm and attention change
+    nothing and what the monitors cannot read, trains, and its probe pass logs the output's log Z."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, name, body)
+    cfg = make_cfg("model=vit_test", f"model.family={family}", f"imports=[{path}]", "norm=stablenorm",
+                   "attention=qknorm", "monitor=full", "monitor.probe_every=2", "steps=4", "logger=none",
+                   "eval_every=4")
+    validate(cfg)
+    trainer = build_trainer(cfg, tmp_path / "run")
+    assert f"norm=stablenorm changes nothing: model.family={family} built no StableNorm" in "\n".join(trainer.notes)
+    assert f"attention=qknorm changes nothing: model.family={family}" in "\n".join(trainer.notes)
+    decays = {n: g["weight_decay"] > 0 for g in trainer.optimizer.param_groups for n in g["names"]}
+    if name == "timm_vit_own":  # no no_decay registered: timm's own no_weight_decay() is read
+        assert not decays["pos_embed"] and not decays["cls_token"] and decays["blocks.0.attn.qkv.weight"]
+    assert any(n.startswith(coverage) for n in trainer.notes)
+    summary = trainer.fit()
+    assert summary["status"] == "completed"
+    from stabletrain.metrics import read_records
+
+    probes = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "logits/log_z" in r]
+    assert [r["step"] for r in probes] == [0, 2, 4]  # the initial snapshot, then every probe_every
+    assert all(torch.isfinite(torch.tensor(r["logits/log_z"])) for r in probes)
+
+
+def test_stabletrains_own_families_get_no_such_note():
+    from stabletrain.build import unbuilt_components
+
+    cfg = make_cfg("model=vit_test", "norm=stablenorm", "attention=qknorm")
+    assert unbuilt_components(model_of(cfg), cfg) == []
