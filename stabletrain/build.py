@@ -43,7 +43,8 @@ from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
 from stabletrain.metrics import Metrics
-from stabletrain.models.registry import KINDS, MODELS, build_model_and_hook, family_entry, transformer_blocks
+from stabletrain.models.registry import (KINDS, MODELS, build_model_and_hook, family_entry, is_builtin,
+                                         transformer_blocks)
 from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
 from stabletrain.optim.schedule import SCHEDULES
 from stabletrain.registry import import_modules, option_value
@@ -56,7 +57,7 @@ def validate(cfg) -> None:
     import_modules(cfg.imports)
     C.validate(cfg)
     family = family_entry(cfg.model.family)
-    if cfg.model.kwargs and family.fn.__module__.startswith("stabletrain."):
+    if cfg.model.kwargs and is_builtin(family):
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
     for registry, name in ((NORMS, cfg.norm.name), (ATTENTIONS, cfg.attention.name), (INITS, cfg.init.name),
@@ -238,7 +239,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         plain = ATTENTIONS.get(cfg.attention.name) is ATTENTIONS.get("softmax")
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
-        notes += [monitor.coverage()] if monitor.coverage() else []
+        notes += [gap] if (gap := monitor.coverage()) else []
     messages = [group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:
@@ -271,7 +272,7 @@ def unbuilt_components(model, cfg) -> list[str]:
     """A family of the user's own whose builder ignores ``components`` builds none of the chosen
     norm or attention: said at the start, not trained silently without them."""
     family = MODELS.entry(cfg.model.family)
-    if family.fn.__module__.startswith("stabletrain."):
+    if is_builtin(family):
         return []  # the tests build every option into every family of stabletrain's own
     notes, kinds = [], {type(m) for m in model.modules()}
     layer = NORMS.entry(cfg.norm.name).info.get("layer")

@@ -13,9 +13,15 @@ from stabletrain.registry import Registry
 #   data      the data set ``data=auto`` picks (default: digits for vision, pytext for text)
 #   check     ``(model_cfg, components)`` raising ConfigError before anything is built
 #   flops     ``(model, model_cfg) -> training FLOPs of one sample``, for MFU (none: no MFU)
-#   no_decay  parameter names (the last part of the dotted name) kept out of weight decay
+#   no_decay  parameter names (whole, or the dotted name's last part) kept out of weight decay;
+#             none registered: the model's own ``no_weight_decay()`` if it has one (timm's)
 MODELS = Registry("model.family", "stabletrain.models", package=True)
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
+
+
+def is_builtin(entry) -> bool:
+    """Whether a registry entry is stabletrain's own (not registered by a module of ``imports``)."""
+    return entry.fn.__module__.startswith("stabletrain.")
 
 
 def family_entry(name):
