@@ -286,3 +286,49 @@ def test_stabletrains_own_families_get_no_such_note():
 
     cfg = make_cfg("model=vit_test", "norm=stablenorm", "attention=qknorm")
     assert unbuilt_components(model_of(cfg), cfg) == []
+
+
+def test_a_loss_term_of_your_own_is_a_regularizer_option(tmp_path):
+    """A term registered in the user's module, its yaml in their searchpath folder: chosen with
+    ``regularizer=...``, its parameter checked in one line, its value the formula's, logged."""
+    path = _module(tmp_path, "logit_l2", """
+        from dataclasses import dataclass
+
+        from stabletrain.errors import ConfigError
+        from stabletrain.losses import LOSS_TERMS
+
+        @dataclass
+        class LogitL2Params:
+            coef: float = 1e-3
+
+            def __post_init__(self):
+                if not self.coef >= 0:
+                    raise ConfigError(f"regularizer.logit_l2.coef={self.coef} must be >= 0")
+
+        @LOSS_TERMS.register("logit_l2", params=LogitL2Params)
+        class LogitL2:
+            def __init__(self, p):
+                self.coef = p.coef
+
+            def __call__(self, model, logits, x, y):
+                return self.coef * logits.float().pow(2).mean()
+    """)
+    (tmp_path / "configs" / "regularizer").mkdir(parents=True)
+    (tmp_path / "configs" / "regularizer" / "logit_l2.yaml").write_text("logit_l2:\n  coef: 0.01\n")
+    own = [f"imports=[{path}]", f"hydra.searchpath=[file://{tmp_path}/configs]", "model=gpt_test"]
+    with pytest.raises(ConfigError, match=r"^regularizer.logit_l2.coef=-1.0 must be >= 0$"):
+        validate(make_cfg(*own, "regularizer=logit_l2", "regularizer.logit_l2.coef=-1"))
+    cfg = make_cfg(*own, "regularizer=[logit_l2,zloss]", "steps=2", "logger=none", "monitor=off", "eval_every=2")
+    validate(cfg)
+    from stabletrain.build import build_trainer
+    from stabletrain.losses import build_loss_terms
+
+    terms = {t.name: t for t in build_loss_terms(cfg.regularizer)}
+    logits = torch.randn(2, 5, 7)
+    assert torch.allclose(terms["logit_l2"](None, logits, None, None), 0.01 * (logits ** 2).mean())
+    trainer = build_trainer(cfg, tmp_path / "run")
+    assert trainer.fit()["status"] == "completed"
+    from stabletrain.metrics import read_records
+
+    last = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss/logit_l2" in r][-1]
+    assert last["loss/logit_l2"] > 0 and last["loss/zloss"] > 0
