@@ -88,7 +88,7 @@ def explicit_probs(q: Tensor, k: Tensor, scale: float, attn_mask: Optional[Tenso
         logits = logits + attn_mask.float()
     if causal:
         t, s = logits.shape[-2:]
-        keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        keep = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
         logits = logits.masked_fill(~keep, float("-inf"))
     return logits.softmax(-1)
 
@@ -114,7 +114,7 @@ def mask_logits_(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> T
         keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
     if causal:
         t, s = logits.shape[-2:]
-        tri = torch.ones(t, s, dtype=torch.bool, device=logits.device).tril(s - t)
+        tri = torch.ones(t, s, dtype=torch.bool, device=logits.device).tril()
         keep = tri if keep is None else keep & tri
     return logits if keep is None else logits.masked_fill_(~keep, float("-inf"))
 

@@ -227,8 +227,8 @@ def _key_mask(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> T
     t, s = shape[-2], shape[-1]
     keep = None
     if causal:
-        # same alignment as the attention layers: query i sees keys j <= i + (S - T)
-        keep = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+        # SDPA's is_causal alignment (top-left), as the attention layers: query i sees keys j <= i
+        keep = torch.ones(t, s, dtype=torch.bool, device=device).tril()
     if mask is not None:
         m = mask.to(device=device, dtype=torch.bool)
         keep = m if keep is None else keep & m
@@ -303,11 +303,12 @@ def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
     return torch.where(many, bound, torch.zeros_like(bound))
 
 
-def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False) -> Tensor:
+def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False,
+                        bq_h: Tensor | None = None) -> Tensor:
     """Theorem 3.1 (001) beside the measured entropy, per head ``(H,)`` float64.
 
     docs/methods.md §7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
-    folded in; q/k biases, position biases and q/k norms are outside the theorem),
+    folded in; position biases and q/k norms are outside the theorem),
     ``sigma_x = ||X||_2^2`` of the attention input ``X`` (``T x d``, after the pre-norm),
     per sequence, ``s = sigma sigma_x``. Non-causal rows use ``T`` keys. Causal row ``i``
     (1-indexed) uses ``T = i``; **Decision:** it keeps the whole sequence's ``sigma_x``
@@ -318,18 +319,29 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     ``wq_h, wk_h``: ``(H, d_h, d)`` stacked head slices (or one ``(d_h, d)`` head); ``x``:
     ``(B, T, d)`` or ``(T, d)``. Exact spectra throughout: an underestimate of either norm
     would overstate a lower bound.
+
+    q/k biases. The theorem needs only ``||u|| <= s`` for a row ``u`` of logits, up to a
+    constant added to the row (softmax ignores it). The k bias adds such a constant,
+    ``q_i . b_k``, so it drops out. The q bias does not; ``W_q x + b_q = [W_q | b_q] [x; 1]``,
+    so with ``bq_h`` (``(H, d_h)`` or ``(d_h,)``) row ``i`` is ``X W_k^T [W_q | b_q] [x_i; 1]``
+    and ``s = ||[W_q | b_q]^T W_k||_2 / sqrt(d_h) * ||X||_2 * ||[X | 1]||_2`` bounds it.
+    Without it, a q bias can lower the entropy below the bias-free "bound".
     """
     if wq_h.dim() == 2:
         wq_h, wk_h = wq_h[None], wk_h[None]
+        bq_h = None if bq_h is None else bq_h[None]
     if x.dim() == 2:
         x = x[None]
     d_h = wq_h.shape[-2]
+    if bq_h is not None:
+        wq_h = torch.cat([wq_h.detach(), bq_h.detach().to(wq_h.dtype)[..., None]], -1)
     sigma = spectral.product_singular_values(wq_h.detach(), wk_h.detach())[:, 0].double()
     sigma = sigma / math.sqrt(d_h)
     xd = x.detach().double()
     # ||X||_2^2 = ||X X^T||_2 (the theorem's sigma_x): the top eigenvalue of the smaller Gram
-    gram = xd @ xd.transpose(1, 2) if xd.shape[1] <= xd.shape[2] else xd.transpose(1, 2) @ xd
-    sigma_x = _top_eigenvalue(gram).clamp_min(0.0)  # (B,)
+    sigma_x = _squared_norm(xd)  # (B,)
+    if bq_h is not None:
+        sigma_x = (sigma_x * _squared_norm(torch.cat([xd, torch.ones_like(xd[..., :1])], -1))).sqrt()
     s = sigma.to(sigma_x.device)[None, :, None] * sigma_x[:, None, None]  # (B, H, 1)
     t = x.shape[1]
     if causal:
@@ -337,6 +349,12 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     else:
         n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
     return theorem31_bound(s, n_keys).mean(-1).mean(0)
+
+
+def _squared_norm(x: Tensor) -> Tensor:
+    """``||X||_2^2`` of each ``(T, d)`` matrix of ``x`` ``(B, T, d)``: the top eigenvalue of the smaller Gram."""
+    gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
+    return _top_eigenvalue(gram).clamp_min(0.0)
 
 
 def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
@@ -388,14 +406,16 @@ def block_weight_metrics(block: str, *, wq: Tensor, wk: Tensor, wv: Tensor, wo: 
 
 
 def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: Tensor | None = None,
-                        wq: Tensor | None = None, wk: Tensor | None = None, num_heads: int = 1,
+                        wq: Tensor | None = None, wk: Tensor | None = None,
+                        bq: Tensor | None = None, num_heads: int = 1,
                         block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
                         mask: Tensor | None = None, causal: bool = False,
                         per_head: bool = False, logit_max: Tensor | float | None = None) -> dict[str, float]:
     """Activation-side metrics of one block on the probe batch, under full names.
 
     ``probs`` (B, H, T, S) gives the entropy; with ``attn_input`` (the attention's input
-    after the pre-norm) and ``wq, wk`` also the Theorem 3.1 bound; ``block_input`` gives the
+    after the pre-norm) and ``wq, wk`` (and the q bias ``bq``, if any) also the Theorem 3.1
+    bound; ``block_input`` gives the
     token similarity and ``norm/<block>/x``, ``block_input_grad`` ``norm/<block>/grad_x``;
     ``logit_max`` (what ``attend()`` stores as ``probe["logit_max"]``, the largest scaled
     pre-bias attention logit) ``attn_logit_max/<block>``.
@@ -406,8 +426,8 @@ def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: 
     if probs is not None:
         rel.update(attention_entropy(probs, mask, causal, per_head))
         if attn_input is not None and wq is not None and wk is not None:
-            bound = entropy_lower_bound(split_heads(wq, num_heads), split_heads(wk, num_heads),
-                                        attn_input, causal)
+            bound = entropy_lower_bound(split_heads(wq, num_heads), split_heads(wk, num_heads), attn_input,
+                                        causal, None if bq is None else bq.reshape(num_heads, -1))
             rel.update(bound_stats(bound, per_head))
     if block_input is not None:
         rel[N.TOKEN_SIM] = token_similarity(block_input)

@@ -179,14 +179,14 @@ class MonitorRunner:
             grad_of = dict(zip(names, grads))
             for name, blk in self.blocks:
                 bound = self.with_bound and blk.attn.entropy_bound_applies
-                wq, wk = self._qk_weights(blk) if bound else (None, None)
+                wq, wk, bq = self._qk_weights(blk) if bound else (None,) * 3
                 if not self.active:
                     continue
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
                 out.update(block_probe_metrics(
                     name, probs=cap.get("probs"), attn_input=cap.get("x") if bound else None,
-                    wq=wq, wk=wk, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
+                    wq=wq, wk=wk, bq=bq, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
                     block_input_grad=_tokens(g), mask=cap.get("key_mask"), causal=_is_causal(blk),
                     per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
             return out if self.active else {}
@@ -203,10 +203,12 @@ class MonitorRunner:
         verdict = torch.stack([torch.isfinite(local(p)).all() for p in params]).all()  # one sync, not one per tensor
         return self.sharding.all_ranks(verdict) if self.sharded else bool(verdict)
 
-    def _qk_weights(self, blk: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_q, W_k of ``blk`` (effective); sharded, gathered on every rank."""
+    def _qk_weights(self, blk: nn.Module) -> tuple[torch.Tensor | None, ...]:
+        """W_q, W_k of ``blk`` (effective) and b_q (None without a bias); sharded, gathered on
+        every rank."""
         with self.sharding.gathered([blk.attn.qkv]) if self.sharded else contextlib.nullcontext():
-            return _qkv(blk.attn)[:2]
+            bias = blk.attn.qkv.bias
+            return (*_qkv(blk.attn)[:2], None if bias is None else bias.detach().float().chunk(3, 0)[0])
 
     def _probe_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The sum over the probe samples of each one's own loss, so that ``dL/dx_i`` is sample

@@ -210,3 +210,23 @@ def test_explicit_probs_reads_a_boolean_mask_as_sdpa_does():
         p = explicit_probs(q, k, 0.5, mask, False)
         assert torch.allclose(p @ v, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5), atol=1e-6)
         assert bool((p[..., ~keep] == 0).all())
+
+
+@pytest.mark.parametrize("t, s", [(5, 5), (2, 5), (5, 7)])
+def test_explicit_causal_masks_align_as_sdpa_does(t, s):
+    """SDPA's is_causal keeps keys j <= i (top-left) also when queries and keys differ in number;
+    the probabilities, the logit max and the entropy's key count follow it."""
+    import torch.nn.functional as F
+
+    from stabletrain.layers.attention import explicit_probs, logit_max
+    from stabletrain.monitor.quantities import _key_mask
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 2, t, 4), torch.randn(2, 2, s, 4), torch.randn(2, 2, s, 4)
+    p = explicit_probs(q, k, 0.5, None, True)
+    assert torch.allclose(p @ v, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5), atol=1e-6)
+    keep = torch.ones(t, s, dtype=torch.bool).tril()
+    assert torch.equal(p > 0, keep.expand_as(p))
+    assert torch.equal(_key_mask(p.shape, None, True, "cpu"), keep)
+    logits = 0.5 * q @ k.transpose(-1, -2)
+    assert logit_max(logits, None, True) == logits.masked_fill(~keep, float("-inf")).amax()

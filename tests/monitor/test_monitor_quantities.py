@@ -252,6 +252,50 @@ def test_measured_entropy_respects_theorem31(seed, causal):
         assert bool((row_ent >= Q.theorem31_bound(s, n) - 1e-12).all())
 
 
+def _biased_logits(wq, wk, x, bq, bk, causal):
+    t = x.shape[1]
+    logits = (x @ wq.T + bq) @ (x @ wk.T + bk).transpose(-1, -2) / math.sqrt(wq.shape[0])
+    if causal:
+        logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+    return logits
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_theorem31_bound_with_qk_biases(causal):
+    """Row i's logits are X W_k^T [W_q | b_q] [x_i; 1] plus a constant (from b_k), so the bound
+    is the theorem's with s = ||[W_q | b_q]^T W_k|| / sqrt(d_h) ||X|| ||[X | 1]||, and it holds
+    row by row."""
+    wq, wk, x = _single_head(2)
+    d_h, t = wq.shape[0], x.shape[1]
+    g = torch.Generator().manual_seed(7)
+    bq, bk = 0.5 * torch.randn(2, d_h, generator=g, dtype=torch.float64)
+    probs = _biased_logits(wq, wk, x, bq, bk, causal).softmax(-1)
+    wqa = torch.cat([wq, bq[:, None]], 1)
+    sigma = torch.linalg.matrix_norm(wqa.T @ wk, 2).item() / math.sqrt(d_h)
+    xa = torch.cat([x, torch.ones(*x.shape[:2], 1, dtype=torch.float64)], -1)
+    s = [sigma * torch.linalg.matrix_norm(x[b], 2).item() * torch.linalg.matrix_norm(xa[b], 2).item()
+         for b in range(2)]
+    n_keys = list(range(2, t + 1)) if causal else [t] * t
+    expect = sum(sum(_bound_direct(sb, n) for n in n_keys) / t for sb in s) / 2
+    got = Q.entropy_lower_bound(wq, wk, x, causal, bq_h=bq)
+    assert got.item() == pytest.approx(expect, rel=1e-6)
+    assert 0.3 < got.item() <= Q.head_entropy(probs[:, None], causal=causal)[0].item()
+    for b in range(2):
+        row_ent = -torch.special.xlogy(probs[b], probs[b]).sum(-1)
+        n = torch.arange(1, t + 1) if causal else torch.full((t,), t)
+        assert bool((row_ent >= Q.theorem31_bound(torch.tensor(s[b]), n) - 1e-12).all())
+
+
+def test_a_q_bias_can_take_the_entropy_below_the_bias_free_bound():
+    """Why the bias counts: with a large q bias, the bound of W_q, W_k alone is no bound."""
+    wq, wk, x = _single_head(2)
+    g = torch.Generator().manual_seed(7)
+    bq, bk = 3.0 * torch.randn(2, wq.shape[0], generator=g, dtype=torch.float64)
+    measured = Q.head_entropy(_biased_logits(wq, wk, x, bq, bk, False).softmax(-1)[:, None])[0].item()
+    assert Q.entropy_lower_bound(wq, wk, x).item() > measured
+    assert Q.entropy_lower_bound(wq, wk, x, bq_h=bq).item() <= measured
+
+
 def test_block_metric_names_follow_the_contract():
     wq, wk, wv, wo = _weights(8)
     g = torch.Generator().manual_seed(8)

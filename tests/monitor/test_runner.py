@@ -130,7 +130,9 @@ def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_inpu
     hook.remove()
     h = blk.attn.num_heads
     wq, wk, _ = blk.attn.qkv.weight.detach().chunk(3, 0)
-    bound = entropy_lower_bound(split_heads(wq, h), split_heads(wk, h), blk.norm1(seen["x"]).detach())
+    bq = blk.attn.qkv.bias.detach().reshape(3, h, -1)[0]  # timm's ViT default: q/k/v biases
+    bound = entropy_lower_bound(split_heads(wq, h), split_heads(wk, h), blk.norm1(seen["x"]).detach(),
+                                bq_h=bq)
     assert got["entropy/blocks.0/bound_min"] == pytest.approx(float(bound.min()), rel=1e-6)
     assert got["entropy/blocks.0/bound_min"] <= got["entropy/blocks.0/min"]
 
