@@ -55,6 +55,16 @@ class DivergenceWatch:
             self.seen += 1
         return None
 
+    def unresolved_at_end(self, step: int) -> str | None:
+        """At the run's last step, ``step``: a loss spike followed by skipped (non-finite) steps is
+        a divergence the run ended too soon to confirm. Its weights are those the spike left, so
+        they are no final state to save. A lone skipped step, without a spike, is not."""
+        if not (self.skips and self.over):
+            return None
+        self.onset = step - self.skips - self.over + 1
+        return (f"the run ended inside a loss spike: the loss rose above {self.factor:g}x its running mean at "
+                f"step {self.onset} and the last {self.skips} step(s) had non-finite gradients")
+
     def state_dict(self) -> dict:
         return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips}
 

@@ -157,6 +157,7 @@ class Trainer:
         self.rollbacks: list[dict] = []
         self.skipped_steps = 0  # non-finite steps skipped so far (divergence.skip_nonfinite)
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
+        self.resumed_elsewhere: Path | None = None  # resume=PATH of another run's checkpoint: PATH
         self.saved_step: int | None = None  # of last.pt
 
     @staticmethod
@@ -352,6 +353,11 @@ class Trainer:
                 self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
                 self.trigger = (self.divergence.onset or s + 1, "divergence")
                 break
+        if reason is None and self.step == self.total_steps:
+            reason = self.divergence.unresolved_at_end(self.step)
+            if reason:
+                self.diverged_at = self.divergence.onset
+                self.trigger = (self.divergence.onset, "divergence")
         if reason is None and stop > 0:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
@@ -455,7 +461,11 @@ class Trainer:
                 self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 "
                                   f"(to continue a run, pass its directory as hydra.run.dir)")
             return None
-        ck = self.ckpt.load(path)
+        own = self._own_earlier_attempt(path) if r != "auto" and D.may_be_requeued() else None
+        if own is not None:  # a requeued job started with resume=PATH goes on from where it stopped
+            path, ck, requeued = *own, True
+        else:
+            ck = self.ckpt.load(path)
         if ck["step"] > self.total_steps:
             raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: pass "
                               f"steps={ck['step']} to finish it, more to train on (steps counts from the run's "
@@ -470,11 +480,42 @@ class Trainer:
         self.step = self.saved_step = ck["step"]
         self._resume_notes(path, ck)
         if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
-            # an earlier checkpoint: the history after it is abandoned, so no rollback may restore
-            # a checkpoint of it and no resume=auto may continue it
-            self.ckpt.drop_after(self.step)
+            if path.absolute().parent == self.ckpt.dir.absolute():
+                # an earlier checkpoint of this run: the history after it is abandoned, so no
+                # rollback may restore a checkpoint of it and no resume=auto may continue it
+                self.ckpt.drop_after(self.step)
+            else:  # another run's checkpoint: what this directory holds is no history of it
+                self.resumed_elsewhere = path
+                self._set_aside_earlier_run()
             self.save()
         return self.step
+
+    def _own_earlier_attempt(self, path: Path) -> tuple[Path, dict] | None:
+        """Under a scheduler that requeues, the run dir's last.pt when this same config (its
+        ``resume=PATH`` included) wrote it: the job's earlier attempt, to continue rather than
+        start again from ``path``."""
+        last = self.ckpt.find("auto")
+        if last is None or last.absolute() == path.absolute():
+            return None
+        ck = self.ckpt.load(last)
+        if not ck.get("config") or changed_keys(ck["config"], self.ckpt.config_yaml):
+            return None
+        self.notes.append(f"resumed from {last}, not resume={path}: this job was started again (requeued) and "
+                          f"goes on from its own last checkpoint")
+        return last, ck
+
+    def _set_aside_earlier_run(self) -> None:
+        """Move an earlier run's checkpoints and summary aside (rank 0; metrics.jsonl: its sink), so
+        that none is overwritten, restored by a rollback or taken for this run's."""
+        if self.info.is_main:
+            moved = self.ckpt.set_aside()
+            if moved is not None:
+                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/ "
+                                  f"(to continue that run instead, pass resume=auto)")
+            done = self.run_dir / "summary.json"
+            if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
+                done.replace(previous_name(done))
+        D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
 
     def _resume_notes(self, path: Path, ck: dict) -> None:
         """What a resume changes that the user may not expect: keys changed through ``resume=PATH``
@@ -543,7 +584,8 @@ class Trainer:
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: a step that hangs can still be left
-            self.stop_signal = signum
+            if D.signal_rank(signum) >= D.signal_rank(self.stop_signal):
+                self.stop_signal = signum  # a SIGTERM after a preemption warning must not cancel its requeue
 
         # SIGUSR1 is the usual preemption warning of a plain sbatch script (--signal=USR1@90),
         # SIGUSR2 submitit's; SIGTERM comes from torchrun, SLURM's kill and scancel.
@@ -560,15 +602,10 @@ class Trainer:
         resumed = self.maybe_resume()
         for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
             hook()
-        if resumed is None and self.info.is_main:
-            moved = self.ckpt.set_aside()  # an earlier run's: its last.pt would be overwritten, its ring restored
-            if moved is not None:
-                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/ "
-                                  f"(to continue that run instead, pass resume=auto)")
-            done = self.run_dir / "summary.json"
-            if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
-                done.replace(previous_name(done))
-        self.metrics = self.open_sink(resumed)
+        if resumed is None:
+            self._set_aside_earlier_run()
+        # a run resumed from elsewhere starts its own records (and wandb run) at the resumed step
+        self.metrics = self.open_sink(None if self.resumed_elsewhere is not None else resumed)
         if self.monitor is not None:
             self.monitor.attach(self.metrics)
         # from here to the last record: a signal is answered at the next step, or ignored once
@@ -629,15 +666,18 @@ class Trainer:
         metrics_file = self.run_dir / "metrics.jsonl"
         if math.isnan(logged_value(metrics_file, next(iter(self.last_vals)), self.step)):
             m.log(self.step, self.last_vals)  # once: a signal after the evaluation has logged it already
-        self.last_train_loss = logged_value(metrics_file, N.LOSS, self.step)
+        # resumed from another run's last step: its loss is in that run's records
+        source = self.resumed_elsewhere
+        losses = metrics_file if source is None else source.parent.parent / metrics_file.name
+        self.last_train_loss = logged_value(losses, N.LOSS, self.step) if losses.is_file() else math.nan
         return None
 
     def _train(self, resumed: int | None) -> tuple[str, str | None]:
         """The steps, until the last one, a divergence that cannot be survived, or a signal;
         returns the run's status and the reason it stopped early."""
         cfg, m = self.settings, self.metrics
-        if self.divergence.action == "rollback" and resumed is None:
-            self.save(ring=True)  # step 0 in the ring: a rollback is possible from the first step
+        if self.divergence.action == "rollback" and self.ckpt.ring_before(self.step + 1) is None:
+            self.save(ring=True)  # the start (step 0, or the resumed step) in the ring: a rollback is possible at once
         stream = self.data.train_iter(self.step + self.data_offset, self.shard)
         pending: list[tuple[int, StepResult]] = []
         t_last = time.perf_counter()

@@ -228,3 +228,62 @@ def test_ranks_that_caught_different_signals_agree_on_the_preemption_warning():
     assert agreed(signal.SIGINT, signal.SIGTERM) == signal.SIGTERM
     assert agreed(None, signal.SIGINT) == signal.SIGINT
     assert agreed(None, None) is None
+
+
+def test_a_requeued_job_started_with_resume_path_goes_on_from_its_own_checkpoint(tmp_path, monkeypatch):
+    """``resume=PATH`` (another run's checkpoint) on the command line: the requeued attempt runs
+    the same command, and must continue from its own last.pt, not start again from PATH."""
+    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", tmp_path / "scontrol.log")["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    train(tmp_path / "pre", *GPT, "steps=6", "batch_size=8")
+    args = [*GPT, "steps=14", "batch_size=8", "ckpt_every=4", f"resume={tmp_path / 'pre/checkpoints/last.pt'}"]
+    step = Trainer.train_step
+    calls = []
+
+    def warned_at_step_10(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # steps 7, 8, 9, 10
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", warned_at_step_10)
+    assert train(tmp_path / "run", *args)["step"] == 10
+    calls.clear()
+
+    def counted(self, *a, **k):
+        calls.append(1)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", counted)
+    s = train(tmp_path / "run", *args)
+    assert s["status"] == "completed" and len(calls) == 4  # steps 11 to 14, not 7 to 14 again
+    train(tmp_path / "reference", *args)
+    assert losses(tmp_path / "run") == pytest.approx(losses(tmp_path / "reference"), rel=1e-6)
+    assert sorted(losses(tmp_path / "run")) == list(range(7, 15))
+
+
+def test_a_sigterm_after_the_preemption_warning_does_not_cancel_the_requeue(tmp_path, monkeypatch):
+    """SLURM's SIGTERM can land while the run writes the checkpoint its SIGUSR1 asked for: the
+    warning still decides, in the summary and in the requeue."""
+    log = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "79")
+    step, save = Trainer.train_step, Trainer.save
+    calls = []
+
+    def warned_at_step_3(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, *a, **k)
+
+    def killed_while_saving(self, ring=False):
+        if self.stop_signal == signal.SIGUSR1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return save(self, ring)
+
+    monkeypatch.setattr(Trainer, "train_step", warned_at_step_3)
+    monkeypatch.setattr(Trainer, "save", killed_while_saving)
+    s = train(tmp_path / "run", *GPT, "steps=8", "batch_size=8")
+    assert s["status"] == "interrupted" and s["signal"] == signal.SIGUSR1 and "SIGUSR1" in s["reason"]
+    assert log.read_text().split() == ["requeue", "79"]

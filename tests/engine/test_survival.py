@@ -371,3 +371,67 @@ def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_p
     assert sorted(p.name for p in ck.glob("step_*.pt")) == ["step_000004.pt", "step_000006.pt"]  # 8, 12 gone
     assert _load(ck / "last.pt")["step"] == 6
     assert max(r["step"] for r in _records(tmp_path)) == 6
+
+
+def test_a_resume_from_another_runs_checkpoint_sets_the_directorys_run_aside(tmp_path):
+    """resume=<run X's last.pt> into a directory that holds run A: A's checkpoints, records and
+    summary move aside, so a rollback restores X's resumed state (not A's ring) and the records
+    are this run's alone."""
+    d, x = tmp_path / "d", tmp_path / "x"
+    train(d, *GPT, "steps=12", "ckpt_every=4", "seed=1")  # run A
+    train(x, *GPT, "steps=10", "ckpt_every=5")
+    s = train(d, *GPT, *ROLLBACK, "steps=16", f"resume={x / 'checkpoints/last.pt'}", "debug.nan_at_step=11")
+    assert s["status"] == "completed" and s["rollbacks"][0]["restored_step"] == 10
+    assert (d / "checkpoints.previous/step_000012.pt").is_file()  # A's, kept
+    assert (d / "metrics.previous.jsonl").is_file() and (d / "summary.previous.json").is_file()
+    assert min(r["step"] for r in _records(d)) >= 10
+    resumed = _load(x / "checkpoints/last.pt")["model"]
+    _assert_equal(_load(d / "checkpoints/step_000010.pt")["model"], resumed)
+
+
+def test_a_finished_run_resumed_into_another_runs_directory_reports_its_own_results(tmp_path):
+    d, x = tmp_path / "d", tmp_path / "x"
+    train(d, *GPT, "steps=12", "seed=1")
+    want = train(x, *GPT, "steps=12")
+    got = train(d, *GPT, "steps=12", f"resume={x / 'checkpoints/last.pt'}")
+    assert got["status"] == "completed"
+    assert got["final"] == pytest.approx(want["final"], rel=1e-6)  # not run A's summary
+
+
+def test_the_resumed_state_enters_the_ring(tmp_path):
+    """resume=PATH into a new directory: a divergence two steps later rolls back to it."""
+    train(tmp_path / "x", *GPT, "steps=10", "ckpt_every=5")
+    s = train(tmp_path / "y", *GPT, *ROLLBACK, "steps=20", f"resume={tmp_path / 'x/checkpoints/last.pt'}",
+              "debug.nan_at_step=12")
+    assert s["status"] == "completed" and s["rollbacks"][0]["restored_step"] == 10
+
+
+TAIL = [*GPT, "steps=40", "ckpt_every=10", "logger.log_every=10", "optim=sgd", "debug.spike_at_step=37",
+        "debug.spike_factor=1e10"]
+
+
+def test_a_run_that_ends_inside_a_spike_diverged_and_keeps_the_last_healthy_checkpoint(tmp_path):
+    """A blow-up at step 37 of 40 (huge but finite weights, then three non-finite steps skipped):
+    the run did not live to confirm it, but its end is no state to save as the final one."""
+    s = train(tmp_path, *TAIL)
+    assert s["status"] == "diverged" and s["diverged_at"] == 37 and "ended inside a loss spike" in s["reason"]
+    assert s["skipped_steps"] == 3
+    last = _load(tmp_path / "checkpoints/last.pt")
+    assert last["step"] == 30 and max(v.abs().max().item() for v in last["model"].values()) < 10
+
+
+def test_a_run_that_ends_inside_a_spike_is_rolled_back_when_asked(tmp_path):
+    s = train(tmp_path, *TAIL, "divergence.action=rollback")
+    assert s["status"] == "completed" and s["step"] == 40
+    rb = s["rollbacks"]
+    assert len(rb) == 1 and (rb[0]["trigger_step"], rb[0]["restored_step"]) == (37, 30)
+    last = _load(tmp_path / "checkpoints/last.pt")
+    assert last["step"] == 40 and max(v.abs().max().item() for v in last["model"].values()) < 10
+
+
+def test_a_lone_skipped_last_step_completes_the_run(tmp_path):
+    """A non-finite last step without a spike before it leaves the weights of the step before,
+    a healthy state: the run completes and saves it."""
+    s = train(tmp_path, *GPT, "steps=12", "ckpt_every=4", "debug.nan_at_step=12")
+    assert s["status"] == "completed" and s["skipped_steps"] == 1
+    assert _load(tmp_path / "checkpoints/last.pt")["step"] == 12
