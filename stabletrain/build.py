@@ -44,7 +44,7 @@ from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
 from stabletrain.metrics import Metrics
 from stabletrain.models.registry import (KINDS, MODELS, build_model_and_hook, family_entry, is_builtin,
-                                         transformer_blocks)
+                                         transformer_blocks, unread_model_keys)
 from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
 from stabletrain.optim.schedule import SCHEDULES
 from stabletrain.registry import import_modules, option_value
@@ -189,7 +189,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
     seed_all(cfg.seed)
     data = data_from_config(cfg)
-    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg)
+    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg) + unread_model_keys(cfg.model)
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     notes += unbuilt_components(model, cfg)

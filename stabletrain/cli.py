@@ -91,6 +91,8 @@ def explain(err: Exception, overrides: list[str]) -> str:
         bad = next((k for k in keys if k.lstrip("+~") in text), None)
         term = (bad or "").lstrip("+~").split(".")
         if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer"):
+            if term[1] in _chosen_terms([o for o in overrides if o.split("=")[0] != bad]):
+                return f"unknown key '{bad}': {_nearest_term_key(term[1], term[2])}"
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
         if bad and bad.startswith("model.kwargs."):
@@ -106,6 +108,26 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if key and (wrong := _wrong_type(key, first)):
         return wrong
     return f"{key}: {first}" if key else first
+
+
+def _chosen_terms(overrides: list[str]) -> list[str]:
+    """The loss terms the config of ``overrides`` selects (``regularizer=zloss``, or a recipe's)."""
+    try:
+        return list(compose_config(overrides).regularizer or {})
+    except Exception:  # another error in the overrides: the first one is told
+        return []
+
+
+def _nearest_term_key(term: str, leaf: str) -> str:
+    """``did you mean regularizer.zloss.coef?``, else the term's parameters."""
+    import difflib
+
+    from stabletrain.losses import LOSS_TERMS
+
+    keys = list(LOSS_TERMS.entry(term).info["params"].__dataclass_fields__)
+    near = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.6)
+    return (f"did you mean regularizer.{term}.{near[0]}?" if near
+            else f"the {term} loss term's parameters are: {', '.join(keys)}")
 
 
 def _wrong_type(key: str, first: str) -> str | None:
@@ -126,20 +148,15 @@ def _wrong_type(key: str, first: str) -> str | None:
 
 def _schema_default(key: str):
     """The typed schema's default of a dotted key, when it is a plain value."""
-    import dataclasses
+    from stabletrain.config import schema_default
 
-    from stabletrain.config import TrainConfig
-
-    node = TrainConfig
-    for name in key.split("."):
-        f = {f.name: f for f in dataclasses.fields(node)}.get(name) if dataclasses.is_dataclass(node) else None
-        if f is None:
-            return None
-        node = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-    if isinstance(node, bool):
-        return str(node).lower()
-    return node if isinstance(node, (int, float)) else None
+    try:
+        value = schema_default(key)
+    except KeyError:
+        return None
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value if isinstance(value, (int, float)) else None
 
 
 def schema_keys(node=None, prefix: str = "") -> list[str]:
@@ -196,8 +213,9 @@ def compose_config(overrides: list[str]):
 
 
 def check_overrides(argv: list[str]) -> None:
+    argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
-        return  # --help, --cfg, -cn ...: Hydra's own business
+        return  # --help, --info, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -222,6 +240,19 @@ def check_overrides(argv: list[str]) -> None:
             _fail(str(e))
         except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily
             _fail(explain(e, ovs))
+
+
+def _without_cfg_flag(argv: list[str]) -> list[str]:
+    """``argv`` without Hydra's ``--cfg job`` / ``-c all`` / ``--cfg=job`` (flag and value)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--cfg", "-c"):
+            skip = True
+        elif not a.startswith("--cfg="):
+            out.append(a)
+    return out
 
 
 def check_keys(overrides: list[str]) -> None:

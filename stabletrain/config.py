@@ -502,48 +502,88 @@ def validate(cfg: Any) -> None:
     _need(0 < sc.gamma <= 1, f"schedule.gamma={sc.gamma} must be in (0, 1] (the factor of each step decay)")
 
 
-# keys that only some options of their group read: (group, key) -> those options
+# keys that only some options read: key -> the options ("group=option") that read it
 READ_BY = {
-    ("norm", "alpha"): ("stablenorm",), ("norm", "eps_mode"): ("stablenorm",),
-    ("attention", "c"): ("stable",), ("attention", "seq_len"): ("stable",), ("attention", "alpha"): ("stable",),
-    ("attention", "eps"): ("qknorm", "stable"),
-    **{("optim", k): ("adamw2",) for k in ("tau", "eps_inside_sqrt", "power_iters", "warm_start", "overlap_sigma_w",
-                                           "bound_norm_gains")},
-    ("optim", "momentum"): ("sgd", "lars"), ("optim", "nesterov"): ("sgd",), ("optim", "trust_coef"): ("lars",),
-    ("schedule", "milestones"): ("step",), ("schedule", "gamma"): ("step",),
+    "norm.alpha": ("norm=stablenorm", "attention=stable"),  # StableAtten's alpha when attention.alpha is null
+    "norm.eps_mode": ("norm=stablenorm", "attention=stable"),
+    "norm.eps": ("norm=stablenorm", "norm=rmsnorm"),
+    **{f"attention.{k}": ("attention=stable",) for k in ("c", "seq_len", "alpha")},
+    "attention.eps": ("attention=qknorm", "attention=stable"),
+    **{f"optim.{k}": ("optim=adamw2",) for k in ("tau", "eps_inside_sqrt", "power_iters", "warm_start",
+                                                  "overlap_sigma_w", "bound_norm_gains")},
+    "optim.momentum": ("optim=sgd", "optim=lars"), "optim.nesterov": ("optim=sgd",),
+    "optim.trust_coef": ("optim=lars",),
+    "schedule.milestones": ("schedule=step",), "schedule.gamma": ("schedule=step",),
+    "schedule.min_lr": ("schedule=cosine",), "schedule.horizon": ("schedule=cosine",),
 }
-# groups whose every key is unread while the group is off
-OFF = {"reparam": (ReparamConfig, "none"), "deescalate": (DeescConfig, "none")}
+# groups whose every key is unread under one option: group -> (its schema, that option, why)
+OFF = {"reparam": (ReparamConfig, "none", "is off"), "deescalate": (DeescConfig, "none", "is off"),
+       "init": (InitConfig, "family", "keeps the model's own init")}
+# keys that another key's setting leaves unread: key -> (read in this run?, what to set to use it)
+READ_WHEN = {
+    **{f"ema.{k}": (lambda c: c.ema.decay is not None, "the weight average is off (set ema.decay, e.g. 0.9999)")
+       for k in ("every", "warmup")},
+    **{f"divergence.{k}": (lambda c: c.divergence.enabled, "the spike check is off (divergence.enabled=false)")
+       for k in ("spike_factor", "window", "warmup_steps", "ema")},
+    **{f"divergence.{k}": (lambda c: c.divergence.action == "rollback",
+                           "a divergence stops the run (set divergence.action=rollback to roll back)")
+       for k in ("skip_window", "max_rollbacks", "lr_scale_on_rollback")},
+    "divergence.max_skips": (lambda c: c.divergence.skip_nonfinite,
+                             "no step is skipped (divergence.skip_nonfinite=false)"),
+}
 
 
 def unread_keys(cfg: Any) -> list[str]:
     """One note per key set away from its default that nothing reads in this run, because the
     option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
-    share such keys across options, so they are said, not refused."""
-    schema = {"norm": NormConfig, "attention": AttentionConfig, "optim": OptimConfig, "schedule": ScheduleConfig}
+    share such keys across options, so they are said, not refused. The model family's keys are
+    :func:`stabletrain.models.registry.unread_model_keys`'."""
     out = []
 
-    def note(group, key, chosen, readers):
-        value = cfg[group][key]
-        out.append(f"note: {group}.{key}={_shown(value)} changes nothing: only {group}="
-                   f"{'/'.join(readers)} reads it, and this run has {group}={chosen}")
+    def value(key):
+        group, _, leaf = key.partition(".")
+        return cfg[group][leaf]
 
-    for (group, key), readers in READ_BY.items():
-        chosen = str(cfg[group].name)
-        if chosen not in readers and _differs(cfg[group][key], getattr(schema[group](), key)):
-            note(group, key, chosen, readers)
-    for group, (cls, off) in OFF.items():
+    for key, readers in READ_BY.items():
+        if not any(str(cfg[r.split("=")[0]].name) == r.split("=")[1] for r in readers) and \
+                _differs(value(key), schema_default(key)):
+            groups = dict.fromkeys(r.split("=")[0] for r in readers)
+            only = " or ".join(f"{g}={'/'.join(r.split('=')[1] for r in readers if r.startswith(g + '='))}"
+                               for g in groups)
+            has = ", ".join(f"{g}={cfg[g].name}" for g in groups)
+            out.append(f"note: {key}={_shown(value(key))} changes nothing: only {only} reads it, and this run "
+                       f"has {has}")
+    for group, (cls, off, why) in OFF.items():
         if str(cfg[group].name) == off:
             for key in (f.name for f in fields(cls) if f.name != "name"):
                 if _differs(cfg[group][key], getattr(cls(), key)):
                     out.append(f"note: {group}.{key}={_shown(cfg[group][key])} changes nothing: {group}={off} "
-                               f"is off (choose another {group} option)")
-    if cfg.ema.decay is None:
-        for key in ("every", "warmup"):
-            if _differs(cfg.ema[key], getattr(EmaConfig(), key)):
-                out.append(f"note: ema.{key}={_shown(cfg.ema[key])} changes nothing: the weight average is off "
-                           f"(set ema.decay, e.g. 0.9999)")
+                               f"{why} (choose another {group} option)")
+    for key, (is_read, why) in READ_WHEN.items():
+        if not is_read(cfg) and _differs(value(key), schema_default(key)):
+            out.append(f"note: {key}={_shown(value(key))} changes nothing: {why}")
     return out
+
+
+def schema_default(key: str) -> Any:
+    """The typed schema's default of a dotted key (``optim.lr`` -> 0.001, ``model.depth`` -> 12);
+    KeyError for a key the schema lacks."""
+    import dataclasses
+    import typing
+
+    node: Any = TrainConfig
+    for part in key.split("."):
+        f = {f.name: f for f in fields(node)}.get(part) if dataclasses.is_dataclass(node) else None
+        if f is None:
+            raise KeyError(key)
+        hint = typing.get_type_hints(node if isinstance(node, type) else type(node))[part]
+        if f.default_factory is not dataclasses.MISSING:
+            node = f.default_factory()
+        elif dataclasses.is_dataclass(hint):  # model: MISSING in the schema, its fields' defaults below
+            node = hint
+        else:
+            node = f.default
+    return node() if isinstance(node, type) else node
 
 
 def _differs(value: Any, default: Any) -> bool:

@@ -14,6 +14,14 @@ from tests.helpers import cli, make_cfg, model_of
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
     (["regularizer.locater.scale_coef=100"], "the locater loss term, which is not active: add regularizer=locater"),
+    # a misspelt parameter of an active term (chosen here, or by a recipe) is a misspelling
+    (["regularizer=[locater,zloss]", "regularizer.zloss.coeff=1"],
+     "unknown key 'regularizer.zloss.coeff': did you mean regularizer.zloss.coef?"),
+    (["experiment=locater_1layer", "regularizer.locater.xyz=1"],
+     "unknown key 'regularizer.locater.xyz': the locater loss term's parameters are: scale_coef, mean_coef"),
+    # printing the config checks it first
+    (["--cfg", "job", "optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
+    (["--cfg=job", "norm.alpha=2"], "norm.alpha=2.0 must be in [0, 0.5]"),
 ])
 def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     r = cli(*args, f"hydra.run.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
@@ -146,3 +154,8 @@ def test_help_opens_with_examples_that_run():
     assert len(examples) == 5
     for args in (a for a in examples if not a or not a[0].startswith("--")):  # --cfg job: Hydra's own
         validate(make_cfg(*[a.split(",")[0] for a in args if a != "-m"]))
+
+
+def test_printing_a_valid_config_still_prints_it(tmp_path):
+    r = cli("--cfg", "job", "optim.lr=0.5", "model=vit_test", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]

@@ -5,12 +5,13 @@ import pytest
 
 from stabletrain.cli import group_options
 from stabletrain.config import unread_keys
+from stabletrain.models.registry import unread_model_keys
 from tests.helpers import make_cfg
 
 
 @pytest.mark.parametrize("overrides,note", [
-    (["norm.alpha=0.3"], "norm.alpha=0.3 changes nothing: only norm=stablenorm reads it, and this run has "
-                         "norm=layernorm"),
+    (["norm.alpha=0.3"], "norm.alpha=0.3 changes nothing: only norm=stablenorm or attention=stable reads it, and "
+                         "this run has norm=layernorm, attention=softmax"),
     (["optim=adamw", "optim.tau=0.01"], "optim.tau=0.01 changes nothing: only optim=adamw2 reads it"),
     (["optim=adamw2", "optim.momentum=0.5"], "optim.momentum=0.5 changes nothing: only optim=sgd/lars reads it"),
     (["schedule.milestones=[10]"], "schedule.milestones=[10.0] changes nothing: only schedule=step reads it"),
@@ -18,6 +19,17 @@ from tests.helpers import make_cfg
     (["reparam.gamma_init=svd"], "reparam.gamma_init=svd changes nothing: reparam=none is off"),
     (["deescalate.lambda_=0.5"], "deescalate.lambda_=0.5 changes nothing: deescalate=none is off"),
     (["ema.every=5"], "ema.every=5 changes nothing: the weight average is off"),
+    (["norm.eps=1e-6"], "norm.eps=1e-06 changes nothing: only norm=stablenorm/rmsnorm reads it"),
+    (["norm.alpha=0.3", "attention=qknorm"], "only norm=stablenorm or attention=stable reads it, and this run has "
+                                             "norm=layernorm, attention=qknorm"),
+    (["init.gain=0.5"], "init.gain=0.5 changes nothing: init=family keeps the model's own init"),
+    (["init.fused_qkv=matrix"], "init.fused_qkv=matrix changes nothing: init=family"),
+    (["schedule=constant", "schedule.min_lr=1e-5"], "schedule.min_lr=1e-05 changes nothing: only schedule=cosine"),
+    (["schedule=step", "schedule.horizon=100"], "schedule.horizon=100.0 changes nothing: only schedule=cosine"),
+    (["divergence.max_rollbacks=5"], "divergence.max_rollbacks=5 changes nothing: a divergence stops the run"),
+    (["divergence.lr_scale_on_rollback=0.5"], "set divergence.action=rollback"),
+    (["divergence.enabled=false", "divergence.window=5"], "divergence.window=5 changes nothing: the spike check"),
+    (["divergence.skip_nonfinite=false", "divergence.max_skips=3"], "divergence.max_skips=3 changes nothing: no step"),
 ])
 def test_a_key_nothing_reads_is_noted(overrides, note):
     notes = unread_keys(make_cfg(*overrides))
@@ -28,6 +40,9 @@ def test_a_key_nothing_reads_is_noted(overrides, note):
     ["norm=stablenorm", "norm.alpha=0.3"], ["optim=sgd", "optim.momentum=0.5"], ["schedule=step",
     "schedule.milestones=[10]"], ["reparam=sigma", "reparam.gamma_init=svd"], ["ema.decay=0.99", "ema.every=5"],
     ["attention=qknorm", "attention.eps=1e-6"],
+    ["attention=stable", "norm.alpha=0.3"],  # StableAtten's alpha when attention.alpha is null
+    ["norm=rmsnorm", "norm.eps=1e-6"], ["init=stable", "init.gain=0.5"], ["schedule.min_lr=1e-5"],
+    ["divergence.action=rollback", "divergence.max_rollbacks=5"],
 ])
 def test_a_key_its_option_reads_is_not_noted(overrides):
     assert unread_keys(make_cfg(*overrides)) == []
@@ -37,6 +52,33 @@ def test_a_key_its_option_reads_is_not_noted(overrides):
 def test_no_option_or_recipe_sets_a_key_it_does_not_read(group):
     for option in group_options(group):
         assert unread_keys(make_cfg(f"{group}={option}")) == [], f"{group}={option}"
+
+
+@pytest.mark.parametrize("overrides,note", [
+    (["model=vit_test", "model.dropout=0.1"], "model.dropout=0.1 changes nothing: only model.family=gpt reads it, "
+                                              "and this run has model.family=vit"),
+    (["model=swin_test", "model.depth=3"], "only model.family=gpt/vit reads it, and this run has model.family=swin"),
+    (["model=gpt_test", "model.drop_path=0.1"], "only model.family=swin/vit reads it"),
+    (["model=gpt_test", "model.img_size=64"], "model.img_size=64 changes nothing"),
+    (["model=vit_test", "model.vocab_size=100"], "only model.family=gpt reads it"),
+])
+def test_a_model_key_its_family_does_not_read_is_noted(overrides, note):
+    notes = unread_model_keys(make_cfg(*overrides).model)
+    assert len(notes) == 1 and note in notes[0], notes
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=vit_test", "model.drop_path=0.1"], ["model=gpt_test", "model.dropout=0.1"],
+    ["model=swin_test", "model.window_size=2"],
+])
+def test_a_model_key_its_family_reads_is_not_noted(overrides):
+    assert unread_model_keys(make_cfg(*overrides).model) == []
+
+
+@pytest.mark.parametrize("group", ["model", "experiment"])
+def test_no_model_or_recipe_sets_a_model_key_its_family_does_not_read(group):
+    for option in group_options(group):
+        assert unread_model_keys(make_cfg(f"{group}={option}").model) == [], f"{group}={option}"
 
 
 def test_the_run_prints_the_note(tmp_path, capsys):

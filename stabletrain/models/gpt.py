@@ -41,7 +41,9 @@ def gpt_flops(model: nn.Module, m) -> float:
 
 
 @MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops,
-                 no_decay=())  # nanoGPT decays every matrix, its position embedding too
+                 no_decay=(),  # nanoGPT decays every matrix, its position embedding too
+                 keys=("vocab_size", "block_size", "bias", "dropout", "embed_dim", "depth", "num_heads", "mlp_ratio",
+                       "mlp_hidden", "act"))
 class GPT(nn.Module):
     """GPT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from torch import nn
 
 from stabletrain.config import Components
@@ -15,6 +17,8 @@ from stabletrain.registry import Registry
 #   flops     ``(model, model_cfg) -> training FLOPs of one sample``, for MFU (none: no MFU)
 #   no_decay  parameter names (whole, or the dotted name's last part) kept out of weight decay;
 #             none registered: the model's own ``no_weight_decay()`` if it has one (timm's)
+#   keys      the ``model.*`` keys it reads; one of the others set away from its default is noted
+#             as changing nothing (none registered: no note)
 MODELS = Registry("model.family", "stabletrain.models", package=True)
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
 
@@ -34,6 +38,24 @@ def family_entry(name):
         raise ConfigError(f"model.family={entry.name} is registered without kind='vision' or kind='text': add it "
                           f"to its @MODELS.register(...)")
     return entry
+
+
+def unread_model_keys(model_cfg) -> list[str]:
+    """One note per ``model.*`` key set away from its default that the family does not read
+    (``model.dropout=0.1`` on a ViT), naming the families that do."""
+    from stabletrain.config import ModelConfig, _differs, _shown
+
+    own = MODELS.entry(model_cfg.family).info.get("keys")
+    if own is None:
+        return []
+    out, default = [], ModelConfig()
+    for key in (f.name for f in fields(ModelConfig)):
+        if key in own or key in ("name", "family", "kwargs") or not _differs(model_cfg[key], getattr(default, key)):
+            continue
+        readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
+        out.append(f"note: model.{key}={_shown(model_cfg[key])} changes nothing: only model.family="
+                   f"{'/'.join(readers)} reads it, and this run has model.family={model_cfg.family}")
+    return out
 
 
 def build_model(model_cfg, components: Components | None = None) -> nn.Module:

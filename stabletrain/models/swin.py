@@ -72,7 +72,9 @@ def swin_flops(model: nn.Module, m) -> float:
 
 
 @MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops,
-                 no_decay=("absolute_pos_embed", "relative_position_bias_table"))  # timm's Swin recipe
+                 no_decay=("absolute_pos_embed", "relative_position_bias_table"),  # timm's Swin recipe
+                 keys=("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "act",
+                       "embed_dim", "depths", "stage_heads", "window_size", "mlp_ratio"))
 def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
     cfg = components
