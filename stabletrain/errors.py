@@ -16,7 +16,11 @@ class ConfigError(ValueError):
 
 class StoppedAtOnce(KeyboardInterrupt):
     """A second Ctrl-C ended training mid-step, without a checkpoint; the message says at which
-    step and which step last.pt holds."""
+    step and which step last.pt holds (``saved_step``, None when there is none)."""
+
+    def __init__(self, reason: str, saved_step: int | None = None):
+        super().__init__(reason)
+        self.saved_step = saved_step
 
 
 def first_line(err: BaseException) -> str:

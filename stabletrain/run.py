@@ -132,7 +132,9 @@ def main_guarded(cfg, run_dir) -> dict | None:
              f"its last checkpoint", 1, every_rank=True)
         return None
     except StoppedAtOnce as e:
-        fail(f"interrupted: {e}; continue it with resume=auto hydra.run.dir={run_dir}", 128 + signal.SIGINT)
+        then = (f"continue it with resume=auto hydra.run.dir={run_dir}" if e.saved_step is not None
+                else "no checkpoint was written: run it again to start over")
+        fail(f"interrupted: {e}; {then}", 128 + signal.SIGINT)
         return None
     except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
         fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)

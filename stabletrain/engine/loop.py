@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +147,9 @@ class Trainer:
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
         self.nonfinite_reason: str | None = None  # why the last save was refused
-        self.last_train_loss = math.nan  # the mean loss of the last log interval's healthy steps
+        # the mean loss of the last log interval's healthy steps (nan: none was healthy); None
+        # before the first interval is logged, and then the summary has no final loss
+        self.last_train_loss: float | None = None
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
         self.step_time: float | None = None  # smoothed seconds per step, for the progress line's ETA
         self.intervals_logged = 0
@@ -458,8 +461,10 @@ class Trainer:
         path = self.ckpt.find(r)
         if path is None:
             if r == "auto":
-                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 "
-                                  f"(to continue a run, pass its directory as hydra.run.dir)")
+                earlier = any((self.run_dir / f).is_file() for f in ("summary.json", "metrics.jsonl"))
+                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 ("
+                                  + ("the run there stopped before its first checkpoint)" if earlier else
+                                     "to continue a run, pass its directory as hydra.run.dir)"))
             return None
         own = self._own_earlier_attempt(path) if r != "auto" and D.may_be_requeued() else None
         if own is not None:  # a requeued job started with resume=PATH goes on from where it stopped
@@ -510,8 +515,10 @@ class Trainer:
         if self.info.is_main:
             moved = self.ckpt.set_aside()
             if moved is not None:
-                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/ "
-                                  f"(to continue that run instead, pass resume=auto)")
+                last = moved / "last.pt"  # resume=auto would now find this run's checkpoints
+                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/"
+                                  + (f" (to continue that run instead, stop this one and pass resume={last})"
+                                     if last.is_file() else ""))
             done = self.run_dir / "summary.json"
             if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
                 done.replace(previous_name(done))
@@ -584,6 +591,10 @@ class Trainer:
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
                 raise KeyboardInterrupt  # the second Ctrl-C: a step that hangs can still be left
+            if signum == signal.SIGINT and self.stop_signal is None and self.info.is_main:
+                # a step may take minutes on a CPU: say at once that the Ctrl-C was heard
+                print(f"\nCtrl-C: stopping after step {self.step + 1}, with a checkpoint "
+                      f"(Ctrl-C again to stop at once, without one)", file=sys.stderr, flush=True)
             if D.signal_rank(signum) >= D.signal_rank(self.stop_signal):
                 self.stop_signal = signum  # a SIGTERM after a preemption warning must not cancel its requeue
 
@@ -622,7 +633,7 @@ class Trainer:
             reason = (f"a second Ctrl-C at step {self.step}, without a checkpoint"
                       + (f" (last.pt holds step {last})" if last is not None else ""))
             self._finish("interrupted", reason, {}, quiet=True)
-            raise StoppedAtOnce(reason) from None
+            raise StoppedAtOnce(reason, last) from None
         except Exception as e:
             # a crash (out of memory, a bug, a rank that stopped answering) still leaves a
             # summary.json saying where and why
@@ -745,7 +756,7 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "reason": reason,
-            "final": {"loss": self.last_train_loss, **last_vals},
+            "final": {**({"loss": self.last_train_loss} if self.last_train_loss is not None else {}), **last_vals},
             "params": sum(p.numel() for p in self.model.parameters()),
         }
         if self.guard is not None:

@@ -250,9 +250,14 @@ def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_pa
         run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
 
 
-def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("at,reason,then", [
+    (3, "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)", "continue it with resume=auto"),
+    (1, "a second Ctrl-C at step 1, without a checkpoint", "no checkpoint was written: run it again"),
+])
+def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch, at, reason, then):
     """The first Ctrl-C asks for a checkpoint at the end of the step; a second one, say while a
-    step hangs, stops at once: summary.json and the last line say so and name last.pt's step."""
+    step hangs, stops at once: summary.json and the last line say so and name last.pt's step,
+    and suggest resuming only when there is a checkpoint to resume."""
     import signal
 
     from stabletrain import build as build_module
@@ -266,7 +271,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypa
         orig = t.train_step
 
         def step(*a, **k):
-            if t.step == 3:
+            if t.step == at:
                 signal.raise_signal(signal.SIGINT)
                 signal.raise_signal(signal.SIGINT)
             return orig(*a, **k)
@@ -278,11 +283,12 @@ def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypa
     # Python's own handler, or SIG_IGN where the shell started the tests in the background
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as stopped:
-        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2"), tmp_path)
+        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2", "logger.log_every=2"), tmp_path)
     assert stopped.value.code == 128 + signal.SIGINT
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["status"] == "interrupted" and s["step"] == 3
-    assert s["reason"] == "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)"
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: interrupted: {s['reason']}; continue it with resume=auto hydra.run.dir={tmp_path}")
+    assert s["status"] == "interrupted" and s["step"] == at and s["reason"] == reason
+    # a final loss only once an interval was logged, never a made-up nan
+    assert ("loss" in s["final"]) == (at > 2) and all(v != "nan" for v in s["final"].values())
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"error: interrupted: {reason}; {then}"), line
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back

@@ -174,6 +174,7 @@ def test_a_fresh_start_in_a_used_directory_says_so_and_moves_the_old_records(tmp
     train(tmp_path, *FAST, "steps=3", "resume=auto")
     err = capsys.readouterr().err
     assert "resume=auto: no checkpoint in" in err and "moved to metrics.previous.jsonl" in err
+    assert "the run there stopped before its first checkpoint" in err  # not "pass its directory"
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]  # this run's steps, once each
     assert (tmp_path / "metrics.previous.jsonl").is_file()
@@ -217,6 +218,7 @@ def test_an_interrupted_command_line_run_exits_with_the_signals_code(tmp_path):
     wait_ok(proc, tmp_path / "log", expect=130)
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["signal"] == signal.SIGINT
+    assert "Ctrl-C: stopping after step" in (tmp_path / "log").read_text()  # said at once, not after the step
 
 
 def test_data_img_size_sizes_the_model(tmp_path):

@@ -172,3 +172,17 @@ def test_a_resume_says_what_it_changes(tmp_path, capsys):
     cfg = make_cfg(*GPT, "steps=8", "optim=adamw", "optim.lr=0.002")
     lr = make_schedule(cfg.schedule, 0.002, 8, warmup=cfg.warmup, steps_per_epoch=1)(4)
     assert f"the lr schedule is that of 8 steps from step 0, so at step 4 the lr is {lr:.3g}" in err
+
+
+def test_the_set_aside_runs_hint_continues_that_run(tmp_path, capsys):
+    """The note on the moved checkpoints names the resume that continues the earlier run (not
+    resume=auto, which would find the new run's)."""
+    import re
+
+    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    train(tmp_path, *args, "steps=4")
+    train(tmp_path, *args, "steps=1", quiet=False)
+    hint = re.search(r"to continue that run instead, stop this one and pass (resume=\S+)\)", capsys.readouterr().err)
+    assert hint and hint.group(1) == f"resume={tmp_path / 'checkpoints.previous/last.pt'}"
+    s = train(tmp_path, *args, "steps=6", hint.group(1), quiet=False)
+    assert "resumed from step 4" in capsys.readouterr().err and s["status"] == "completed" and s["step"] == 6
