@@ -146,6 +146,14 @@ def _data_entry(cfg):
     return data
 
 
+def _equivalent_values(cfg) -> dict:
+    """Values that configure the same run, so that a resume does not take one for the other as a
+    change: ``data=auto`` and the data set it picks for this model family."""
+    family = family_entry(cfg.model.family)
+    default = family.info.get("data") or KINDS[family.info["kind"]]
+    return {"data.name": ("auto", default)} if _data_entry(cfg).name == default else {}
+
+
 def data_from_config(cfg) -> Data:
     """The data set of ``cfg``, as the trainer gets it."""
     return _data_entry(cfg).fn(cfg.data, cfg.model, cfg.seed)
@@ -253,7 +261,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         flops_per_sample=float(flops(model, cfg.model)) if flops else 0.0,
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
-        spike_factor=cfg.debug.spike_factor, sharded=sharded)
+        spike_factor=cfg.debug.spike_factor, sharded=sharded, equivalent=_equivalent_values(cfg))
 
     def open_sink(resume_step: int | None) -> Metrics:
         config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else None

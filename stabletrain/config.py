@@ -648,12 +648,15 @@ def _plain(config_yaml: str) -> dict:
     return OmegaConf.to_container(OmegaConf.create(config_yaml)) if config_yaml else {}
 
 
-def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE) -> list[str]:
+def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE,
+                 equivalent: dict | None = None) -> list[str]:
     """The dotted keys whose values differ between two resolved configs (their yaml), outside
-    the top-level keys ``may_change``."""
+    the top-level keys ``may_change``; two values of one ``equivalent[key]`` do not differ."""
     a, b = (dict(_leaves(_plain(y))) for y in (saved_yaml, mine_yaml))
+    same = equivalent or {}
     return sorted(k for k in set(a) | set(b)
-                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change)
+                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change
+                  and not {a.get(k), b.get(k)} <= set(same.get(k, ())))
 
 
 def optim_name_of(config_yaml: str) -> str | None:

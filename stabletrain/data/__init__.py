@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -99,9 +100,12 @@ class TensorImages(Data):
 class TokenWindows(Data):
     """Random windows of ``seq_len + 1`` tokens from a 1-D token array (bytes or uint16)."""
 
-    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int, seq_len: int, seed: int):
-        if len(train) <= seq_len + 1 or len(val) <= seq_len + 1:
-            raise ConfigError(f"token data too short for sequences of {seq_len} tokens")
+    def __init__(self, train: np.ndarray, val: np.ndarray, vocab_size: int, seq_len: int, seed: int,
+                 names: tuple[str, str] = ("the training tokens", "the validation tokens"), remedy: str = ""):
+        for arr, name, fix in zip((train, val), names, ("", remedy)):  # ``remedy``: a val split too short
+            if len(arr) <= seq_len + 1:  # a window is seq_len inputs and the next token of the last
+                raise ConfigError(f"{name}: {len(arr)} tokens, too few for a window of model.block_size="
+                                  f"{seq_len} (+1): lower model.block_size" + (f", or {fix}" if fix else ""))
         super().__init__("text", len(train), vocab_size=vocab_size, seq_len=seq_len)
         self.train, self.val, self.seed = train, val, seed
 
@@ -193,7 +197,9 @@ def pytext(d, m, seed: int) -> Data:
 
     arr, vocab = encode(pytext_bytes(), d.tokenizer)
     cut = int(len(arr) * (1 - d.val_fraction / 2))
-    return _token_windows(arr[:cut], arr[cut:], vocab, m, seed)
+    return _token_windows(arr[:cut], arr[cut:], vocab, m, seed, ("the embedded text's training part",
+                                                                  "the embedded text's validation part"),
+                          "raise data.val_fraction")
 
 
 def _check_tokens(d) -> None:
@@ -206,14 +212,17 @@ def tokens(d, m, seed: int) -> Data:
     from stabletrain.data.token_files import load_token_files
 
     train, val, vocab = load_token_files(d.path or "")
-    return _token_windows(train, val, vocab, m, seed)
+    path = Path(d.path)
+    return _token_windows(train, val, vocab, m, seed, (str(path), str(path.with_name("val.bin"))),
+                          f"write the files again with scripts/prepare_tokens.py --block-size {m.block_size}")
 
 
-def _token_windows(train: np.ndarray, val: np.ndarray, vocab: int, m, seed: int) -> TokenWindows:
+def _token_windows(train: np.ndarray, val: np.ndarray, vocab: int, m, seed: int, names: tuple[str, str],
+                   remedy: str) -> TokenWindows:
     if m.vocab_size < vocab:  # the embedding would index out of range on the first batch
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary {vocab}: "
                           f"set model.vocab_size={-(-vocab // 64) * 64} (or larger)")
-    return TokenWindows(train, val, vocab, m.block_size, seed)
+    return TokenWindows(train, val, vocab, m.block_size, seed, names, remedy)
 
 
 def task_loss(data: Data, data_cfg):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stabletrain.config import changed_keys, optim_name_of
+from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, optim_name_of
 from stabletrain.engine import distributed as D
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import previous_name
@@ -238,12 +238,18 @@ class Checkpointer:
     written: atomically, and only when every weight and optimizer tensor is finite."""
 
     def __init__(self, run_dir: Path, info, device: torch.device, *, model, optimizer, divergence, ema=None,
-                 monitor=None, sharded: bool = False, keep: int = 0, config_yaml: str = ""):
+                 monitor=None, sharded: bool = False, keep: int = 0, config_yaml: str = "",
+                 equivalent: dict | None = None):
         self.run_dir, self.dir, self.info, self.device = Path(run_dir), Path(run_dir) / "checkpoints", info, device
         self.model, self.optimizer, self.divergence, self.ema, self.monitor = model, optimizer, divergence, ema, monitor
         self.sharded, self.keep, self.config_yaml = sharded, keep, config_yaml
+        self.equivalent = equivalent or {}
         # stored in each checkpoint: an optimizer's state does not carry over to another optimizer
         self.optim_name = optim_name_of(config_yaml) or type(optimizer).__name__
+
+    def changed_keys(self, saved_yaml: str, may_change=RESUME_MAY_CHANGE) -> list[str]:
+        """The keys a checkpoint's config sets otherwise than this run's, outside ``may_change``."""
+        return changed_keys(saved_yaml, self.config_yaml, may_change, self.equivalent)
 
     # --- saving ---------------------------------------------------------------------------
 
@@ -316,7 +322,7 @@ class Checkpointer:
         """Refuse, in one line, to resume a checkpoint into a run it does not fit: another config
         (a requeued job), another optimizer, changed keys (``resume=auto`` unless
         ``allow_changes``), another ``parallel``."""
-        changed = changed_keys(ck["config"], self.config_yaml, may_change=("resume",)) if requeued else []
+        changed = self.changed_keys(ck["config"], may_change=("resume",)) if requeued else []
         if changed:
             raise ConfigError(f"{path} was written by a run with another {', '.join(changed[:8])}"
                               f"{' ...' if len(changed) > 8 else ''}; pass resume=auto resume_allow_changes=true "
@@ -326,7 +332,7 @@ class Checkpointer:
             raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "
                               f"optimizer's state does not carry over; resume with optim={theirs} or start a new run")
         if auto and not allow_changes and ck.get("config") and self.config_yaml:
-            changed = changed_keys(ck["config"], self.config_yaml)
+            changed = self.changed_keys(ck["config"])
             if changed:
                 raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
                                   f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "

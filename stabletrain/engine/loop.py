@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.config import RESUME_MAY_CHANGE, changed_keys
+from stabletrain.config import RESUME_MAY_CHANGE
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
@@ -66,6 +66,8 @@ class LoopSettings:
     bf16: bool = False
     compile: bool = False
     config_yaml: str = ""  # the resolved config: saved in checkpoints, compared when requeued
+    # key -> values that configure the same run, for that comparison (data=auto and the data set it picks)
+    equivalent: dict | None = None
     title: str = "model"  # the start line's name for the model
     flops_per_sample: float = 0.0  # training FLOPs of one sample (sequence or image), for MFU
     ckpt_keep: int = 0  # ring checkpoints (checkpoints/step_NNNNNN.pt) besides last.pt
@@ -140,7 +142,8 @@ class Trainer:
             self.train_model = DDP(self.train_model, device_ids=ids)
         self.ckpt = Checkpointer(self.run_dir, self.info, device, model=model, optimizer=optimizer,
                                  divergence=self.divergence, ema=ema, monitor=monitor, sharded=self.sharded,
-                                 keep=settings.ckpt_keep, config_yaml=settings.config_yaml)
+                                 keep=settings.ckpt_keep, config_yaml=settings.config_yaml,
+                                 equivalent=settings.equivalent)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.stop_signal: int | None = None
         self.step = 0
@@ -406,12 +409,15 @@ class Trainer:
         speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "s/step": f"{step_s:.3g}",
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
                  "eta": duration((self.total_steps - self.step) * self.step_time)}
-        # the loss is what is minimised; its loss-term share is shown beside it, and skipped steps are named
-        extra = {N.LOSS_PENALTY: rec[N.LOSS_PENALTY]} if k else {}
-        if sum(skipped):
-            extra["skipped"] = f"{sum(skipped)} non-finite step(s)"
+        # the loss is what is minimised; with loss terms it reads as task + penalty, for the task part
+        # is what val/loss and a run without the terms compare with. Skipped steps are named.
+        loss: float | str = self.last_train_loss
+        if k:
+            pen = rec[N.LOSS_PENALTY]
+            loss = f"{loss:.4g} (task {loss - pen:.4g} + penalty {pen:.4g})"
+        extra = {"skipped": f"{sum(skipped)} non-finite step(s)"} if sum(skipped) else {}
         self.metrics.progress(self.step, self.total_steps,
-                              {N.LOSS: self.last_train_loss, **extra, N.LR: lr, **shown, **speed})
+                              {N.LOSS: loss, **extra, N.LR: lr, **shown, **speed})
         return reason
 
     def _mfu(self, samples_per_s: float) -> float | None:
@@ -503,7 +509,7 @@ class Trainer:
         if last is None or last.absolute() == path.absolute():
             return None
         ck = self.ckpt.load(last)
-        if not ck.get("config") or changed_keys(ck["config"], self.ckpt.config_yaml):
+        if not ck.get("config") or self.ckpt.changed_keys(ck["config"]):
             return None
         self.notes.append(f"resumed from {last}, not resume={path}: this job was started again (requeued) and "
                           f"goes on from its own last checkpoint")
@@ -530,7 +536,7 @@ class Trainer:
         saved, mine = ck.get("config"), self.ckpt.config_yaml
         if not (saved and mine):
             return
-        changed = changed_keys(saved, mine, may_change=("resume", "resume_allow_changes"))
+        changed = self.ckpt.changed_keys(saved, may_change=("resume", "resume_allow_changes"))
         if self.settings.resume not in (None, "auto"):
             keys = [k for k in changed if k.split(".")[0] not in RESUME_MAY_CHANGE]
             if keys:

@@ -253,3 +253,16 @@ def test_inputs_are_checked(tmp_path):
         prepare_from_sources(tmp_path, files=[str(tmp_path / "nope.txt")])
     with pytest.raises(ConfigError, match="--val-split applies to --hf"):
         prepare_from_sources(tmp_path, files=[str(tmp_path)], val_split="validation")
+
+
+def test_a_val_bin_shorter_than_a_window_names_the_file_and_the_fix(tmp_path):
+    """Files prepared for a shorter context: the error names val.bin and the --block-size that fits."""
+    prepare_tokens(tmp_path, [b"x" * 3000], val_fraction=0.0, block_size=8)  # val.bin: 10 tokens
+    cfg = make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}", "model.block_size=32")
+    with pytest.raises(ConfigError) as e:
+        data_from_config(cfg)
+    assert str(e.value) == (f"{tmp_path / 'val.bin'}: 10 tokens, too few for a window of model.block_size=32 (+1): "
+                            f"lower model.block_size, or write the files again with scripts/prepare_tokens.py "
+                            f"--block-size 32")
+    with pytest.raises(ConfigError, match="the embedded text's validation part: .* raise data.val_fraction"):
+        data_from_config(make_cfg("model=gpt_test", "model.block_size=5000000"))

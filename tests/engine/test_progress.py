@@ -1,6 +1,7 @@
 """The progress line as a user reads it: validation only where it was computed, speed and ETA,
 and MFU from the model's FLOPs on a GPU."""
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -27,12 +28,16 @@ def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
 
 
 def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
-    """The loss shown is what is minimised; with a loss term its share stands beside it."""
+    """The loss shown is what is minimised; with a loss term it reads as task + penalty, so the
+    task part compares with val/loss and with a run without the term."""
     train(tmp_path, "model=gpt_test", "steps=2", "logger=none", "monitor=off", "batch_size=8", "eval_every=10",
           "regularizer=zloss", "regularizer.zloss.coef=0.5", quiet=False)
     line = _lines(capsys.readouterr().err)[-1]
-    loss, penalty = (float(re.search(rf"\| {k} ([\d.]+)", line).group(1)) for k in ("loss", "loss/penalty"))
-    assert 0 < penalty < loss, line
+    loss, task, penalty = map(float, re.search(r"\| loss ([\d.]+) \(task ([\d.]+) \+ penalty ([\d.]+)\) \|",
+                                               line).groups())
+    rec = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in x][-1]
+    assert 0 < penalty < loss and task + penalty == pytest.approx(loss, abs=2e-3), line
+    assert (loss, penalty) == (pytest.approx(rec["loss"], rel=1e-3), pytest.approx(rec["loss/penalty"], rel=1e-3))
 
 
 def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):

@@ -100,6 +100,21 @@ def test_a_refused_resume_changes_nothing_and_names_the_changed_keys(tmp_path):
     assert s["status"] == "completed" and "seed: 3" in (tmp_path / "config.yaml").read_text()
 
 
+def test_data_auto_and_the_data_it_picks_are_the_same_run(tmp_path):
+    """GPT's data=auto is pytext: naming it on resume is no change; another data set is."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")  # data=auto
+    s = train(tmp_path, *GPT, "steps=3", "optim=adamw", "data=pytext", "resume=auto")
+    assert s["status"] == "completed" and s["step"] == 3
+    s = train(tmp_path, *GPT, "steps=4", "optim=adamw", "data=auto", "resume=auto")  # and back
+    assert s["status"] == "completed" and s["step"] == 4
+    from stabletrain.data.token_files import prepare_tokens
+
+    prepare_tokens(tmp_path / "tok", [b"some other text " * 500], block_size=64)
+    with pytest.raises(ConfigError, match="resume=auto would change the resumed run's data.name, data.path"):
+        train(tmp_path, *GPT, "steps=5", "optim=adamw", "data=tokens", f"data.path={tmp_path / 'tok/train.bin'}",
+              "resume=auto")
+
+
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, allow):
     """AdamW² -> AdamW loads without an error (the same state keys) and would silently train on."""
