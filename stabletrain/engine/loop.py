@@ -662,6 +662,7 @@ class Trainer:
         for note in self.notes:
             m.message(note)
         self.last_vals: dict = {}
+        self.last_vals_step: int | None = None  # the step last_vals were evaluated at
         if resumed is None:
             if self.monitor is not None:
                 self.monitor.after_step(-1)  # the step-0 snapshot: the baseline for growth alerts
@@ -679,7 +680,7 @@ class Trainer:
         # e.g. a signal during the last step: finish the run
         m.message(f"the checkpoint is at step {self.step} of {self.total_steps} but the run has no completed "
                   f"summary: running the final evaluation")
-        self.last_vals = self.evaluate()
+        self.last_vals, self.last_vals_step = self.evaluate(), self.step
         metrics_file = self.run_dir / "metrics.jsonl"
         if math.isnan(logged_value(metrics_file, next(iter(self.last_vals)), self.step)):
             m.log(self.step, self.last_vals)  # once: a signal after the evaluation has logged it already
@@ -721,6 +722,7 @@ class Trainer:
             fresh = {}
             if eval_due:
                 self.last_vals = fresh = self.evaluate()  # before the log line, which shows it
+                self.last_vals_step = self.step
                 m.log(self.step, fresh)
             reason = flush(t_end, fresh) if log_now else None
             # every step, on every rank: a signal landing during the agreement counts at the next step
@@ -765,6 +767,8 @@ class Trainer:
             "final": {**({"loss": self.last_train_loss} if self.last_train_loss is not None else {}), **last_vals},
             "params": sum(p.numel() for p in self.model.parameters()),
         }
+        if last_vals:
+            summary["eval_step"] = self.last_vals_step  # earlier than "step" when stopped between evaluations
         if self.guard is not None:
             summary["skipped_steps"] = self.skipped_steps
         if status == "diverged":
@@ -787,6 +791,8 @@ class Trainer:
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
                 if status == "interrupted" and not D.may_be_requeued():
                     reason += f"; continue it with resume=auto hydra.run.dir={self.run_dir}"
+                stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""
                 self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
-                                     + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items()))
+                                     + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items())
+                                     + (stale if last_vals else ""))
         return summary

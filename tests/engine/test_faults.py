@@ -292,3 +292,26 @@ def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypa
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith(f"error: interrupted: {reason}; {then}"), line
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back
+
+
+def test_a_run_stopped_between_evaluations_says_when_its_val_was_measured(tmp_path, capsys):
+    """Stopped at step 3 with evaluations every 2 steps: the last line and summary.json give
+    step 2's val/loss as step 2's, not as the stopped step's."""
+    import signal
+
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    t = build_trainer(make_cfg(*GPT, "steps=10", "eval_every=2", "logger=none", "monitor=off"), tmp_path)
+    orig = t.train_step
+
+    def step(*a, **k):
+        if t.step == 2:
+            signal.raise_signal(signal.SIGINT)  # answered after this step, the third
+        return orig(*a, **k)
+
+    t.train_step = step
+    s = t.fit()
+    assert s["status"] == "interrupted" and s["step"] == 3 and s["eval_step"] == 2 and "val/loss" in s["final"]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("interrupted at step 3") and line.endswith("(evaluated at step 2)"), line
