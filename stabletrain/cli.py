@@ -242,6 +242,20 @@ def check_overrides(argv: list[str]) -> None:
             _fail(explain(e, ovs))
 
 
+def _added_key_hint(name: str, ov: str) -> str:
+    """What to write instead of ``+name=...``, a key the schema lacks."""
+    import difflib
+
+    parts = name.split(".")
+    if len(parts) > 2 and difflib.get_close_matches(".".join(parts[:2]), ["model.kwargs"], cutoff=0.8):
+        return f"did you mean +model.kwargs.{'.'.join(parts[2:])}?"  # +model.kwarg.depth
+    near = _nearest_key(name)
+    if near and near.startswith("did you mean"):
+        return f"{near[:-1]} (without the '+')?"
+    return (f"{ov} adds a key nothing reads; drop the '+' to set an existing key "
+            f"(`python train.py --cfg job` prints every key)")
+
+
 def _without_cfg_flag(argv: list[str]) -> list[str]:
     """``argv`` without Hydra's ``--cfg job`` / ``-c all`` / ``--cfg=job`` (flag and value)."""
     out, skip = [], False
@@ -270,8 +284,7 @@ def check_keys(overrides: list[str]) -> None:
             name = key.lstrip("+")
             if not (name.startswith("hydra") or name.startswith("model.kwargs.")
                     or is_group(name.split("/")[0], overrides)):
-                raise ConfigError(f"unknown key '{name}': {ov} adds a key nothing reads; drop the '+' to set an "
-                                  f"existing key (`python train.py --cfg job` prints every key)")
+                raise ConfigError(f"unknown key '{name}': {_added_key_hint(name, ov)}")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):
             _check_output_dir(key.lstrip("+"), ov.split("=", 1)[1])
         if key.lstrip("+") == "hydra.run.dir" and "${" not in ov and detect().is_main:

@@ -81,7 +81,14 @@ class Registry:
         self._load()
         key = option_value(name)
         if key not in self._entries:
-            raise UnknownOption(f"{self.group}={key} is not an option; choose one of: {', '.join(self.names())}")
+            import difflib
+
+            near = difflib.get_close_matches(key, self.names(), n=1, cutoff=0.7)
+            # a yaml of one's own (hydra.searchpath) names an option that code must register
+            hint = (f"did you mean {near[0]}?" if near else
+                    "an option of your own registers itself in a Python module named in imports=[path/to/it.py]")
+            raise UnknownOption(f"{self.group}={key} is not an option; choose one of: {', '.join(self.names())} "
+                                f"({hint})")
         return self._entries[key]
 
     def get(self, name: Any) -> Callable:

@@ -16,7 +16,8 @@ def test_registry_lists_and_refuses_in_one_line():
     reg.register("b", flag=True)(lambda: 2)
     reg.register("a")(lambda: 1)
     assert reg.names() == ["a", "b"] and reg.get("a")() == 1 and reg.entry("b").info == {"flag": True}
-    with pytest.raises(UnknownOption, match=r"^thing=c is not an option; choose one of: a, b$"):
+    with pytest.raises(UnknownOption, match=r"^thing=c is not an option; choose one of: a, b \(an option of your "
+                                            r"own registers itself in a Python module named in imports=\["):
         reg.get("c")
     with pytest.raises(ValueError, match="twice"):
         reg.register("a")(lambda: 3)
@@ -32,10 +33,13 @@ def test_registry_lists_and_refuses_in_one_line():
     ("data.name=bogus", "data=bogus is not an option"),
     ("model.family=bogus", "model.family=bogus is not an option; choose one of: gpt, swin, vit"),
     ("deescalate.name=bogus", "deescalate.name=bogus is not an option; choose one of: deescalate, none"),
+    ("norm.name=stablenrm", "choose one of: layernorm, none, rmsnorm, stablenorm (did you mean stablenorm?)"),
+    ("data.name=imagefolder", "data=imagefolder needs data.root=PATH, a folder with train/ and val/ class folders"),
+    ("data.name=imagefolder data.root=/nope", "data.root=/nope does not exist: point data=imagefolder at a folder"),
 ])
 def test_config_check_asks_the_registries(override, needle):
     with pytest.raises(ConfigError) as err:
-        validate(make_cfg("model=vit_test", override))
+        validate(make_cfg("model=vit_test", *override.split()))
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 

@@ -146,9 +146,12 @@ def resolve_name(data_cfg, default: str) -> str:
     return default if name == "auto" else name
 
 
-def _exists(path: str | None, msg: str) -> None:
-    if path is None or not os.path.exists(path):
-        raise ConfigError(msg)
+def _exists(key: str, path: str | None, option: str, what: str) -> None:
+    """``data.root`` unset or missing: one line saying which, and what it should be."""
+    if not path:
+        raise ConfigError(f"data={option} needs {key}=PATH, {what}")
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}={path} does not exist: point data={option} at {what}")
 
 
 @DATASETS.register("digits", kind="vision")
@@ -159,7 +162,7 @@ def digits(d, m, seed: int) -> Data:
 
 
 def _check_imagefolder(d) -> None:
-    _exists(d.root, f"data.root={d.root} does not exist: point data=imagefolder at a folder with train/ and val/")
+    _exists("data.root", d.root, "imagefolder", "a folder with train/ and val/ class folders")
     from stabletrain.data.vision import check_imagefolder
 
     check_imagefolder(d.root)
@@ -203,8 +206,7 @@ def pytext(d, m, seed: int) -> Data:
 
 
 def _check_tokens(d) -> None:
-    _exists(d.path, f"data.path={d.path} does not exist: point data=tokens at a train.bin "
-                    "(scripts/prepare_tokens.py writes one)")
+    _exists("data.path", d.path, "tokens", "a train.bin (scripts/prepare_tokens.py writes one)")
 
 
 @DATASETS.register("tokens", kind="text", check=_check_tokens)
