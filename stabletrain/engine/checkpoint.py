@@ -38,8 +38,12 @@ def save_checkpoint(path: Path, payload: dict) -> None:
     except OSError as e:
         tmp.unlink(missing_ok=True)
         kept = f"{path} still holds the previous checkpoint" if path.is_file() else "no checkpoint was kept"
-        why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
-        raise CheckpointWriteError(e.errno, f"cannot write {path.name}: {why}; {kept}") from None
+        raise _write_error(e, path, kept) from None
+
+
+def _write_error(e: OSError, path: Path, kept: str) -> CheckpointWriteError:
+    why = "the disk is full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
+    return CheckpointWriteError(e.errno, f"cannot write {path.name}: {why}; {kept}")
 
 
 def _sync_dir(d: Path) -> None:
@@ -195,17 +199,21 @@ def save_to_ring(run_dir: Path, step: int, keep: int, sharded: bool = False) -> 
     if source is None:
         return None
     dest = ring_path(run_dir, step)
-    if sharded:  # the directory first, so that the ring's file never lacks it
-        link_tree(dcp_dir(source), dcp_dir(dest))
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)
     try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, dest)
+        if sharded:  # the directory first, so that the ring's file never lacks it
+            link_tree(dcp_dir(source), dcp_dir(dest))
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+        except OSError:  # no hard links here: a copy (a full disk shows up now)
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _write_error(e, dest, f"{source} holds step {step}") from None
     for _, old in ring_checkpoints(run_dir)[:-keep]:
         _drop(old)
     return dest

@@ -669,6 +669,8 @@ class Trainer:
             return None
         m.message(f"resumed from step {resumed}")
         if self.step < self.total_steps:
+            if self.info.is_main:  # an earlier stop's summary would describe a run that is going on
+                (self.run_dir / "summary.json").unlink(missing_ok=True)
             return None
         done = self.run_dir / "summary.json"
         previous = read_json(done)

@@ -163,6 +163,34 @@ def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):
     assert err[-1].startswith("error: cannot write last.pt: the disk is full") and "Traceback" not in "".join(err)
 
 
+def test_a_full_disk_while_copying_into_the_ring_is_one_line(tmp_path, monkeypatch, capsys):
+    """Where hard links are impossible the ring gets a copy, which a full disk can stop: the
+    same one line as for last.pt, and last.pt (the step itself) is kept."""
+    import shutil
+
+    from stabletrain.engine import checkpoint
+    from stabletrain.run import main_guarded
+    from tests.helpers import make_cfg
+
+    def no_link(*a, **k):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    def full(src, dst, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.os, "link", no_link)
+    monkeypatch.setattr(shutil, "copyfile", full)
+    with pytest.raises(SystemExit) as e:
+        main_guarded(make_cfg(*QUIET, *GPT, "steps=1", "ckpt.keep=2"), tmp_path)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: cannot write step_000001.pt: the disk is full; {tmp_path / 'checkpoints/last.pt'} "
+                       f"holds step 1"), err[-1]
+    monkeypatch.undo()
+    assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"] == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]  # no temp file left
+
+
 def test_a_second_run_in_a_locked_directory_is_refused_naming_the_pid(tmp_path):
     from stabletrain.engine.rundir import RunDirLock
 

@@ -201,3 +201,23 @@ def test_the_set_aside_runs_hint_continues_that_run(tmp_path, capsys):
     assert hint and hint.group(1) == f"resume={tmp_path / 'checkpoints.previous/last.pt'}"
     s = train(tmp_path, *args, "steps=6", hint.group(1), quiet=False)
     assert "resumed from step 4" in capsys.readouterr().err and s["status"] == "completed" and s["step"] == 6
+
+
+def test_a_resumed_run_that_trains_on_has_no_summary_until_it_ends(tmp_path):
+    """A run completed at 2 steps, resumed to 4: while it trains, summary.json does not say
+    'completed at step 2' (a sweep reads such a run as unfinished); at the end it is the new one."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    t = build_trainer(make_cfg(*GPT, "steps=4", "optim=adamw", "resume=auto", "logger=none"), tmp_path)
+    seen, orig = [], t.train_step
+
+    def step(*a, **k):
+        seen.append((tmp_path / "summary.json").exists())
+        return orig(*a, **k)
+
+    t.train_step = step
+    s = t.fit()
+    assert seen == [False, False] and s["status"] == "completed" and s["step"] == 4
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 4
