@@ -490,14 +490,15 @@ class Trainer:
         self.load_survival_state(ck.get("survival"))
         self.step = self.saved_step = ck["step"]
         self._resume_notes(path, ck)
+        if path.absolute().parent == self.ckpt.dir.absolute():
+            # this run's checkpoint: the history after it is abandoned, so no rollback may restore
+            # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
+            # rollback killed before its clean-up left)
+            self.ckpt.drop_after(self.step)
+        else:  # another run's checkpoint: what this directory holds is no history of it
+            self.resumed_elsewhere = path
+            self._set_aside_earlier_run()
         if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
-            if path.absolute().parent == self.ckpt.dir.absolute():
-                # an earlier checkpoint of this run: the history after it is abandoned, so no
-                # rollback may restore a checkpoint of it and no resume=auto may continue it
-                self.ckpt.drop_after(self.step)
-            else:  # another run's checkpoint: what this directory holds is no history of it
-                self.resumed_elsewhere = path
-                self._set_aside_earlier_run()
             self.save()
         return self.step
 
@@ -580,6 +581,9 @@ class Trainer:
                  "skipped_steps": skipped, "reason": reason}
         self.rollbacks.append(entry)
         m = self.metrics
+        # saved first: a kill from here on resumes the restored state (a resume drops the later
+        # ring and records, as below); a kill before it resumes last.pt and meets the trouble again
+        self.save(ring=True)  # last.pt and the ring now hold the restored state with its new data offset
         self.ckpt.drop_after(restored)
         if self.info.is_main and m.enabled:
             m.truncate_after(restored)
@@ -588,7 +592,6 @@ class Trainer:
         m.message(f"rollback {len(self.rollbacks)}/{w.max_rollbacks} at step {detected}: {reason}; restored step "
                   f"{restored} ({path.name}), skipping the data of {skipped} step(s)"
                   + (f", lr x{self.lr_scale:.4g}" if self.lr_scale != 1.0 else ""))
-        self.save(ring=True)  # last.pt and the ring now hold the restored state with its new data offset
         return None
 
     # --- the run --------------------------------------------------------------------

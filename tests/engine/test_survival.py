@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import shutil
 import signal
 
 import pytest
@@ -435,3 +436,29 @@ def test_a_lone_skipped_last_step_completes_the_run(tmp_path):
     s = train(tmp_path, *GPT, "steps=12", "ckpt_every=4", "debug.nan_at_step=12")
     assert s["status"] == "completed" and s["skipped_steps"] == 1
     assert _load(tmp_path / "checkpoints/last.pt")["step"] == 12
+
+
+def test_a_kill_during_a_rollback_resumes_the_run_it_would_have_been(tmp_path):
+    """Killed inside the rollback, once the restored state is saved but before the later ring
+    and records are dropped: last.pt already holds the restored step with the rollback, and
+    resume=auto drops what the kill left and continues exactly as the run that was not killed."""
+    from stabletrain.build import build_trainer
+    from stabletrain.engine.checkpoint import ring_path
+
+    args = [*GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=10", "ckpt.keep=3"]
+    train(tmp_path / "full", *args)
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path / "killed")
+
+    def killed(step):
+        raise SystemExit("killed")
+
+    t.ckpt.drop_after = killed
+    with pytest.raises(SystemExit):
+        t.fit()
+    ck = _load(tmp_path / "killed/checkpoints/last.pt")
+    assert ck["step"] == 8 and len(ck["survival"]["rollbacks"]) == 1
+    later = ring_path(tmp_path / "killed", 10)  # as a ring checkpoint of the abandoned steps would be
+    shutil.copyfile(tmp_path / "killed/checkpoints/last.pt", later)
+    s = train(tmp_path / "killed", *args, "resume=auto")
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 1 and not later.exists()
+    assert losses(tmp_path / "killed") == losses(tmp_path / "full")
