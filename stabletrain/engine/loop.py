@@ -16,8 +16,10 @@ resuming or rolling back to one means for the run, is the trainer's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import statistics
 import signal
 import sys
 import time
@@ -154,7 +156,8 @@ class Trainer:
         # before the first interval is logged, and then the summary has no final loss
         self.last_train_loss: float | None = None
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
-        self.step_time: float | None = None  # smoothed seconds per step, for the progress line's ETA
+        self.step_time: float | None = None  # seconds per step, for the progress line's ETA
+        self.recent_step_times: collections.deque = collections.deque(maxlen=5)
         self.intervals_logged = 0
         # surviving a spike: skipped steps, and rollbacks (saved in checkpoints under "survival")
         self.guard = StepGuard(model, optimizer, ema) if self.divergence.skip_nonfinite else None
@@ -400,11 +403,14 @@ class Trainer:
         self.metrics.log(self.step, rec)
         # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
         shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
-        # The first interval of a process carries the warm-up (torch.compile, the allocator, kernel
-        # autotuning): the second replaces it instead of being averaged with it, or a compiled run's
-        # ETA would stay minutes too long for a dozen log lines.
-        fresh = self.step_time is None or self.intervals_logged == 1
-        self.step_time = step_s if fresh else 0.7 * self.step_time + 0.3 * step_s
+        # The ETA's seconds per step: the median of the last five intervals, so that an interval
+        # slowed by something else on the machine does not multiply it. The first interval of a
+        # process carries the warm-up (torch.compile, the allocator, kernel autotuning): the
+        # second replaces it, or a compiled run's ETA would stay minutes too long.
+        if self.intervals_logged == 1:
+            self.recent_step_times.clear()
+        self.recent_step_times.append(step_s)
+        self.step_time = statistics.median(self.recent_step_times)
         self.intervals_logged += 1
         speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "s/step": f"{step_s:.3g}",
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),

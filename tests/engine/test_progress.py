@@ -60,6 +60,26 @@ def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
     assert eta[4] == "0s", eta  # averaged in, it would say 4s
 
 
+def test_the_eta_shrugs_off_two_slow_intervals(tmp_path, capsys, monkeypatch):
+    """Two intervals slowed by something else on the machine do not multiply the ETA (the
+    median of the last five intervals); a smoothed mean would carry them for many lines."""
+    import time
+
+    plain = Trainer.train_step
+
+    def steps_9_to_12_are_slow(self, *args, **kwargs):
+        if 8 <= self.step < 12:
+            time.sleep(0.5)
+        return plain(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", steps_9_to_12_are_slow)
+    train(tmp_path, "model=gpt_test", "steps=20", "logger=none", "monitor=off", "logger.log_every=2",
+          "eval_every=100", "batch_size=8", quiet=False)
+    eta = {int(m.group(1)): m.group(2) for m in (re.match(r"step (\d+)/.*\| eta (\S+)", ln)
+                                                 for ln in _lines(capsys.readouterr().err))}
+    assert eta[12] == "0s" and eta[14] == "0s", eta  # the mean would say 2s, then 1s
+
+
 def test_a_run_shorter_than_the_probe_cadence_ends_with_a_probe(tmp_path):
     import json
 
