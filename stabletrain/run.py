@@ -43,7 +43,9 @@ def run(cfg, run_dir: str | Path) -> dict:
             lock = RunDirLock(run_dir).acquire()
             for tmp in remove_stale_temps(run_dir / "checkpoints"):
                 print(f"removed {tmp.name}, left by a checkpoint write that was interrupted", file=sys.stderr)
-        trainer = build_trainer(cfg, run_dir, info)
+        with HeldPreemptionWarnings() as held:
+            trainer = build_trainer(cfg, run_dir, info)
+        trainer.stop_signal = held.signum  # the loop checkpoints after its first step and requeues
 
         def write_config() -> None:
             config = run_dir / "config.yaml"
@@ -67,6 +69,34 @@ def run(cfg, run_dir: str | Path) -> dict:
     if summary["status"] == "interrupted":
         requeue_after(stop_signal, info)
     return summary
+
+
+class HeldPreemptionWarnings:
+    """A preemption warning (SIGUSR1/SIGUSR2) that arrives while the run is being built, before
+    the loop answers signals, is held for the loop instead of ending the process (their default
+    action) and losing the requeue. The handlers in place before (submitit's) are put back
+    on leaving, so that :func:`requeue_after` finds them."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def _hold(self, signum, _frame) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> HeldPreemptionWarnings:
+        for name in ("SIGUSR1", "SIGUSR2"):
+            s = getattr(signal, name, None)
+            if s is not None:
+                try:
+                    self._old[s] = signal.signal(s, self._hold)
+                except ValueError:  # not the main thread
+                    pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
 
 
 def dry_run_report(trainer) -> str:

@@ -146,6 +146,36 @@ def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path
     assert (tmp_path / "run" / "config.yaml").read_text() == config
 
 
+def test_a_preemption_warning_while_the_run_is_built_still_requeues(tmp_path, monkeypatch):
+    """SIGUSR1 before the loop answers signals would end the process (its default action) and
+    lose the requeue: it is held, the loop checkpoints after its first step, and the job requeues;
+    the handler in place before (submitit's, here a stand-in) is back afterwards."""
+    from stabletrain import build as build_module
+
+    log = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    real_build = build_module.build_trainer
+
+    def build(*a, **k):
+        os.kill(os.getpid(), signal.SIGUSR1)  # say, while a large data set is indexed
+        return real_build(*a, **k)
+
+    def before(signum, frame):
+        raise AssertionError("the earlier handler runs only where requeue_after calls it")
+
+    monkeypatch.setattr(build_module, "build_trainer", build)
+    previous = signal.signal(signal.SIGUSR1, before)
+    try:
+        s = train(tmp_path / "run", *GPT, "steps=8", "batch_size=8")
+        assert signal.getsignal(signal.SIGUSR1) is before
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert s["status"] == "interrupted" and "SIGUSR1" in s["reason"] and s["step"] == 1
+    assert log.read_text().split() == ["requeue", "78"]
+    assert torch.load(tmp_path / "run/checkpoints/last.pt", weights_only=True)["step"] == 1
+
+
 def test_srun_environment_gives_ranks_and_rendezvous(monkeypatch):
     for k in list(os.environ):
         if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
