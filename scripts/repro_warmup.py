@@ -6,8 +6,10 @@ collapses at a high learning rate, AdamW² at the same rate trains like AdamW wi
 
 Runs a byte-level GPT on the Python standard library's sources for each learning rate with
 (a) AdamW, no warmup, (b) AdamW with linear warmup, (c) AdamW² (tau 0.01, the GPT value of
-000 Table 2), no warmup; then writes ``results.md`` (final val loss, alerts, max
-sigma1(Wq^T Wk), min attention entropy) and overlays the curves with ``compare_runs``.
+000 Table 2), no warmup; then writes ``results.md`` (final val loss, alerts, the largest
+per-head sigma1(Wq^h^T Wk^h) of any block and step, block 0's smallest attention entropy)
+and overlays the curves with ``compare_runs`` in ``OUT/compare_lr<lr>/compare.png``, whose
+sigma1 and entropy panels draw those same two quantities against step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stabletrain.cli import compose_config  # noqa: E402
 from stabletrain.analysis.plots import compare_runs  # noqa: E402
 from stabletrain.metrics import read_records  # noqa: E402
+from stabletrain.monitor import names as N  # noqa: E402
 from stabletrain.run import run  # noqa: E402
 
 MODEL = ["model=gpt_mini", "model.depth=6", "model.embed_dim=256", "model.num_heads=4", "model.block_size=256"]
@@ -29,6 +32,8 @@ VARIANTS = {
     "adamw_warmup": ["optim=adamw"],  # warmup filled in from --warmup
     "adamw2_nowarmup": ["optim=adamw2", "optim.tau=0.01", "warmup=0"],
 }
+# the first layer is where entropy collapses without warmup; table and figure both show it
+ENTROPY_BLOCK = "blocks.0"
 
 
 def last(recs: list[dict], key: str):
@@ -39,6 +44,12 @@ def last(recs: list[dict], key: str):
 def extreme(recs: list[dict], suffix: str, pick):
     vals = [v for r in recs for k, v in r.items() if k.endswith(suffix) and isinstance(v, (int, float))]
     return pick(vals) if vals else float("nan")
+
+
+def label(variant: str, warmup: int) -> str:
+    """A variant as the README's table names it."""
+    return {"adamw_nowarmup": "AdamW, no warmup", "adamw_warmup": f"AdamW, {warmup}-step warmup",
+            "adamw2_nowarmup": "AdamW² (tau 0.01), no warmup"}[variant]
 
 
 def main() -> None:
@@ -53,7 +64,7 @@ def main() -> None:
     out = Path(a.out)
     rows = []
     for lr in a.lrs.split(","):
-        dirs = []
+        dirs, labels = [], []
         for name, over in VARIANTS.items():
             if name == "adamw_warmup":
                 over = over + [f"warmup={a.warmup}"]
@@ -64,11 +75,16 @@ def main() -> None:
             d = out / f"lr{lr}_{name}"
             s = run(compose_config(args), d)
             recs = read_records(d / "metrics.jsonl")  # torn lines dropped
-            rows.append((lr, name, s["status"], last(recs, "val/loss"), len(s.get("alerts", [])),
-                         extreme(recs, "/wq_t_wk_max", max), extreme(recs, "entropy/blocks.0/min", min)))
+            rows.append((lr, name, s["status"], last(recs, N.VAL_LOSS), len(s.get("alerts", [])),
+                         extreme(recs, f"/{N.WQ_T_WK_MAX}", max),
+                         extreme(recs, N.metric(N.ENTROPY, ENTROPY_BLOCK, N.ENT_MIN), min)))
             dirs.append(d)
-        compare_runs(dirs, out / f"compare_lr{lr}")
-    lines = ["| lr | optimizer | status | final val loss | alerts | max sigma1(Wq^h^T Wk^h) | min entropy, block 0 |",
+            labels.append(label(name, a.warmup))
+        compare_runs(dirs, out / f"compare_lr{lr}", labels=labels,
+                     title=f"lr {lr}: AdamW without and with warmup, AdamW² without",
+                     qk=N.WQ_T_WK_MAX, entropy_block=ENTROPY_BLOCK)
+    lines = ["| lr | optimizer | status | final val loss | alerts | max sigma1(Wq^h^T Wk^h) "
+             "| min entropy, block 0 (nats) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {lr} | {n} | {st} | {vl:.3f} | {al} | {qk:.3g} | {en:.3g} |" for lr, n, st, vl, al, qk, en in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")

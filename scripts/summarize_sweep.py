@@ -6,7 +6,7 @@ skipped steps, rollbacks and alerts of the runs that had any.
 
 Prints a markdown table, writes SWEEP_DIR/summary.csv, and with --plot draws the final
 metric against the --x value (categorical when not numeric), one line per --series value,
-diverged runs as crosses.
+diverged runs as crosses, or as triangles on the axis edge where their value is off it.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
 

@@ -24,6 +24,7 @@ import functools
 import json
 import math
 import re
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +189,10 @@ def _empty(ax, why: str) -> None:
     ax.set_yticks([])
 
 
+# the sigma1 series' own colours: the cycle's second one, dashed, is a rollback's mark
+_FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
+
+
 def _mark_divergence(ax, run: Run) -> None:
     """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
     steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
@@ -329,11 +334,12 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     fig, axes = plt.subplots(4, 4, figsize=(15, 11))
     for ax, q in zip(axes.flat, N.FIFTEEN):
         logy = q.quantity in _LOG_QUANTITIES
-        ok = _line(ax, run.get(N.metric(q.group, block, q.quantity)), logy=logy, label="full width")
+        ok = _line(ax, run.get(N.metric(q.group, block, q.quantity)), logy=logy, color=_FULL_WIDTH,
+                   label="full width")
         # beside the paper's full-width product, the largest single head (docs/methods.md §7)
         per_head = {N.WQ_T_WK_FULL: N.WQ_T_WK_MAX, N.WO_WV_FULL: N.WO_WV_MAX}.get(q.quantity)
         if per_head and _line(ax, run.get(N.metric(q.group, block, per_head)), logy=logy,
-                              ls="--", label="max over heads"):
+                              color=_PER_HEAD, ls="--", label="max over heads"):
             ax.legend(loc="best")
             ok = True
         if not ok:
@@ -606,55 +612,124 @@ def over_blocks(run: Run, group: str, quantity: str, reduce=np.max) -> Series | 
     return steps, np.array([reduce(by_step[s]) for s in steps])
 
 
+def _wrapped(label: str, width: int) -> str:
+    return textwrap.fill(label, width, break_on_hyphens=False)
+
+
+_MIN_WRAP = 20  # characters: a legend column narrower than this is slivers of words
+
+
+def _fit_legend(ax, handles, labels: list[str], **kw):
+    """A legend of ``labels`` inside ``ax``'s box (past the figure's edge otherwise): long
+    labels wrapped at spaces, more columns when the rows overflow the height, then a smaller
+    font; as a last resort the smallest font in one column, running past the bottom."""
+    renderer = ax.figure.canvas.get_renderer()
+    room = ax.get_window_extent(renderer)
+    size = kw.pop("fontsize", plt.rcParams["legend.fontsize"])
+    size = size if isinstance(size, (int, float)) else 7
+    for font in sorted({size, *(f for f in (7, 6, 5) if f < size)}, reverse=True):
+        for ncol in range(1, 4):
+            leg, fits = _wrapped_legend(ax, handles, labels, room, renderer, ncol, font, kw)
+            if fits and leg.get_window_extent(renderer).height <= room.height:
+                return leg
+    return _wrapped_legend(ax, handles, labels, room, renderer, 1, font, kw)[0]
+
+
+def _wrapped_legend(ax, handles, labels, room, renderer, ncol, font, kw):
+    """The legend with its labels wrapped at the widest width that fits ``room``; whether it fits."""
+    width = max(map(len, labels))
+    while True:
+        leg = ax.legend(handles, [_wrapped(lab, width) for lab in labels], ncol=ncol, fontsize=font, **kw)
+        box = leg.get_window_extent(renderer)
+        if box.width <= room.width:
+            return leg, True
+        if width <= _MIN_WRAP:
+            return leg, False
+        width = max(_MIN_WRAP, min(width - 1, int(width * room.width / box.width)))
+
+
 @_styled
-def compare_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
-    """Overlay loss, validation metric, lr, max-over-blocks sigma1(W_q^T W_k) and min-over-
-    blocks entropy of several runs, labelled by the settings that differ between them (else by
-    directory name), in ``out_dir/compare.png``."""
+def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
+                 title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
+    """Overlay loss, validation metric, scheduled lr, the largest sigma1(W_q^T W_k) and the
+    smallest attention entropy of several runs in ``out_dir/compare.png``, with one legend for
+    every panel (a run has one colour throughout).
+
+    ``labels``: the runs' names (default: the settings that differ between them, else their
+    directory names). ``qk``: which sigma1 to draw, max over blocks: ``wq_t_wk_full`` (the
+    full-width product) or ``wq_t_wk_max`` (the largest head); default the full width where a
+    run logged it. ``entropy_block``: that block's entropy (min over heads) instead of the
+    min over blocks, so that a figure can show what a table of one block reports."""
     runs = [load_run(d) for d in run_dirs]
-    names = sweeps.labels([r.path for r in runs])
-    qk_q = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
-            else N.WQ_T_WK_MAX)
+    names = list(labels) if labels is not None else sweeps.labels([r.path for r in runs])
+    if len(names) != len(runs):
+        raise ValueError(f"compare_runs: {len(names)} labels for {len(runs)} runs")
+    if qk is None:
+        qk = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
+              else N.WQ_T_WK_MAX)
+    qk_title = {N.WQ_T_WK_FULL: r"max over blocks of $\sigma_1(W_q^\top W_k)$ (full width)",
+                N.WQ_T_WK_MAX: r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"
+                }.get(qk, f"max over blocks of sigma1/<block>/{qk}")
+    if entropy_block is None:
+        ent_title, ent = ("min over blocks and heads of attention entropy",
+                          lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min))
+    else:
+        ent_title, ent = (f"attention entropy of {entropy_block}, min over heads",
+                          lambda r: r.get(N.metric(N.ENTROPY, entropy_block, N.ENT_MIN)))
     # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
     val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
-    panels = [
-        ("training loss", True, lambda r: r.get(N.LOSS)),
-        (f"validation {val.split('/')[1]}", val == N.VAL_LOSS, lambda r: r.get(val)),
-        ("learning rate", False, lambda r: r.get(N.LR)),
-        ((r"max over blocks of $\sigma_1(W_q^\top W_k)$" if qk_q == N.WQ_T_WK_FULL
-          else r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"), True,
-         lambda r: over_blocks(r, N.SIGMA1, qk_q, np.max)),
-        ("min over blocks and heads of attention entropy (nats)", False,
-         lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min)),
+    panels = [  # title, y label, log y, series
+        ("training loss", "loss (nats)", True, lambda r: r.get(N.LOSS)),
+        (f"validation {val.split('/')[1]}", "cross-entropy (nats)" if val == N.VAL_LOSS else "accuracy (fraction)",
+         val == N.VAL_LOSS, lambda r: r.get(val)),
+        # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png)
+        ("scheduled lr", "scheduled learning rate", False, lambda r: r.get(N.LR)),
+        (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
+        (ent_title, "entropy (nats)", False, ent),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = plt.get_cmap("tab10").colors
+    # past ten runs the colours repeat: the dashes tell those runs apart (dotted marks divergence)
+    styles = [{"color": colors[i % 10], "ls": ("-", "--", "-.")[i // 10 % 3]} for i in range(len(runs))]
+    labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else "")
+                for run, name in zip(runs, names)]
+    missing_in: list[tuple] = []
     drawn = 0
-    for ax, (title, logy, get) in zip(axes.flat, panels):
-        any_line = False
-        for i, (run, name) in enumerate(zip(runs, names)):
-            c = colors[i % len(colors)]
-            label = name + (f" (diverged @ {run.diverged_step})" if run.diverged_step is not None else "")
-            if _line(ax, get(run), logy=logy, color=c, label=label):
-                any_line = True
-            else:  # in the legend, so that a missing run is not mistaken for a hidden line
-                ax.plot([], [], color=c, ls=":", label=f"{name}: not logged")
+    for ax, (panel, ylabel, logy, get) in zip(axes.flat, panels):
+        missing = []
+        for i, run in enumerate(runs):
+            if not _line(ax, get(run), logy=logy, **styles[i]):
+                missing.append(i)
             if run.diverged_step is not None:
-                ax.axvline(run.diverged_step, color=c, ls=":", lw=1)
-        if any_line:
+                ax.axvline(run.diverged_step, color=styles[i]["color"], ls=":", lw=1)
+        if len(missing) < len(runs):
             drawn += 1
-            ax.legend(loc="best")
+            ax.set_ylabel(ylabel)
+            if missing:  # said in the panel, so that a missing run is not mistaken for a hidden line
+                missing_in.append((ax, missing))
         else:
             _empty(ax, "not logged by any run")
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.set_xlabel("step")
-    axes.flat[5].set_visible(False)
     if drawn == 0:
         plt.close(fig)
         _skip("compare.png", "none of the runs logged loss, lr, val, sigma1 or entropy")
         return []
-    parents = {r.path.resolve().parent for r in runs}
-    fig.suptitle(f"{len(runs)} runs in {parents.pop()}" if len(parents) == 1 and len(runs) > 1
-                 else f"{len(runs)} runs: " + ", ".join(r.name for r in runs))
+    if title is None:
+        parents = {r.path.resolve().parent for r in runs}
+        title = (f"{len(runs)} runs in {parents.pop()}" if len(parents) == 1 and len(runs) > 1
+                 else runs[0].name if len(runs) == 1 else f"{len(runs)} runs")
+    fig.suptitle(title)
     fig.tight_layout()
+    # the free sixth panel holds the one legend: five copies of it would cover the curves
+    slot = axes.flat[5]
+    slot.axis("off")
+    handles = [Line2D([], [], lw=1.2, **style) for style in styles]
+    if any(r.diverged_step is not None for r in runs):
+        handles.append(Line2D([], [], color="gray", ls=":", lw=1))
+        labelled.append("dotted: where the run of that colour diverged")
+    _fit_legend(slot, handles, labelled, loc="upper left", borderaxespad=0.0, fontsize=_STYLE["font.size"])
+    for ax, missing in missing_in:
+        _fit_legend(ax, [Line2D([], [], color=styles[i]["color"], ls=":") for i in missing],
+                    [f"not logged: {names[i]}" for i in missing], loc="best")
     return [_save(fig, Path(out_dir), "compare.png")]

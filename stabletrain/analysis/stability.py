@@ -176,17 +176,16 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
     from stabletrain.analysis.ticks import label_x_ticks, log_scale
 
     names = [g for g in (order or []) if g in groups] + sorted(g for g in groups if g not in (order or []))
-    healthy = [p.loss for g in names for p in groups[g] if p.loss is not None]
     l0s = [p.l0 for g in names for p in groups[g] if p.l0 is not None]
-    top = max(healthy + l0s[:1]) * 1.05 if healthy or l0s else 1.0
     fig, ax = plt.subplots(figsize=(7, 4.5))
     any_bad = False
     for g in names:
         ok = [(p.lr, p.loss) for p in groups[g] if p.loss is not None]
         line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o-", label=g)[0]
         bad = [p.lr for p in groups[g] if p.status == "diverged"]
-        if bad:
-            ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=10, mew=2, clip_on=False)
+        if bad:  # on the axis' top edge (x in data, y in axes units): a diverged run has no loss to draw
+            ax.plot(bad, [1.0] * len(bad), "x", color=line.get_color(), markersize=10, mew=2, clip_on=False,
+                    transform=ax.get_xaxis_transform())
             any_bad = True
     if any_bad:
         ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
@@ -194,7 +193,6 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
         ax.axhline(l0s[0], color="gray", ls="--", lw=1, label="L0 (init)")
     xs = sorted({p.lr for g in names for p in groups[g]})
     log_scale(ax, "x")
-    ax.set_ylim(top=top * 1.02)
     ax.set_xlabel("learning rate")
     ax.set_ylabel("final loss (val if evaluated)")
     ax.grid(alpha=0.3)

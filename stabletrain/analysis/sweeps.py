@@ -173,10 +173,26 @@ def number(v) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _place(v: float | None, healthy: list[float]) -> int:
+    """Where a diverged run's value goes: 0 at the value, 1 on the top edge of the axis, -1 on
+    the bottom one. On the top edge when it has no finite value (a loss gone to NaN), on an
+    edge when the value lies more than the healthy runs' span beyond them (a loss of 1e4
+    beside losses of 2 would flatten them)."""
+    if v is None:
+        return 1
+    if not healthy:
+        return 0
+    lo, hi = min(healthy), max(healthy)
+    span = max(hi - lo, 0.1 * max(abs(lo), abs(hi)), 1e-12)
+    return 1 if v > hi + span else -1 if v < lo - span else 0
+
+
 def figure(table: list[dict], x: str, series: str | None, metric: str):
-    """``metric`` against ``x``, one line per value of ``series``; a diverged run is a cross in
-    its series' colour, drawn at the top of the axis when its metric is off the chart. The x
-    ticks are the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical."""
+    """``metric`` against ``x``, one line per value of ``series``. A diverged run is a cross in
+    its series' colour at its value, or, where that value is off the chart or not finite, a
+    triangle on the axis edge with the value (``nan``, ``no value``) written by it: never a
+    point at a value the run did not reach. The y limits are matplotlib's. The x ticks are
+    the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,29 +213,46 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
         return [(a, b) for a, b in pts if a is not None and (diverged or b is not None)]
 
     healthy = [b for _, b in points(table, False)]
-    top = max(healthy) * 1.1 if healthy else 1.0
     groups: dict = {}
     for row in table:
         groups.setdefault(row.get(series, "") if series else "", []).append(row)
     fig, ax = plt.subplots(figsize=(6, 4))
-    any_diverged = False
+    edge = ax.get_xaxis_transform()  # x in data, y in axes coordinates: 1 is the top of the frame
+    kinds = set()
     for name, rs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
         rs = sorted(rs, key=lambda r: _sort_key(r.get(x)))
         ok = points(rs, False)
         line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o-", label=f"{series}={name}" if series else None)[0]
-        bad = [(a, b if b is not None and b <= top else top) for a, b in points(rs, True)]
-        if bad:
-            ax.plot([a for a, _ in bad], [b for _, b in bad], "x", color=line.get_color(), markersize=10, mew=2)
-            any_diverged = True
-    if any_diverged:
+        color = line.get_color()
+        for r in rs:
+            a, b = at(r.get(x)), number(r.get(metric))
+            if r["status"] != "diverged" or a is None:
+                continue
+            where = _place(b, healthy)
+            if where == 0:
+                ax.plot([a], [b], "x", color=color, markersize=10, mew=2)
+                kinds.add("at")
+                continue
+            y = 1.0 if where > 0 else 0.0
+            ax.plot([a], [y], "^" if where > 0 else "v", color=color, transform=edge, clip_on=False, markersize=8)
+            text = _cell(b) if b is not None else "no value" if r.get(metric) in ("", None) else str(r.get(metric))
+            ax.annotate(text, (a, y), xycoords=edge, xytext=(0, -7 * where), textcoords="offset points",
+                        ha="center", va="top" if where > 0 else "bottom", fontsize=7, color=color,
+                        annotation_clip=False)
+            kinds.add("edge")
+    if "at" in kinds:
         ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
+    if "edge" in kinds:
+        ax.plot([], [], "^", ls="", color="gray", markersize=8, label="diverged, value off the axis")
+        ax.margins(y=0.15)  # room between the data and the markers on the edges
+    if not healthy and "at" not in kinds:  # no run has a value to scale the y axis by
+        ax.set_yticks([])
     xs = sorted({a for a, _ in points(table, False) + points(table, True)})
     if categories is None and xs and xs[0] > 0 and xs[-1] / xs[0] >= 10:  # learning rates, tau: decades apart
         log_scale(ax, "x")
-    ax.set_ylim(top=top * 1.05)
     ax.set_xlabel(x)
     ax.set_ylabel(metric.replace("final_", "final "))
-    if series or any_diverged:
+    if series or kinds:
         ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

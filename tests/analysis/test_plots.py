@@ -253,3 +253,126 @@ def test_a_legend_with_no_free_corner_moves_beside_its_panel():
     box = ax.get_legend().get_window_extent()
     assert box.x0 >= ax.get_window_extent().x1  # right of the panel, off every line
     plt.close(fig)
+
+
+def _data_lines(ax):
+    """The curves of a panel, without the vertical step marks."""
+    return [line for line in ax.get_lines() if len(set(line.get_xdata())) > 1]
+
+
+def test_compare_runs_draws_the_chosen_sigma1_and_entropy_on_labelled_axes(tmp_path, monkeypatch):
+    import numpy as np
+
+    a, b = _write_run(tmp_path / "a"), _write_run(tmp_path / "b", crash=False)
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([a, b], tmp_path / "cmp", labels=["first", "second"], qk=N.WQ_T_WK_MAX,
+                   entropy_block="blocks.2")
+    panels = {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
+    assert set(panels) == {"training loss", "validation acc", "scheduled lr",
+                           r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$",
+                           "attention entropy of blocks.2, min over heads"}
+    for title, ax in panels.items():
+        assert ax.get_xlabel() == "step" and ax.get_ylabel(), title
+    assert panels["training loss"].get_yscale() == "log" and panels["training loss"].get_ylabel() == "loss (nats)"
+    sigma = _data_lines(panels[r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"])
+    entropy = _data_lines(panels["attention entropy of blocks.2, min over heads"])
+    for run_dir, s, e in zip([a, b], sigma, entropy):
+        run = P.load_run(run_dir)
+        np.testing.assert_allclose(s.get_ydata(), P.over_blocks(run, N.SIGMA1, N.WQ_T_WK_MAX)[1])
+        np.testing.assert_allclose(e.get_ydata(), run.metrics[N.metric(N.ENTROPY, "blocks.2", N.ENT_MIN)][1])
+    legends = [ax.get_legend() for ax in figures[0].axes if ax.get_legend()]
+    assert len(legends) == 1  # one for every panel: a run has one colour throughout
+    assert [t.get_text() for t in legends[0].get_texts()] == [
+        "first (diverged at step 300)", "second", "dotted: where the run of that colour diverged"]
+
+
+def test_compare_runs_wraps_long_labels_inside_the_figure(tmp_path, monkeypatch):
+    dirs = []
+    for i, corpus in enumerate(["web", "code"]):
+        d = _write_run(tmp_path / str(i), crash=False)
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "overrides.yaml").write_text(
+            f"- data.path=/datasets/shared/tokenized/{corpus}_corpus_gpt2_tokenizer_train_split.bin\n"
+            f"- model.attention_kind=scaled_dot_product_with_qk_layer_norm_{i}\n- optim.betas=[0.9,0.9{i}5]\n")
+        dirs.append(d)
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs(dirs, tmp_path / "cmp")
+    fig = figures[0]
+    holders = [ax for ax in fig.axes if ax.get_legend()]
+    assert len(holders) == 1
+    legend = holders[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    expected = [f"data.path=/datasets/shared/tokenized/{c}_corpus_gpt2_tokenizer_train_split.bin, "
+                f"model.attention_kind=scaled_dot_product_with_qk_layer_norm_{i}, optim.betas=[0.9,0.9{i}5]"
+                for i, c in enumerate(["web", "code"])]
+    assert ["".join(t.split()) for t in texts] == ["".join(e.split()) for e in expected]
+    assert all("\n" in t for t in texts)  # too long for one line of the panel
+    fig.canvas.draw()
+    box, room = legend.get_window_extent(), holders[0].get_window_extent()
+    assert room.x0 - 1 <= box.x0 and box.x1 <= room.x1 + 1 and room.y0 - 1 <= box.y0 and box.y1 <= room.y1 + 1
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax is not holders[0]]
+    assert not any(box.overlaps(ax.get_window_extent()) for ax in panels)
+
+
+def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
+    full = _write_run(tmp_path / "full", crash=False)
+    bare = tmp_path / "loss_only"
+    bare.mkdir()
+    rows = [{"step": s, "loss": 3.0 / (1 + s)} for s in range(0, 300, 10)]
+    (bare / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([full, bare], tmp_path / "cmp", labels=["full", "bare"])
+    notes = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()]
+             for ax in figures[0].axes if ax.get_title() and ax.get_legend()}
+    assert notes == {title: ["not logged: bare"] for title in (
+        "validation loss", "scheduled lr", r"max over blocks of $\sigma_1(W_q^\top W_k)$ (full width)",
+        "min over blocks and heads of attention entropy")}
+
+
+def test_repro_warmup_figure_draws_what_its_table_reports(tmp_path, monkeypatch):
+    """The figure's sigma1 and entropy panels are the table's columns against step."""
+    import runpy
+
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    monkeypatch.setattr(sys, "argv", [
+        "repro_warmup.py", "--out", str(tmp_path), "--steps", "4", "--warmup", "2", "--lrs", "1e-2", "--batch", "4",
+        "--extra", "model.depth=2", "model.block_size=32", "eval_every=4", "eval_batches=1",
+        "monitor.weight_every=2", "monitor.probe_every=2", "logger.log_every=2", "logger.progress=false"])
+    runpy.run_path(str(ROOT / "scripts" / "repro_warmup.py"), run_name="__main__")
+    table = [[c.strip() for c in line.strip("|").split("|")]
+             for line in (tmp_path / "results.md").read_text().splitlines()[2:]]
+    panels = {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
+    sigma = _data_lines(panels[r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"])
+    entropy = _data_lines(panels["attention entropy of blocks.0, min over heads"])
+    assert len(table) == len(sigma) == len(entropy) == 3
+    for row, s, e in zip(table, sigma, entropy):
+        assert (f"{max(s.get_ydata()):.3g}", f"{min(e.get_ydata()):.3g}") == (row[5], row[6])
+    for title, ax in panels.items():
+        assert ax.get_ylabel(), title
+    assert "scheduled lr" in panels
+    assert [t.get_text() for t in figures[0].axes[5].get_legend().get_texts()] == [
+        "AdamW, no warmup", "AdamW, 2-step warmup", "AdamW² (tau 0.01), no warmup"]
+
+
+def test_no_two_lines_of_a_panel_share_colour_and_dashes(tmp_path, monkeypatch):
+    """A rollback's mark (orange, dashed) once looked like the per-head sigma1 beside it."""
+    from matplotlib.colors import to_rgba
+
+    run_dir = _write_run(tmp_path / "r")
+    head, torn = (run_dir / "metrics.jsonl").read_text().rsplit("\n", 1)
+    events = [{"step": 100, N.rollback("restored_step"): 100}, {"step": 150, N.SKIPPED_STEPS: 1}]
+    (run_dir / "metrics.jsonl").write_text("\n".join([head, *map(json.dumps, events), torn]))
+    run = P.load_run(run_dir)
+    assert (run.restored_at, run.skipped_at, run.diverged_step) == ([100.0], [150.0], 300)
+    figures = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    P.plot_dynamics(run_dir, blocks="0,2")
+    assert {"training.png", "dynamics_blocks.0.png", "dynamics_blocks.2.png", "entropy.png"} <= set(figures)
+    for name, fig in figures.items():
+        for ax in fig.axes:
+            styles = [(to_rgba(line.get_color()), line.get_linestyle()) for line in ax.get_lines()]
+            assert len(set(styles)) == len(styles), (name, ax.get_title())

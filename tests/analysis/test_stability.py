@@ -78,3 +78,19 @@ def test_l0_vision_and_first_logged_loss(tmp_path):
     (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "lr": 0.0}) + "\n" + json.dumps({"step": 1, "loss": 4.2}))
     assert S.read_point("g", d).l0 == 4.2
     assert S.read_point("g", tmp_path / "missing") is None
+
+
+def test_the_figure_draws_diverged_runs_on_the_top_edge_not_at_a_loss(tmp_path):
+    """A diverged run has no final loss: its cross sits on the axis' top edge (axes units), so
+    no loss value is made up for it, and the limits are those of the losses that exist."""
+    out = tmp_path / "bench"
+    _run(out / "adamw" / "lr0.001", 0.001, "completed", {"loss": 3.5})
+    _run(out / "adamw" / "lr0.01", 0.01, "completed", {"loss": 2.5})
+    _run(out / "adamw" / "lr0.1", 0.1, "diverged", {"loss": float("nan")})
+    fig = S.figure(S.collect(out))
+    ax = fig.axes[0]
+    crosses = [ln for ln in ax.get_lines() if ln.get_marker() == "x" and len(ln.get_xdata())]
+    assert len(crosses) == 1 and list(crosses[0].get_xdata()) == [0.1]
+    assert list(crosses[0].get_ydata()) == [1.0] and crosses[0].get_transform() == ax.get_xaxis_transform()
+    bottom, top = ax.get_ylim()
+    assert bottom < 2.5 and 3.5 < top < math.log(256) * 1.1  # L0's line and the losses, nothing higher

@@ -103,3 +103,59 @@ def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     (bare / ".hydra").mkdir(parents=True)
     (bare / ".hydra" / "overrides.yaml").write_text("[]\n")
     assert sweeps.labels([bare, dirs[2]]) == ["bare", "2 (optim=adamw)"]  # no empty label
+
+
+def _lr_table(diverged: dict) -> list[dict]:
+    """Two series over five rates; ``diverged`` maps (series, rate) to the run's final metric."""
+    rows = []
+    for j, s in enumerate(["adamw", "adamw2"]):
+        for i, lr in enumerate([1e-4, 3e-4, 1e-3, 3e-3, 1e-2]):
+            bad = (s, lr) in diverged
+            rows.append({"optim.lr": lr, "optim": s, "status": "diverged" if bad else "completed",
+                         "final_val/loss": diverged[(s, lr)] if bad else 2.0 + 0.1 * i + 0.3 * j, "run": f"{j}_{i}"})
+    return rows
+
+
+def _marks(ax):
+    """(x, y) of the points drawn in data coordinates and of those on the frame (y in axes coordinates)."""
+    data, edge = [], []
+    for line in ax.get_lines():
+        pts = list(zip(line.get_xdata(), line.get_ydata()))
+        if line.get_transform() == ax.transData:
+            data += pts
+        elif line.get_transform() == ax.get_xaxis_transform():
+            edge += pts
+    return data, edge
+
+
+def test_sweep_plot_draws_diverged_runs_only_at_values_they_reached():
+    import matplotlib.pyplot as plt
+
+    table = _lr_table({("adamw", 3e-3): 2.35, ("adamw", 1e-2): "", ("adamw2", 3e-3): 12345.0})
+    fig = sweeps.figure(table, "optim.lr", "optim", "final_val/loss")
+    ax = fig.axes[0]
+    data, edge = _marks(ax)
+    reached = {(r["optim.lr"], r["final_val/loss"]) for r in table if r["final_val/loss"] not in ("", 12345.0)}
+    assert set(data) == reached  # every point in data coordinates is a value some run reached
+    assert sorted(edge) == [(3e-3, 1.0), (1e-2, 1.0)]  # the one far off, the one without a value: on the top edge
+    assert [t.get_text() for t in ax.texts] == ["no value", "1.234e+04"]
+    healthy = [y for (lr, y) in reached if y != 2.35]
+    assert max(healthy) < ax.get_ylim()[1] < 1.1 * max(healthy)  # matplotlib's limits, not 1.155 x max
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "optim=adamw", "optim=adamw2", "diverged", "diverged, value off the axis"]
+    plt.close(fig)
+
+
+def test_sweep_plot_of_runs_that_all_diverged_invents_no_value():
+    import matplotlib.pyplot as plt
+
+    table = [{"optim.lr": lr, "status": "diverged", "final_val/loss": v, "run": str(lr)}
+             for lr, v in ((1e-3, ""), (1e-2, float("nan")))]
+    fig = sweeps.figure(table, "optim.lr", None, "final_val/loss")
+    ax = fig.axes[0]
+    data, edge = _marks(ax)
+    assert data == [] and sorted(edge) == [(1e-3, 1.0), (1e-2, 1.0)]
+    assert [t.get_text() for t in ax.texts] == ["no value", "nan"]
+    assert list(ax.get_yticks()) == []  # no scale for values no run has
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["diverged, value off the axis"]
+    plt.close(fig)
