@@ -40,22 +40,27 @@ def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
     assert (loss, penalty) == (pytest.approx(rec["loss"], rel=1e-3), pytest.approx(rec["loss/penalty"], rel=1e-3))
 
 
-def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
-    """A slow first interval (compilation) is replaced by the second in the ETA, not averaged in."""
+def _etas_with_slow_steps(tmp_path, capsys, monkeypatch, slow: range, seconds: float, steps: int) -> dict:
+    """The ETA of each progress line of a run whose steps ``slow`` (0-based) each take ``seconds`` more."""
     import time
 
-    slow = Trainer.train_step
+    plain = Trainer.train_step
 
-    def first_step_compiles(self, *args, **kwargs):
-        if self.step == 0:
-            time.sleep(3.0)
-        return slow(self, *args, **kwargs)
+    def step(self, *args, **kwargs):
+        if self.step in slow:
+            time.sleep(seconds)
+        return plain(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "train_step", first_step_compiles)
-    train(tmp_path, "model=gpt_test", "steps=8", "logger=none", "monitor=off", "logger.log_every=2",
+    monkeypatch.setattr(Trainer, "train_step", step)
+    train(tmp_path, "model=gpt_test", f"steps={steps}", "logger=none", "monitor=off", "logger.log_every=2",
           "eval_every=100", "batch_size=8", quiet=False)
-    eta = {int(m.group(1)): m.group(2) for m in (re.match(r"step (\d+)/.*\| eta (\S+)", ln)
-                                                 for ln in _lines(capsys.readouterr().err))}
+    return {int(m.group(1)): m.group(2) for m in (re.match(r"step (\d+)/.*\| eta (\S+)", ln)
+                                                  for ln in _lines(capsys.readouterr().err))}
+
+
+def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
+    """A slow first interval (compilation) is replaced by the second in the ETA, not averaged in."""
+    eta = _etas_with_slow_steps(tmp_path, capsys, monkeypatch, range(1), 3.0, steps=8)
     assert eta[2] != "0s"  # 1.5 s per step, 6 steps to go
     assert eta[4] == "0s", eta  # averaged in, it would say 4s
 
@@ -63,20 +68,7 @@ def test_the_eta_forgets_the_warm_up_interval(tmp_path, capsys, monkeypatch):
 def test_the_eta_shrugs_off_two_slow_intervals(tmp_path, capsys, monkeypatch):
     """Two intervals slowed by something else on the machine do not multiply the ETA (the
     median of the last five intervals); a smoothed mean would carry them for many lines."""
-    import time
-
-    plain = Trainer.train_step
-
-    def steps_9_to_12_are_slow(self, *args, **kwargs):
-        if 8 <= self.step < 12:
-            time.sleep(0.5)
-        return plain(self, *args, **kwargs)
-
-    monkeypatch.setattr(Trainer, "train_step", steps_9_to_12_are_slow)
-    train(tmp_path, "model=gpt_test", "steps=20", "logger=none", "monitor=off", "logger.log_every=2",
-          "eval_every=100", "batch_size=8", quiet=False)
-    eta = {int(m.group(1)): m.group(2) for m in (re.match(r"step (\d+)/.*\| eta (\S+)", ln)
-                                                 for ln in _lines(capsys.readouterr().err))}
+    eta = _etas_with_slow_steps(tmp_path, capsys, monkeypatch, range(8, 12), 0.5, steps=20)
     assert eta[12] == "0s" and eta[14] == "0s", eta  # the mean would say 2s, then 1s
 
 
