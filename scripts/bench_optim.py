@@ -321,7 +321,8 @@ def main(argv=None):
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            sys.exit("CUDA is not available: use --device cpu --tiny for a smoke run")
+            sys.exit("error: bench_optim.py times the optimizer on a GPU and no CUDA GPU is visible here; "
+                     "--device cpu --tiny is a smoke run of the script on a CPU")
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")

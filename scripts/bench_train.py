@@ -205,6 +205,9 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="profile 5 steps of one variant (or bare)")
     ap.add_argument("--out", default="/tmp/bench_train")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("error: bench_train.py times training on a GPU and no CUDA GPU is visible here; "
+                 "--models vit_test,gpt_test --device cpu --steps 2 --warmup 1 is a smoke run of it on a CPU")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.variants and "trainer" not in args.variants:
         args.variants.insert(0, "trainer")  # every ratio is against it (and bare)

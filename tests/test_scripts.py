@@ -82,3 +82,16 @@ def test_stability_bench(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "all 2 learning rates done, skipped" in p.stderr, p.stderr
     assert script("stability_bench.py", "--summarize-only", str(tmp_path)) == out
+
+
+@pytest.mark.parametrize("name", ["bench_train.py", "bench_optim.py"])
+def test_a_benchmark_without_a_gpu_says_how_to_smoke_run_it(name):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / name)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert lines[0].startswith(f"error: {name} times") and "--device cpu" in lines[0]
