@@ -12,6 +12,7 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
 from stabletrain.cli import check_overrides
 from stabletrain.config import register
@@ -24,7 +25,8 @@ register()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg) -> None:
-    main_guarded(cfg, HydraConfig.get().runtime.output_dir)
+    hc = HydraConfig.get()
+    main_guarded(cfg, hc.runtime.output_dir, sweep=hc.mode == RunMode.MULTIRUN)
 
 
 def follower_argv(argv: list[str]) -> list[str]:

@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write the plot here (.png, .pdf, .svg)")
     args = ap.parse_args(argv)
 
+    if not args.sweep_dir.is_dir():
+        print(f"error: {args.sweep_dir} is not a directory; give a sweep's directory (hydra.sweep.dir, by default "
+              f"multirun/DATE/TIME)", file=sys.stderr)
+        return 1
     runs = sweeps.find_runs(args.sweep_dir)
     if not runs:
         print(f"error: no run with a summary.json under {args.sweep_dir}", file=sys.stderr)
@@ -38,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     print(sweeps.markdown(columns, table))
     csv_path = args.sweep_dir / "summary.csv"
     sweeps.write_csv(csv_path, columns, table)
-    print(f"\n{len(table)} runs; table written to {csv_path}", file=sys.stderr)
+    print(f"\n{len(table)} run{'s' * (len(table) != 1)}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
         metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
         for key in (args.x, args.series, metric):

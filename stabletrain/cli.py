@@ -33,10 +33,18 @@ def group_options(group: str, overrides: list[str] = ()) -> list[str]:
     return sorted({p.stem for d in config_dirs(overrides) for p in (d / group).glob("*.yaml")})
 
 
+# a sweep of at most this many points is checked point by point before it starts (0.1 s each);
+# a larger one checks every value once, with the others at their first
+CHECK_EVERY_POINT = 256
+
+
 def _sweep_points(overrides: list[str]) -> list[list[str]]:
-    """Override lists that between them hold every value of every sweep: the first value of
-    each, then each other value with the rest at their first (a bad value anywhere is found
-    before the sweep starts, not when its point comes up)."""
+    """The override lists to check before a sweep starts, so that a bad point is found then, not
+    when it comes up (a local sweep stops at the first point that fails): every point of the
+    sweep, or for a large one every value of every swept key, the others at their first."""
+    import itertools
+    import math
+
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     first, values = [], []
@@ -52,6 +60,11 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
             first.append(vals[0])
         else:
             first.append(o.input_line)
+    if math.prod(len(others) + 1 for _, others in values) <= CHECK_EVERY_POINT:
+        slots = [[x] for x in first]
+        for i, others in values:
+            slots[i] += others
+        return [list(p) for p in itertools.product(*slots)]
     points = [first]
     for i, others in values:
         points += [first[:i] + [v] + first[i + 1:] for v in others]
@@ -231,15 +244,20 @@ def check_overrides(argv: list[str]) -> None:
         check_keys(overrides)
     except ConfigError as e:
         _fail(str(e))
+    swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+
+    def where(ovs: list[str]) -> str:
+        return f" (sweep point {' '.join(ovs[i] for i in swept)}; no point was launched)" if swept else ""
+
     for ovs in points:
         try:
             cfg = compose_config(ovs)
             check_group_choices(cfg, ovs)
             validate(cfg)
         except ConfigError as e:
-            _fail(str(e))
+            _fail(str(e) + where(ovs))
         except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily
-            _fail(explain(e, ovs))
+            _fail(explain(e, ovs) + where(ovs))
 
 
 def _added_key_hint(name: str, ov: str) -> str:

@@ -16,7 +16,7 @@ from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import RunDirLock
-from stabletrain.metrics import read_json
+from stabletrain.metrics import read_json, write_json
 
 
 def run(cfg, run_dir: str | Path) -> dict:
@@ -99,6 +99,19 @@ class HeldPreemptionWarnings:
             signal.signal(s, h)
 
 
+def refuse_point(run_dir: Path, reason: str) -> None:
+    """A sweep point refused before it trained: said in one line, and in its summary.json where
+    the directory holds no run (a refused resume leaves the run it refused as it was)."""
+    print(f"error: {reason} (this sweep point is skipped; the sweep goes on)", file=sys.stderr)
+    if D.detect().rank > 0 or any((run_dir / f).exists() for f in ("summary.json", "metrics.jsonl", "checkpoints")):
+        return
+    try:
+        RunDirLock(run_dir).check_free()  # held: another run trains there
+    except ConfigError:
+        return
+    write_json(run_dir / "summary.json", {"status": "refused", "reason": reason})
+
+
 def dry_run_report(trainer) -> str:
     """What ``dry_run=true`` prints: the parameters per module, the optimizer's groups, the data
     and the length of the run."""
@@ -136,11 +149,18 @@ def requeue_after(signum: int, info: D.DistInfo) -> None:
         subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
 
 
-def main_guarded(cfg, run_dir) -> dict | None:
-    """``run`` with config mistakes reported as one line (no traceback) and exit code 2."""
+def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
+    """``run`` with config mistakes reported as one line (no traceback) and exit code 2.
+
+    ``sweep``: a point of a Hydra multirun, whose refusal (say, a token file too short for its
+    block size, which only building finds) is recorded in its ``summary.json`` (status
+    ``refused``) and ends the point, not the sweep, as a diverged point does."""
     try:
         summary = run(cfg, run_dir)
     except ConfigError as e:
+        if sweep:
+            refuse_point(Path(run_dir), str(e))
+            return None
         fail(str(e))
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept

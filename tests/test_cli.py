@@ -161,3 +161,41 @@ def test_help_opens_with_examples_that_run():
 def test_printing_a_valid_config_still_prints_it(tmp_path):
     r = cli("--cfg", "job", "optim.lr=0.5", "model=vit_test", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_sweep_checks_every_combination_before_it_starts(tmp_path):
+    """model=vit_test with data=tokens is the one bad point; every value is fine on its own, so
+    checking each value once (the others at their first) missed it and the local sweep stopped
+    halfway, at that point."""
+    from stabletrain.data.token_files import prepare_tokens
+
+    prepare_tokens(tmp_path / "tok", [b"some text " * 300], block_size=64)
+    r = cli("-m", "model=gpt_test,vit_test", "data=auto,tokens", f"data.path={tmp_path / 'tok/train.bin'}",
+            "steps=1", f"hydra.sweep.dir={tmp_path / 'sweep'}", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and not (tmp_path / "sweep").exists(), r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: data=tokens does not fit model=vit_test")
+    assert r.stderr.strip().endswith("(sweep point model=vit_test data=tokens; no point was launched)")
+
+
+def test_a_large_sweep_checks_each_value_once():
+    from stabletrain.cli import CHECK_EVERY_POINT, _sweep_points
+
+    small = _sweep_points(["optim.lr=1,2,3", "seed=0,1"])
+    assert sorted(map(tuple, small)) == sorted((f"optim.lr={a}", f"seed={b}") for a in (1, 2, 3) for b in (0, 1))
+    n = CHECK_EVERY_POINT
+    large = _sweep_points([f"seed=range(0,{n})", "optim.lr=1,2"])
+    assert len(large) == n + 1 and ["seed=0", "optim.lr=1"] in large and ["seed=0", "optim.lr=2"] in large
+
+
+def test_a_sweep_point_refused_while_building_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """A block size too long for the validation text is found only when the data is built: that
+    point records why in its summary.json, the next point still trains, and the sweep exits 0."""
+    import json
+
+    r = cli("-m", "model=gpt_test", "model.block_size=5000000,16", "steps=1", "logger=none",
+            f"hydra.sweep.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    refused, done = (json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in (0, 1))
+    assert refused["status"] == "refused" and "too few for a window of model.block_size=5000000" in refused["reason"]
+    assert done["status"] == "completed"
+    assert "(this sweep point is skipped; the sweep goes on)" in r.stderr and "Traceback" not in r.stderr

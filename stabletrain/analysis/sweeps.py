@@ -17,8 +17,9 @@ from pathlib import Path
 import yaml
 
 FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss"]
-# shown only when some run of the sweep has one: what a healthy-looking final loss may hide
-EVENTS = ["skipped_steps", "rollbacks", "alerts", "first_alert"]
+# shown only when some run of the sweep has one: what a healthy-looking final loss may hide, and
+# why a point was refused or failed
+EVENTS = ["skipped_steps", "rollbacks", "alerts", "first_alert", "reason"]
 
 
 @dataclass
@@ -118,7 +119,8 @@ def _events(summary: dict) -> dict:
     first = min(alerts, key=lambda a: a.get("step", 0)) if alerts else None
     return {"skipped_steps": summary.get("skipped_steps") or "", "rollbacks": len(summary.get("rollbacks") or []) or "",
             "alerts": len(alerts) or "",
-            "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else ""}
+            "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else "",
+            "reason": summary.get("reason") or "" if summary.get("status") in ("refused", "failed") else ""}
 
 
 def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:

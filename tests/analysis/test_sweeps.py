@@ -86,6 +86,17 @@ def test_skips_rollbacks_and_alerts_are_columns_only_where_some_run_had_them(tmp
     assert not set(sweeps.EVENTS) & set(columns) and not set(sweeps.EVENTS) & set(table[0])
 
 
+def test_a_refused_or_failed_point_shows_its_reason(tmp_path):
+    ok = {"status": "completed", "step": 10, "total_steps": 10, "final": {"loss": 1.0}}
+    diverged = {**ok, "status": "diverged", "reason": "loss stayed above 4x its mean"}  # its own column says so
+    refused = {"status": "refused", "reason": "val.bin: 10 tokens, too few"}
+    for name, lr, summary in [("a", 0.1, ok), ("b", 0.2, diverged), ("c", 0.3, refused)]:
+        _fake_run(tmp_path / name, {"optim": {"lr": lr}}, summary)
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert "reason" in columns and [r["reason"] for r in table] == ["", "", "val.bin: 10 tokens, too few"]
+    assert table[2]["status"] == "refused"
+
+
 def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     dirs = []
     for i, over in enumerate([["optim=adamw2", "optim.tau=0.01"], ["optim=adamw2", "optim.tau=0.02"], ["optim=adamw"]]):
