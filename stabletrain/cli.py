@@ -1,12 +1,13 @@
 """Command-line overrides checked before Hydra starts, so a mistake costs one clear line.
 
 Hydra's own errors are multi-line (and its type errors name internal nodes); here the same
-overrides are composed once with Hydra's compose API (the first value of each sweep) and
+overrides are composed with Hydra's compose API (once, or for each point of a sweep) and
 validated, and any problem is printed as ``error: <what> <fix>`` with exit code 2.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -80,12 +81,14 @@ def explain(err: Exception, overrides: list[str]) -> str:
         for ov in overrides:
             key, _, val = ov.lstrip("+~").partition("=")
             if "." not in key and is_group(key, overrides) and val not in group_options(key, overrides):
-                own = any(o.startswith("imports=") for o in overrides) and not any(
-                    o.startswith("hydra.searchpath=") for o in overrides)
+                mine = config_dirs(overrides)[1:]  # the searchpath's folders, after configs/
+                own = any(o.startswith("imports=") for o in overrides)
+                hint = (f" (looked in {', '.join(map(str, mine))} too: an option of your own is DIR/{key}/{val}.yaml, "
+                        f"DIR being a searchpath folder)" if mine else
+                        f" (an option of your own: DIR/{key}/{val}.yaml and hydra.searchpath=[file://DIR])" if own
+                        else "")
                 return (f"{key}={val} is not an option of '{key}'; choose one of: "
-                        f"{', '.join(group_options(key, overrides))}"
-                        + (f" (an option of your own: DIR/{key}/{val}.yaml and hydra.searchpath=[file://DIR])"
-                           if own else ""))
+                        f"{', '.join(group_options(key, overrides))}{hint}")
     from stabletrain.errors import ConfigError
 
     link = err
@@ -99,16 +102,27 @@ def explain(err: Exception, overrides: list[str]) -> str:
     msg = str(cause).strip().splitlines()
     first = msg[0] if msg else type(cause).__name__
     key = next((ln.split(":", 1)[1].strip() for ln in msg if ln.strip().startswith("full_key:")), None)
+    yaml = re.match(r"In '([\w./-]+)': ConfigKeyError", first)
+    if yaml and key:  # a yaml of the user's own sets a key the schema lacks
+        hint = _nearest_key(key) or "not in the config schema (`python train.py --cfg job` prints every key)"
+        return f"{yaml.group(1)}.yaml sets unknown key '{key}': {hint}"
     if "not in struct" in text or "is not in struct" in first or "Could not override" in text:
         keys = sorted((ov.split("=")[0] for ov in overrides), key=len, reverse=True)  # model.nope before model
         bad = next((k for k in keys if k.lstrip("+~") in text), None)
         term = (bad or "").lstrip("+~").split(".")
-        if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer"):
-            if term[1] in _chosen_terms([o for o in overrides if o.split("=")[0] != bad]):
-                return f"unknown key '{bad}': {_nearest_term_key(term[1], term[2])}"
+        rest = _composed([o for o in overrides if o.split("=")[0] != bad])  # the config without the bad key
+        if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer", overrides):
+            if rest is not None and term[1] in (rest.regularizer or {}):
+                return f"unknown key '{bad}': {_nearest_term_key(rest, term[1], term[2])}"
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
         if bad and bad.startswith("model.kwargs."):
+            import difflib
+
+            given = list(rest.model.kwargs) if rest is not None and rest.model.get("kwargs") else []
+            near = difflib.get_close_matches(term[2], given, n=1, cutoff=0.6) if len(term) > 2 else []
+            if near:
+                return f"unknown key '{bad}': did you mean model.kwargs.{near[0]}?"
             return f"{bad} is a new argument in model.kwargs: add it with a '+', +{bad}=VALUE"
         hint = _nearest_key(bad.lstrip("+~")) if bad else None
         if hint:
@@ -123,21 +137,27 @@ def explain(err: Exception, overrides: list[str]) -> str:
     return f"{key}: {first}" if key else first
 
 
-def _chosen_terms(overrides: list[str]) -> list[str]:
-    """The loss terms the config of ``overrides`` selects (``regularizer=zloss``, or a recipe's)."""
+def _composed(overrides: list[str]):
+    """The config of ``overrides``, or None when they hold another error (the first one is told)."""
     try:
-        return list(compose_config(overrides).regularizer or {})
-    except Exception:  # another error in the overrides: the first one is told
-        return []
+        return compose_config(overrides)
+    except Exception:
+        return None
 
 
-def _nearest_term_key(term: str, leaf: str) -> str:
-    """``did you mean regularizer.zloss.coef?``, else the term's parameters."""
+def _nearest_term_key(cfg, term: str, leaf: str) -> str:
+    """``did you mean regularizer.zloss.coef?``, else the term's parameters: its dataclass's, or
+    where the module registering it cannot be imported here, its yaml's."""
     import difflib
 
     from stabletrain.losses import LOSS_TERMS
+    from stabletrain.registry import import_modules
 
-    keys = list(LOSS_TERMS.entry(term).info["params"].__dataclass_fields__)
+    try:
+        import_modules(cfg.imports)
+        keys = list(LOSS_TERMS.entry(term).info["params"].__dataclass_fields__)
+    except Exception:
+        keys = list(cfg.regularizer[term] or {})
     near = difflib.get_close_matches(leaf, keys, n=1, cutoff=0.6)
     return (f"did you mean regularizer.{term}.{near[0]}?" if near
             else f"the {term} loss term's parameters are: {', '.join(keys)}")

@@ -227,6 +227,28 @@ def test_the_command_line_finds_options_in_the_searchpath_folders(tmp_path):
         compose_config(kw)
     assert explain(e.value, kw) == "model.kwargs.extra is a new argument in model.kwargs: add it with a '+', " \
                                    "+model.kwargs.extra=VALUE"
+    typo = [*OWN, "model=conv_vit_test", "model.kwargs.stem_chanels=8"]  # a misspelling is not a new argument
+    with pytest.raises(Exception) as e:
+        compose_config(typo)
+    assert explain(e.value, typo) == "unknown key 'model.kwargs.stem_chanels': did you mean model.kwargs.stem_channels?"
+    elsewhere = [f"hydra.searchpath=[file://{EXAMPLE}/configs/model]", "model=conv_vit_test"]  # the group's folder
+    with pytest.raises(MissingConfigException) as e:
+        compose_config(elsewhere)
+    assert explain(e.value, elsewhere).endswith(f"(looked in {EXAMPLE}/configs/model too: an option of your own is "
+                                                f"DIR/model/conv_vit_test.yaml, DIR being a searchpath folder)")
+
+
+def test_a_yaml_of_your_own_with_a_wrong_key_is_one_whole_line(tmp_path):
+    """Hydra's message stops at 'ConfigKeyError raised while composing config:'; the line names
+    the file, the key and the nearest key of the schema."""
+    from stabletrain.cli import compose_config, explain
+
+    (tmp_path / "norm").mkdir()
+    (tmp_path / "norm" / "mine.yaml").write_text("name: layernorm\nalhpa: 0.3\n")
+    ovs = [f"hydra.searchpath=[file://{tmp_path}]", "norm=mine"]
+    with pytest.raises(Exception) as e:
+        compose_config(ovs)
+    assert explain(e.value, ovs) == "norm/mine.yaml sets unknown key 'norm.alhpa': did you mean norm.alpha?"
 
 
 MLP = """
@@ -318,6 +340,12 @@ def test_a_loss_term_of_your_own_is_a_regularizer_option(tmp_path):
     own = [f"imports=[{path}]", f"hydra.searchpath=[file://{tmp_path}/configs]", "model=gpt_test"]
     with pytest.raises(ConfigError, match=r"^regularizer.logit_l2.coef=-1.0 must be >= 0$"):
         validate(make_cfg(*own, "regularizer=logit_l2", "regularizer.logit_l2.coef=-1"))
+    from stabletrain.cli import compose_config, explain
+
+    typo = [*own, "regularizer=logit_l2", "regularizer.logit_l2.cof=1"]
+    with pytest.raises(Exception) as e:
+        compose_config(typo)
+    assert explain(e.value, typo) == "unknown key 'regularizer.logit_l2.cof': did you mean regularizer.logit_l2.coef?"
     cfg = make_cfg(*own, "regularizer=[logit_l2,zloss]", "steps=2", "logger=none", "monitor=off", "eval_every=2")
     validate(cfg)
     from stabletrain.build import build_trainer
