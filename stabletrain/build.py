@@ -60,9 +60,7 @@ def validate(cfg) -> None:
     if cfg.model.kwargs and is_builtin(family):
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
-    for registry, name in ((NORMS, cfg.norm.name), (ATTENTIONS, cfg.attention.name), (INITS, cfg.init.name),
-                           (REPARAMS, cfg.reparam.name), (OPTIMIZERS, cfg.optim.name),
-                           (SCHEDULES, cfg.schedule.name), (DEESCALATIONS, cfg.deescalate.name)):
+    for registry, name in _chosen_options(cfg).values():
         registry.entry(name)
     if family.info.get("check"):
         family.info["check"](cfg.model, Components.of(cfg))
@@ -83,6 +81,19 @@ def validate(cfg) -> None:
         LOSS_TERMS.entry(name)
     build_loss_terms(cfg.regularizer)
     check_parallel(cfg)
+
+
+def _chosen_options(cfg) -> dict:
+    """Each component group -> ``(its registry, the option chosen)``."""
+    return {"norm": (NORMS, cfg.norm.name), "attention": (ATTENTIONS, cfg.attention.name),
+            "init": (INITS, cfg.init.name), "reparam": (REPARAMS, cfg.reparam.name),
+            "optim": (OPTIMIZERS, cfg.optim.name), "schedule": (SCHEDULES, cfg.schedule.name),
+            "deescalate": (DEESCALATIONS, cfg.deescalate.name)}
+
+
+def own_groups(cfg) -> tuple[str, ...]:
+    """The component groups whose chosen option the user registered (``imports``)."""
+    return tuple(g for g, (reg, name) in _chosen_options(cfg).items() if not is_builtin(reg.entry(name)))
 
 
 def check_parallel(cfg, world: int | None = None) -> None:
@@ -197,7 +208,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
     seed_all(cfg.seed)
     data = data_from_config(cfg)
-    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg) + unread_model_keys(cfg.model)
+    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg)) + unread_model_keys(cfg.model)
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     notes += unbuilt_components(model, cfg)

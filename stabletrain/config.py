@@ -533,11 +533,12 @@ READ_WHEN = {
 }
 
 
-def unread_keys(cfg: Any) -> list[str]:
+def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
     """One note per key set away from its default that nothing reads in this run, because the
     option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
-    share such keys across options, so they are said, not refused. The model family's keys are
-    :func:`stabletrain.models.registry.unread_model_keys`'."""
+    share such keys across options, so they are said, not refused. ``own``: the groups whose
+    chosen option is the user's (``imports``), which may read any key of its group: none of their
+    keys is noted. The model family's keys are :func:`stabletrain.models.registry.unread_model_keys`'."""
     out = []
 
     def value(key):
@@ -545,6 +546,8 @@ def unread_keys(cfg: Any) -> list[str]:
         return cfg[group][leaf]
 
     for key, readers in READ_BY.items():
+        if any(r.split("=")[0] in own for r in readers):
+            continue
         if not any(str(cfg[r.split("=")[0]].name) == r.split("=")[1] for r in readers) and \
                 _differs(value(key), schema_default(key)):
             groups = dict.fromkeys(r.split("=")[0] for r in readers)

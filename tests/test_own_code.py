@@ -79,8 +79,9 @@ def test_a_norm_of_your_own_is_an_option_in_every_slot(tmp_path, monkeypatch, ho
     checked by name, built into both norms of every block, and its gain bounded by AdamW²."""
     path = _module(tmp_path, "my_norms", SCALE_NORM)
     monkeypatch.chdir(tmp_path)
-    cfg = make_cfg("model=gpt_test", "norm.name=scale_own", "optim=adamw2",
-                   f"imports=[{path if how == 'path' else 'my_norms'}]")
+    args = ["model=gpt_test", "norm.name=scale_own", "optim=adamw2",
+            f"imports=[{path if how == 'path' else 'my_norms'}]"]
+    cfg = make_cfg(*args)
     with pytest.raises(ConfigError, match="norm=scale_own is not an option"):
         validate(make_cfg("model=gpt_test", "norm.name=scale_own"))  # not without the import
     validate(cfg)
@@ -93,6 +94,12 @@ def test_a_norm_of_your_own_is_an_option_in_every_slot(tmp_path, monkeypatch, ho
     bound = {id(p) for g in opt.param_groups if g["bound"] for p in g["params"]}
     assert all(id(n.weight) in bound for n in norms)
     validate(cfg)  # importing again is a no-op, not "registered twice"
+    from stabletrain.build import own_groups
+    from stabletrain.config import unread_keys
+
+    mine = make_cfg(*args, "norm.eps=1e-6")  # which the user's norm may read: no "changes nothing"
+    assert own_groups(mine) == ("norm",) and unread_keys(mine, own_groups(mine)) == []
+    assert unread_keys(mine) != []  # as a built-in norm that reads no eps would be told
 
 
 @pytest.mark.parametrize("imports,needle", [
