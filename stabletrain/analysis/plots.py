@@ -451,6 +451,19 @@ def _split_param(param: str) -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m else ("", param)
 
 
+def _why_no_adamw2_curves(run: Run) -> str:
+    import yaml
+
+    path = run.path / "config.yaml"
+    cfg = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    optim, every = cfg.get("optim") or {}, (cfg.get("monitor") or {}).get("adamw2_every", "?")
+    if optim.get("name") != "adamw2":
+        return f"the run used optim={optim.get('name', '?')}" if optim else "not an AdamW² run?"
+    stopped = (run.summary or {}).get("step", "?")
+    return (f"this AdamW² run logs them every monitor.adamw2_every={every} steps and at its last, and it "
+            f"stopped at step {stopped} before any")
+
+
 @_styled
 def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
     """000 App. M: AdamW²'s actual learning rate per bounded tensor, one panel per kind of
@@ -458,7 +471,7 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
     prefix = N.adamw2_lr_eff("")
     params = [k[len(prefix):] for k in run.metrics if k.startswith(prefix)]
     if not params:
-        _skip("adamw2_lr.png", "no adamw2/lr_eff/<param> metrics (not an AdamW² run?)")
+        _skip("adamw2_lr.png", f"no adamw2/lr_eff/<param> metrics: {_why_no_adamw2_curves(run)}")
         return None
     kinds: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for p in N.natural_sorted(params):

@@ -298,7 +298,9 @@ class Trainer:
         loss_sum, correct, count = stats.tolist()
         loss = loss_sum / max(count, 1)
         if self.data.kind == "text":
-            return {N.scored(prefix, "loss"): loss, N.scored(prefix, "ppl"): math.exp(min(loss, 50.0))}
+            # inf past float range (exp(709)), not a cap that reads as a measured value
+            ppl = math.exp(loss) if loss < 709 else math.inf
+            return {N.scored(prefix, "loss"): loss, N.scored(prefix, "ppl"): ppl}
         return {N.scored(prefix, "loss"): loss, N.scored(prefix, "acc"): correct / max(count, 1)}
 
     def _eval_sums(self, model: nn.Module) -> torch.Tensor:

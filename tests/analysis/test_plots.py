@@ -107,6 +107,23 @@ def test_absent_metrics_are_skipped_with_a_note(tmp_path, capsys):
     _check_pngs(paths)
 
 
+@pytest.mark.parametrize("config,why", [
+    ("optim:\n  name: adamw\n", "the run used optim=adamw"),
+    ("optim:\n  name: adamw2\nmonitor:\n  adamw2_every: 50\n",
+     "this AdamW² run logs them every monitor.adamw2_every=50 steps and at its last, and it stopped at step 4 "
+     "before any"),
+    (None, "not an AdamW² run?"),
+])
+def test_a_missing_adamw2_figure_says_why(tmp_path, capsys, config, why):
+    """An AdamW² run that diverged before its first per-tensor record is not told it is no AdamW² run."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 3.0}) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "diverged", "step": 4}))
+    if config:
+        (tmp_path / "config.yaml").write_text(config)
+    P.plot_adamw2_lr(P.load_run(tmp_path), tmp_path)
+    assert capsys.readouterr().out.strip() == f"note: skipping adamw2_lr.png: no adamw2/lr_eff/<param> metrics: {why}"
+
+
 def test_read_metrics_keeps_sparse_series_and_skips_torn_lines(tmp_path):
     run = P.load_run(_write_run(tmp_path / "r"))
     steps, _ = run.metrics["loss"]

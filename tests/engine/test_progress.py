@@ -2,10 +2,12 @@
 and MFU from the model's FLOPs on a GPU."""
 
 import json
+import math
 import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from stabletrain.engine.loop import Trainer
 from stabletrain.metrics import duration, peak_flops
@@ -139,3 +141,15 @@ def test_step_time_leaves_out_evaluations_and_checkpoints(tmp_path, monkeypatch)
     times = [r["time/step_s"] for r in read_records(tmp_path / "metrics.jsonl") if "time/step_s" in r]
     assert len(times) == 6 and max(times) < 100, times  # log steps 2, 3, 4, 6, 8, 9: none near 1000 s
 
+
+
+@pytest.mark.parametrize("loss,ppl", [(2.0, math.exp(2.0)), (68.36, math.exp(68.36)), (800.0, math.inf)])
+def test_perplexity_is_exp_of_the_loss_not_a_cap(loss, ppl, monkeypatch, tmp_path):
+    """A diverging run's val/ppl was exp(50) for every loss above 50, a number that read as
+    measured; it is exp(loss), inf beyond float range."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg("model=gpt_test", "steps=1", "logger=none", "monitor=off"), tmp_path)
+    monkeypatch.setattr(t, "_eval_sums", lambda model: torch.tensor([loss * 10, 0.0, 10.0], dtype=torch.float64))
+    got = t.evaluate()
+    assert got["val/loss"] == pytest.approx(loss) and got["val/ppl"] == pytest.approx(ppl, rel=1e-9)
