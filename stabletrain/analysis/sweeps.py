@@ -202,13 +202,16 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
 
     from stabletrain.analysis.ticks import label_x_ticks, log_scale
 
-    swept = sorted({r.get(x) for r in table if r.get(x) not in ("", None)}, key=_sort_key)
-    categories = None if all(number(v) is not None for v in swept) else list(dict.fromkeys(map(str, swept)))
+    # a run swept to null (``ema.decay=null,0.999``), or not given x at all, is a category of its own
+    def shown(v) -> str:
+        return "null" if v is None else "(not set)" if v == "" else str(v)
+
+    swept = sorted({r.get(x) for r in table}, key=_sort_key)
+    numeric = all(number(v) is not None for v in swept)
+    categories = None if numeric else list(dict.fromkeys(map(shown, swept)))
 
     def at(v) -> float | None:
-        if v in ("", None):
-            return None
-        return float(categories.index(str(v))) if categories is not None else number(v)
+        return float(categories.index(shown(v))) if categories is not None else number(v)
 
     def points(rs, diverged: bool):
         pts = [(at(r.get(x)), number(r.get(metric))) for r in rs if (r["status"] == "diverged") == diverged]

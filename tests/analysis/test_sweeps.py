@@ -170,3 +170,19 @@ def test_sweep_plot_of_runs_that_all_diverged_invents_no_value():
     assert list(ax.get_yticks()) == []  # no scale for values no run has
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["diverged, value off the axis"]
     plt.close(fig)
+
+
+def test_sweep_plot_keeps_a_point_swept_to_null():
+    """``debug.nan_at_step=4,null``: the completed null point was dropped from the figure, which
+    then showed only the diverged one; null is a category of its own."""
+    import matplotlib.pyplot as plt
+
+    table = [{"x": 4, "status": "diverged", "final_val/loss": "", "run": "0"},
+             {"x": None, "status": "completed", "final_val/loss": 5.435, "run": "1"}]
+    fig = sweeps.figure(table, "x", None, "final_val/loss")
+    ax = fig.axes[0]
+    data, edge = _marks(ax)
+    line = next(ln for ln in ax.get_lines() if ln.get_marker() == "o")
+    assert list(zip(line.get_xdata(), line.get_ydata())) == [(1.0, 5.435)] and edge == [(0.0, 1.0)]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "null"]
+    plt.close(fig)
