@@ -213,6 +213,14 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def param_count(n: int) -> str:
+    """``33.73K``, ``124.44M``: a parameter count in the start lines and tables."""
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
 def si(x: float) -> str:
     """``484k``, ``1.2M``: a rate for the progress line."""
     for unit, size in (("M", 1e6), ("k", 1e3)):

@@ -37,7 +37,8 @@ from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
-from stabletrain.metrics import duration, logged_value, peak_flops, previous_name, read_json, si, write_json
+from stabletrain.metrics import (duration, logged_value, param_count, peak_flops, previous_name, read_json, si,
+                                 write_json)
 from stabletrain.monitor import names as N
 
 
@@ -666,7 +667,7 @@ class Trainer:
         cfg, m = self.settings, self.metrics
         nparams = sum(p.numel() for p in self.model.parameters())
         traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
-        m.message(f"{cfg.title}: {nparams / 1e6:.2f}M params on {self.device}"
+        m.message(f"{cfg.title}: {param_count(nparams)} params on {self.device}"
                   + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
                   f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
                   f"run dir {self.run_dir}")

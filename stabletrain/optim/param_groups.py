@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from stabletrain.layers.norm import is_norm_layer
+from stabletrain.metrics import param_count
 from stabletrain.spectral import matrix_shape
 
 
@@ -129,7 +130,7 @@ def summarize_groups(groups: list[dict], header: str = "") -> str:
     """A few lines: per group its flags, tensor count, parameter count and example names."""
     total_t = sum(len(g["params"]) for g in groups)
     total_n = sum(p.numel() for g in groups for p in g["params"])
-    lines = [f"{header}{total_t} tensors, {_count(total_n)} params in {len(groups)} groups"]
+    lines = [f"{header}{total_t} tensors, {param_count(total_n)} params in {len(groups)} groups"]
     for g in groups:
         flags = ["decay" if g["weight_decay"] > 0 else "no-decay"]
         if "bound" in g:
@@ -143,16 +144,9 @@ def summarize_groups(groups: list[dict], header: str = "") -> str:
         examples = ", ".join(g["names"][:3]) + (", ..." if len(g["names"]) > 3 else "")
         lines.append(
             f"  {' '.join(flags):<24} wd {g['weight_decay']:<6g} {len(g['params']):>4} tensors "
-            f"{_count(n):>8}  [{'/'.join(kinds)}] {examples}"
+            f"{param_count(n):>8}  [{'/'.join(kinds)}] {examples}"
         )
     return "\n".join(lines)
-
-
-def _count(n: int) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 def parameter_table(model: nn.Module, depth: int = 2) -> str:
@@ -167,6 +161,6 @@ def parameter_table(model: nn.Module, depth: int = 2) -> str:
     total = sum(p.numel() for p in model.parameters())
     width = max(len(k) for k in rows) if rows else 10
     lines = [f"{'module':<{width}}  tensors  params"]
-    lines += [f"{k:<{width}}  {t:>7}  {_count(n):>8}" for k, (t, n) in rows.items()]
-    lines.append(f"{'total':<{width}}  {sum(t for t, _ in rows.values()):>7}  {_count(total):>8} ({total:,})")
+    lines += [f"{k:<{width}}  {t:>7}  {param_count(n):>8}" for k, (t, n) in rows.items()]
+    lines.append(f"{'total':<{width}}  {sum(t for t, _ in rows.values()):>7}  {param_count(total):>8} ({total:,})")
     return "\n".join(lines)
