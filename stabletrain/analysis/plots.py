@@ -127,6 +127,11 @@ def load_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.exists():
+        runs = sorted(p.parent.name for p in run_dir.glob("*/metrics.jsonl"))
+        if runs:  # a sweep's directory
+            listed = ", ".join(runs[:4]) + (", ..." if len(runs) > 4 else "")
+            raise FileNotFoundError(f"{run_dir} holds runs ({listed}), not one: plot one of them, or overlay them "
+                                    f"with scripts/compare_runs.py {run_dir}")
         raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a run directory?")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

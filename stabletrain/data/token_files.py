@@ -49,6 +49,9 @@ def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     any problem is a one-line ConfigError naming the file or the meta.json key.
     """
     path = Path(path)
+    if path.name in ("val.bin", META):
+        raise ConfigError(f"data.path={path} is the {'validation file' if path.name == 'val.bin' else 'meta file'}; "
+                          f"point it at the training file beside it: data.path={path.with_name('train.bin')}")
     if not path.is_file():
         raise ConfigError(f"data.path={path} is not a file: point data=tokens at a train.bin "
                           "(scripts/prepare_tokens.py writes one)")

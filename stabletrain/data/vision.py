@@ -309,6 +309,9 @@ def check_cifar_files(name: str, root: str | None) -> None:
 
     if not root:
         raise ConfigError(f"data={name} needs data.root=ROOT, the folder holding {cls.base_folder}/; {get('ROOT')}")
+    if Path(root).name == cls.base_folder and not (Path(root) / cls.base_folder).is_dir():
+        raise ConfigError(f"data.root={root} is the {cls.base_folder}/ folder itself; give the folder that holds "
+                          f"it: data.root={Path(root).parent}")
     folder = Path(root) / cls.base_folder
     files = [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
     missing = [f for f in files if not (folder / f).is_file()]

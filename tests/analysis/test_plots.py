@@ -393,3 +393,11 @@ def test_no_two_lines_of_a_panel_share_colour_and_dashes(tmp_path, monkeypatch):
         for ax in fig.axes:
             styles = [(to_rgba(line.get_color()), line.get_linestyle()) for line in ax.get_lines()]
             assert len(set(styles)) == len(styles), (name, ax.get_title())
+
+
+def test_a_sweep_directory_given_as_a_run_says_what_to_do(tmp_path):
+    for name in ("0", "1"):
+        _write_run(tmp_path / name, crash=False, steps=20)
+    with pytest.raises(FileNotFoundError, match=r"holds runs \(0, 1\), not one: plot one of them, or overlay them "
+                                                r"with scripts/compare_runs.py"):
+        P.load_run(tmp_path)

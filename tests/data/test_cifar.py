@@ -129,6 +129,14 @@ def test_unset_root_says_which_folder_to_point_at():
         data_from_config(make_cfg("model=vit_test", "data=cifar100"))
 
 
+def test_a_root_at_the_cifar_folder_itself_names_its_parent(tmp_path):
+    (tmp_path / "cifar-10-batches-py").mkdir()
+    with pytest.raises(ConfigError) as e:
+        data_from_config(make_cfg("model=vit_test", "data=cifar10", f"data.root={tmp_path / 'cifar-10-batches-py'}"))
+    assert str(e.value) == (f"data.root={tmp_path / 'cifar-10-batches-py'} is the cifar-10-batches-py/ folder itself; "
+                            f"give the folder that holds it: data.root={tmp_path}")
+
+
 def test_augmented_runs_repeat_from_a_seed_and_resume_exactly(tmp_path, no_md5):
     """RandAugment, random erasing and mixup in two loader workers: the same seed gives the same
     run, and a run stopped and resumed gives the uninterrupted one (each sample's augmentation

@@ -127,7 +127,8 @@ def test_randaugment_posterize_at_the_magnitude_cap_gives_a_black_image():
 
 def test_every_value_of_a_sweep_is_checked_before_it_starts(tmp_path):
     r = cli("-m", "optim.lr=1e-3,-1,2e-3", "model=vit_test", "steps=1", f"hydra.sweep.dir={tmp_path}", timeout=120)
-    assert r.returncode == 2 and r.stderr.strip() == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)"
+    assert r.returncode == 2 and r.stderr.strip() == ("error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3) "
+                                                      "(sweep point optim.lr=-1; no point was launched)")
     assert not any(tmp_path.rglob("summary.json"))  # no point ran
 
 

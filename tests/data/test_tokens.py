@@ -266,3 +266,12 @@ def test_a_val_bin_shorter_than_a_window_names_the_file_and_the_fix(tmp_path):
                             f"--block-size 32")
     with pytest.raises(ConfigError, match="the embedded text's validation part: .* raise data.val_fraction"):
         data_from_config(make_cfg("model=gpt_test", "model.block_size=5000000"))
+
+
+@pytest.mark.parametrize("name,what", [("val.bin", "the validation file"), ("meta.json", "the meta file")])
+def test_data_path_at_the_val_or_meta_file_names_train_bin(tmp_path, name, what):
+    prepare_tokens(tmp_path, [b"x" * 3000], block_size=8)
+    with pytest.raises(ConfigError) as e:
+        data_from_config(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / name}"))
+    assert str(e.value) == (f"data.path={tmp_path / name} is {what}; point it at the training file beside it: "
+                            f"data.path={tmp_path / 'train.bin'}")
