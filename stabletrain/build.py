@@ -60,8 +60,11 @@ def validate(cfg) -> None:
     if cfg.model.kwargs and is_builtin(family):
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
-    for registry, name in _chosen_options(cfg).values():
-        registry.entry(name)
+    for group, (registry, name) in _chosen_options(cfg).items():
+        entry = registry.entry(name)
+        if cfg[group].get("kwargs") and is_builtin(entry):
+            raise ConfigError(f"{group}.kwargs is for a {group} option of your own (imports=...); {group}={entry.name} "
+                              f"takes its settings as {group}.* keys (`python train.py --cfg job` lists them)")
     if family.info.get("check"):
         family.info["check"](cfg.model, Components.of(cfg))
     data = _data_entry(cfg)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _PASSTHROUGH_FLAGS = {"-m", "--multirun"}
+# the groups whose options of one's own take arguments of their own in ``<group>.kwargs``
+KWARGS_GROUPS = ("model", "norm", "attention", "init", "reparam", "deescalate", "optim", "schedule")
 
 
 def config_dirs(overrides: list[str] = ()) -> list[Path]:
@@ -116,14 +118,15 @@ def explain(err: Exception, overrides: list[str]) -> str:
                 return f"unknown key '{bad}': {_nearest_term_key(rest, term[1], term[2])}"
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
-        if bad and bad.startswith("model.kwargs."):
+        if len(term) > 2 and term[1] == "kwargs" and term[0] in KWARGS_GROUPS:
             import difflib
 
-            given = list(rest.model.kwargs) if rest is not None and rest.model.get("kwargs") else []
-            near = difflib.get_close_matches(term[2], given, n=1, cutoff=0.6) if len(term) > 2 else []
+            group = term[0]
+            given = list(rest[group].kwargs) if rest is not None and rest[group].get("kwargs") else []
+            near = difflib.get_close_matches(term[2], given, n=1, cutoff=0.6)
             if near:
-                return f"unknown key '{bad}': did you mean model.kwargs.{near[0]}?"
-            return f"{bad} is a new argument in model.kwargs: add it with a '+', +{bad}=VALUE"
+                return f"unknown key '{bad}': did you mean {group}.kwargs.{near[0]}?"
+            return f"{bad} is a new argument in {group}.kwargs: add it with a '+', +{bad}=VALUE"
         hint = _nearest_key(bad.lstrip("+~")) if bad else None
         if hint:
             return f"unknown key '{bad}': {hint}"
@@ -285,8 +288,9 @@ def _added_key_hint(name: str, ov: str) -> str:
     import difflib
 
     parts = name.split(".")
-    if len(parts) > 2 and difflib.get_close_matches(".".join(parts[:2]), ["model.kwargs"], cutoff=0.8):
-        return f"did you mean +model.kwargs.{'.'.join(parts[2:])}?"  # +model.kwarg.depth
+    kwargs = [f"{g}.kwargs" for g in KWARGS_GROUPS]
+    if len(parts) > 2 and (near := difflib.get_close_matches(".".join(parts[:2]), kwargs, n=1, cutoff=0.8)):
+        return f"did you mean +{near[0]}.{'.'.join(parts[2:])}?"  # +model.kwarg.depth
     near = _nearest_key(name)
     if near and near.startswith("did you mean"):
         return f"{near[:-1]} (without the '+')?"
@@ -320,7 +324,7 @@ def check_keys(overrides: list[str]) -> None:
         key = ov.split("=", 1)[0]
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")
-            if not (name.startswith("hydra") or name.startswith("model.kwargs.")
+            if not (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))
                     or is_group(name.split("/")[0], overrides)):
                 raise ConfigError(f"unknown key '{name}': {_added_key_hint(name, ov)}")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):

@@ -129,6 +129,7 @@ class NormConfig:
     alpha: float = 0.5  # StableNorm exponent in [0, 0.5]; 0.5 is RMSNorm (004 Eq. 2)
     eps: Optional[float] = None  # None: 1e-5 (eps_mode sqrt, and rmsnorm), 1e-8 (eps_mode add, the demo)
     eps_mode: EpsMode = EpsMode.sqrt
+    kwargs: dict[str, Any] = field(default_factory=dict)  # a norm of your own (imports): its arguments
 
 
 @dataclass
@@ -138,6 +139,7 @@ class AttentionConfig:
     seq_len: Optional[int] = None  # N; None = the model's sequence length (tokens incl. cls)
     alpha: Optional[float] = None  # StableAtten q/k norm exponent; None = norm.alpha
     eps: Optional[float] = None  # q/k norms; None: the default of norm.eps_mode (1e-5 sqrt, 1e-8 add)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # an attention variant of your own: its arguments
 
 
 @dataclass
@@ -149,6 +151,7 @@ class ReparamConfig:
     qkv_split: QKVSplit = QKVSplit.joint
     gamma_lr_mult: float = 1.0
     attn_fp32: bool = False  # attention logits and softmax in fp32 (001)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # a reparametrisation of your own: its arguments
 
 
 @dataclass
@@ -156,6 +159,7 @@ class InitConfig:
     name: str = "family"  # registered in stabletrain.layers.init
     gain: float = 1.0  # StableInit: E[sigma_max(W)] <= gain (004 Eq. 1)
     fused_qkv: QKVInit = QKVInit.slices  # a fused qkv as three d x d slices, or as one 3d x d matrix (the demo)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # an init of your own: its arguments
 
 
 @dataclass
@@ -165,6 +169,7 @@ class DeescConfig:
     lambda_: float = 1.0  # 0 none, 1 complete (002 Eq. 21); 1.0 is our guess, see docs/methods.md
     learnable: bool = False
     causal: Optional[bool] = None  # None = the model's own (prefix mean for GPT)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # a de-escalation of your own: its arguments
 
 
 @dataclass
@@ -205,6 +210,7 @@ class OptimConfig:
     trust_coef: float = 0.001
     lr_scale_by_batch: bool = False  # lr * batch_size / 256
     fused: Optional[bool] = None  # torch AdamW fused kernel; None = fused on CUDA and CPU
+    kwargs: dict[str, Any] = field(default_factory=dict)  # an optimizer of your own: its arguments
 
 
 @dataclass
@@ -215,6 +221,7 @@ class ScheduleConfig:
     milestones: list[float] = field(default_factory=list)
     gamma: float = 0.1
     horizon: Optional[float] = None  # cosine length (in unit) if it differs from the run's
+    kwargs: dict[str, Any] = field(default_factory=dict)  # a schedule of your own: its arguments
 
 
 @dataclass

@@ -367,3 +367,54 @@ def test_a_loss_term_of_your_own_is_a_regularizer_option(tmp_path):
 
     last = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "loss/logit_l2" in r][-1]
     assert last["loss/logit_l2"] > 0 and last["loss/zloss"] > 0
+
+
+def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, monkeypatch):
+    """A norm, an init and a schedule of the user's own read ``<group>.kwargs`` (added with a '+',
+    as ``model.kwargs``); stabletrain's own options refuse it in one line."""
+    path = _module(tmp_path, "my_options", """
+        import torch
+        from stabletrain.layers.init import INITS
+        from stabletrain.layers.norm import NORMS
+        from stabletrain.optim.schedule import SCHEDULES
+
+        class GainNorm(torch.nn.Module):
+            def __init__(self, dim, g0):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
+
+            def forward(self, x):
+                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
+
+        @NORMS.register("gain_own", layer=GainNorm)
+        def gain_own(cfg, dim, **kw):
+            return GainNorm(dim, cfg.kwargs.get("g0", 1.0))
+
+        @INITS.register("const_own")
+        def const_own(w, gain=1.0, value=0.0):
+            return torch.nn.init.constant_(w, value)
+
+        @SCHEDULES.register("halving_own")
+        def halving_own(s, step):
+            return s.base_lr * 0.5 ** (step // s.kwargs["every"])
+    """)
+    own = [f"imports=[{path}]", "model=gpt_test", "norm.name=gain_own", "init.name=const_own",
+           "schedule.name=halving_own", "+norm.kwargs.g0=2.5", "+init.kwargs.value=0.125", "+schedule.kwargs.every=10"]
+    cfg = make_cfg(*own)
+    validate(cfg)
+    net = model_of(cfg)
+    gains = [m.weight for m in net.modules() if type(m).__name__ == "GainNorm"]
+    assert gains and all(torch.all(g == 2.5) for g in gains)
+    assert torch.all(net.blocks[0].attn.qkv.weight == 0.125) and torch.all(net.blocks[0].mlp.fc1.weight == 0.125)
+    from stabletrain.optim.schedule import make_schedule
+
+    s = make_schedule(cfg.schedule, 1.0, 100)
+    assert [s(k) for k in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    with pytest.raises(ConfigError, match=r"^norm.kwargs is for a norm option of your own \(imports=...\); "
+                                          r"norm=layernorm takes its settings as norm.\* keys"):
+        validate(make_cfg("model=gpt_test", "+norm.kwargs.g0=2.5"))
+    from stabletrain.cli import check_keys
+
+    check_keys(["+norm.kwargs.g0=2.5", "+schedule.kwargs.every=10"])  # no "adds a key nothing reads"
+    with pytest.raises(ConfigError, match=r"did you mean \+norm.kwargs.g0\?"):
+        check_keys(["+norm.kwarg.g0=2.5"])

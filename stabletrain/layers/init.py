@@ -86,9 +86,10 @@ def init_std(name: str, n_in: int, n_out: int, gain: float = 1.0) -> float:
 
 
 @torch.no_grad()
-def init_matrix_(w: Tensor, name: str, gain: float = 1.0) -> Tensor:
-    """Re-draw the matrix ``w`` (``n_out x n_in``, may be a view) in place with init ``name``."""
-    return INITS.get(name)(w, gain)
+def init_matrix_(w: Tensor, name: str, gain: float = 1.0, kwargs: dict | None = None) -> Tensor:
+    """Re-draw the matrix ``w`` (``n_out x n_in``, may be a view) in place with init ``name``;
+    ``kwargs`` (``init.kwargs``) go to an init of the user's own."""
+    return INITS.get(name)(w, gain, **(kwargs or {}))
 
 
 @torch.no_grad()
@@ -99,6 +100,7 @@ def apply_init(model: nn.Module, init_cfg) -> nn.Module:
         return model
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     fused = fused_qkv_layers(model) if option_value(getattr(init_cfg, "fused_qkv", "slices")) == "slices" else set()
+    kwargs = dict(getattr(init_cfg, "kwargs", None) or {})
     for mod in model.modules():
         if not isinstance(mod, nn.Linear):
             continue
@@ -106,7 +108,7 @@ def apply_init(model: nn.Module, init_cfg) -> nn.Module:
         if id(w) in tied:
             continue
         for block in (w.chunk(3, dim=0) if id(mod) in fused else (w,)):
-            init_matrix_(block, name, init_cfg.gain)
+            init_matrix_(block, name, init_cfg.gain, kwargs)
         if mod.bias is not None:
             nn.init.zeros_(mod.bias)
     return model

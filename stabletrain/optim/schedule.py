@@ -20,7 +20,7 @@ Warmup, milestones and horizon are given in ``schedule.unit``; :func:`to_steps` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.optim import Optimizer
@@ -55,6 +55,7 @@ class LRSchedule:
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1
     horizon_steps: int | None = None
+    kwargs: dict = field(default_factory=dict)  # schedule.kwargs: for a schedule of the user's own
 
     def __post_init__(self):
         object.__setattr__(self, "_after_warmup", SCHEDULES.get(self.name))
@@ -126,6 +127,7 @@ def make_schedule(
         milestones=tuple(to_steps(m, unit, steps_per_epoch) for m in schedule_cfg.milestones),
         gamma=float(schedule_cfg.gamma),
         horizon_steps=None if horizon is None else to_steps(horizon, unit, steps_per_epoch),
+        kwargs=dict(getattr(schedule_cfg, "kwargs", None) or {}),
     )
 
 
