@@ -309,10 +309,14 @@ def _value_at(series: Series, step: float) -> float:
 
 @_styled
 def plot_training(run: Run, out_dir: Path) -> Path | None:
-    panels = [(N.LOSS, "training loss", True), (N.VAL_LOSS, "validation loss", True),
-              (N.VAL_ACC, "validation accuracy", False), (N.LR, "scheduled learning rate", False),
-              (N.GRAD_NORM, "gradient norm (before clipping)", True),
-              (N.FRAC_BOUNDED, "AdamW²: fraction of tensors at the bound", False)]
+    terms = run.has(N.LOSS_PENALTY)  # the loss minimised holds the loss terms: not the val/loss kind
+    panels = [(N.LOSS, "training loss" + (" (task + loss terms)" if terms else ""), "loss" if terms else "loss (nats)",
+               True),
+              (N.VAL_LOSS, "validation loss", "cross-entropy (nats)", True),
+              (N.VAL_ACC, "validation accuracy", "accuracy (fraction)", False),
+              (N.LR, "scheduled learning rate", "learning rate", False),
+              (N.GRAD_NORM, "gradient norm (before clipping)", "global L2 norm", True),
+              (N.FRAC_BOUNDED, "AdamW²: fraction of tensors at the bound", "fraction of tensors", False)]
     panels = [p for p in panels if run.has(p[0])]
     if not panels:
         _skip("training.png", "no loss/lr/grad_norm/val metrics")
@@ -320,12 +324,12 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
-    for ax, (name, title, logy) in zip(axes.flat, panels):
+    for ax, (name, title, ylabel, logy) in zip(axes.flat, panels):
         _line(ax, run.get(name), logy=logy)
         _mark_divergence(ax, run)
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.set_ylabel(name)
+        ax.set_ylabel(ylabel)
     return _finish(fig, axes, len(panels), _title(run, "training curves"), out_dir, "training.png")
 
 
@@ -540,6 +544,13 @@ def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "token_similarity.png")
 
 
+def _decades_apart(series: list[Series | None]) -> bool:
+    """Whether the peaks of ``series`` (one run's lr each) are a factor of ten apart or more; a
+    schedule's own decay to zero does not count."""
+    peaks = [float(np.nanmax(s[1])) for s in series if s is not None and len(s[1]) and np.nanmax(s[1]) > 0]
+    return len(peaks) > 1 and max(peaks) >= 10 * min(peaks)
+
+
 @_styled
 def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     """003 Fig. 6: the QK eigenspectrum mean ``tr(W_QK)``, scales and variance per layer."""
@@ -547,19 +558,19 @@ def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     if not layers:
         _skip("qk_spectrum.png", "no qk_spectrum/<block>/eig_* metrics")
         return None
-    panels = [(N.EIG_MEAN_TRACE, r"mean: tr($W_{QK}$)", False),
-              (N.EIG_SCALE_TR2, r"scale: tr($W_{QK}^2$) (003 Fig. 6)", False),
-              (N.EIG_SCALE_FRO2, r"scale: tr($W_{QK}^\top W_{QK}$) (LocAteR term)", True),
-              (N.EIG_VAR_D2, r"$d\,$tr($W_{QK}^2$) $-$ tr($W_{QK})^2$", False)]
+    panels = [(N.EIG_MEAN_TRACE, "eigenvalue mean (x d)", r"tr($W_{QK}$)", False),
+              (N.EIG_SCALE_TR2, "eigenvalue scale", r"tr($W_{QK}^2$)", False),
+              (N.EIG_SCALE_FRO2, "scale, as LocAteR penalises it", r"tr($W_{QK}^\top W_{QK}$)", True),
+              (N.EIG_VAR_D2, "eigenvalue spread (x d²)", r"$d\,$tr($W_{QK}^2$) $-$ tr($W_{QK})^2$", False)]
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.9))
     colors = _depth_colors(len(layers))
-    for ax, (q, title, logy) in zip(axes, panels):
+    for ax, (q, title, ylabel, logy) in zip(axes, panels):
         for b, c in zip(layers, colors):
             _line(ax, run.get(N.metric(N.QK_SPECTRUM, b, q)), logy=logy, color=c, label=b)
         _mark_divergence(ax, run)
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.set_ylabel(q)
+        ax.set_ylabel(ylabel)
     _depth_legend_or_bar(fig, axes[-1], layers)
     fig.suptitle(_title(run, r"QK eigenspectrum, $W_{QK} = W_q^{h\top} W_k^h$ summed over heads"))
     fig.tight_layout()
@@ -700,8 +711,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         ("training loss", "loss (nats)", True, lambda r: r.get(N.LOSS)),
         (f"validation {val.split('/')[1]}", "cross-entropy (nats)" if val == N.VAL_LOSS else "accuracy (fraction)",
          val == N.VAL_LOSS, lambda r: r.get(val)),
-        # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png)
-        ("scheduled lr", "scheduled learning rate", False, lambda r: r.get(N.LR)),
+        # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png);
+        # runs at rates a decade apart or more share a log axis, or the smaller lie flat on zero
+        ("scheduled lr", "scheduled learning rate", _decades_apart([r.get(N.LR) for r in runs]),
+         lambda r: r.get(N.LR)),
         (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
         (ent_title, "entropy (nats)", False, ent),
     ]

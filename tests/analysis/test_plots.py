@@ -401,3 +401,13 @@ def test_a_sweep_directory_given_as_a_run_says_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"holds runs \(0, 1\), not one: plot one of them, or overlay them "
                                                 r"with scripts/compare_runs.py"):
         P.load_run(tmp_path)
+
+
+def test_compare_runs_puts_learning_rates_a_decade_apart_on_a_log_axis():
+    """lr 1e-3 beside lr 3 lay flat on zero on a linear axis; one run's decay to zero is no reason for a log axis."""
+    import numpy as np
+
+    steps = np.arange(0, 100, 10, dtype=float)
+    cosine = (steps, 3.0 * 0.5 * (1 + np.cos(np.pi * steps / 100)))
+    assert P._decades_apart([cosine, (steps, cosine[1] / 3000)])
+    assert not P._decades_apart([cosine, (steps, cosine[1] / 3)]) and not P._decades_apart([cosine, None])
