@@ -313,6 +313,10 @@ def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | 
                 fv.write(tail.tobytes())
             os.truncate(tmp["train"], n["train"] * dtype.itemsize)
             n["val"] += move
+        skipped = (extra or {}).get("skipped_files") or []
+        if not n_docs["train"] + n_docs["val"] and skipped:
+            raise ConfigError(f"no text to tokenize: all {len(skipped)} file(s) were skipped as not UTF-8 text "
+                              f"(e.g. {skipped[0]}); give text files")
         for split in ("train", "val"):
             if n[split] < min_tokens:
                 raise ConfigError(f"{split} would hold {n[split]} tokens, fewer than {min_tokens} "

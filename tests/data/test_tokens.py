@@ -275,3 +275,11 @@ def test_data_path_at_the_val_or_meta_file_names_train_bin(tmp_path, name, what)
         data_from_config(make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / name}"))
     assert str(e.value) == (f"data.path={tmp_path / name} is {what}; point it at the training file beside it: "
                             f"data.path={tmp_path / 'train.bin'}")
+
+
+def test_files_that_are_all_skipped_say_so(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.bin").write_bytes(b"\xff\xfe\x00\x81" * 100)
+    with pytest.raises(ConfigError, match=r"^no text to tokenize: all 1 file\(s\) were skipped as not UTF-8 text "
+                                          r"\(e.g. .*a.bin\); give text files$"):
+        prepare_from_sources(tmp_path / "out", files=[str(tmp_path / "in")], block_size=8)
