@@ -89,6 +89,11 @@ class Run:
         return [] if series is None else sorted(set(series[0].tolist()))
 
     @property
+    def alerts(self) -> list[dict]:
+        """The run's health alerts (summary.json): ``step``, ``layer`` and the min entropy ``value``."""
+        return [a for a in (self.summary or {}).get("alerts") or [] if isinstance(a, dict) and "step" in a]
+
+    @property
     def skipped_at(self) -> list[float]:
         """The log steps whose interval skipped a non-finite update."""
         series = self.get(N.SKIPPED_STEPS)
@@ -383,6 +388,13 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
                                 (axes[1], N.ENT_MIN, "min over heads")):
         for b, c in zip(layers, colors):
             _line(ax, run.get(N.metric(N.ENTROPY, b, quantity)), color=c, label=b)
+            found = [(a["step"], a["value"]) for a in run.alerts if a.get("layer") == b and quantity == N.ENT_MIN
+                     and isinstance(a.get("value"), (int, float))]
+            if found:  # at the entropy that raised it, on that layer's curve
+                ax.plot(*zip(*found), "v", color=c, markersize=9, markeredgecolor="crimson", ls="")
+        if quantity == N.ENT_MIN and run.alerts:
+            ax.plot([], [], "v", color="white", markeredgecolor="crimson", markersize=9, ls="",
+                    label="health alert (entropy collapse)")
         ref = run.get(N.metric(N.ENTROPY, layers[0], N.ENT_LOG_T))
         if ref is not None:
             ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1,
@@ -733,6 +745,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 missing.append(i)
             if run.diverged_step is not None:
                 ax.axvline(run.diverged_step, color=styles[i]["color"], ls=":", lw=1)
+            if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
+                steps = sorted({a["step"] for a in run.alerts})
+                ax.plot(steps, [1.0] * len(steps), "v", color=styles[i]["color"], markersize=8, ls="",
+                        transform=ax.get_xaxis_transform(), clip_on=False)
         if len(missing) < len(runs):
             drawn += 1
             ax.set_ylabel(ylabel)
@@ -759,6 +775,9 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     if any(r.diverged_step is not None for r in runs):
         handles.append(Line2D([], [], color="gray", ls=":", lw=1))
         labelled.append("dotted: where the run of that colour diverged")
+    if any(r.alerts for r in runs):
+        handles.append(Line2D([], [], color="gray", marker="v", ls=""))
+        labelled.append("triangle on the entropy panel: a health alert of the run of that colour")
     _fit_legend(slot, handles, labelled, loc="upper left", borderaxespad=0.0, fontsize=_STYLE["font.size"])
     for ax, missing in missing_in:
         _fit_legend(ax, [Line2D([], [], color=styles[i]["color"], ls=":") for i in missing],

@@ -411,3 +411,27 @@ def test_compare_runs_puts_learning_rates_a_decade_apart_on_a_log_axis():
     cosine = (steps, 3.0 * 0.5 * (1 + np.cos(np.pi * steps / 100)))
     assert P._decades_apart([cosine, (steps, cosine[1] / 3000)])
     assert not P._decades_apart([cosine, (steps, cosine[1] / 3)]) and not P._decades_apart([cosine, None])
+
+
+def test_health_alerts_are_marked_where_they_fired(tmp_path, monkeypatch):
+    """entropy.png marks each alert on its layer's min-entropy curve, at the value that raised it;
+    compare.png marks the run's alert steps on the entropy panel's top edge, in the run's colour."""
+    import matplotlib.pyplot as plt
+
+    run = _write_run(tmp_path / "run")
+    ent = 2.0 * (1 - 250 / 300) ** 4  # blocks.2's min entropy at step 250
+    summary = json.loads((run / "summary.json").read_text())
+    summary["alerts"] = [{"step": 250, "layer": "blocks.2", "value": ent, "message": "m"}]
+    (run / "summary.json").write_text(json.dumps(summary))
+    figs = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
+    P.plot_entropy(P.load_run(run), BLOCKS, tmp_path)
+    ax = figs["entropy.png"].axes[1]
+    marks = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [250] and list(marks[0].get_ydata()) == [ent]
+    assert "health alert (entropy collapse)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    P.compare_runs([run, _write_run(tmp_path / "quiet", crash=False)], tmp_path / "cmp")
+    ax = next(a for a in figs["compare.png"].axes if "entropy" in a.get_title())
+    edge = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
+    assert len(edge) == 1 and list(edge[0].get_xdata()) == [250] and list(edge[0].get_ydata()) == [1.0]
+    plt.close("all")
