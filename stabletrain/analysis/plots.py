@@ -8,7 +8,7 @@ with a printed note (``logits.png`` silently). Figures:
 
 - ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
 - ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
-- ``entropy.png``: attention entropy per layer (001 Fig. 2/3) and the Theorem 3.1 bound;
+- ``entropy.png``: attention entropy per layer (001 Fig. 2/3), the Theorem 3.1 bound, the health alerts;
 - ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
