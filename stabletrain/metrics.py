@@ -186,25 +186,35 @@ class Metrics:
         parts = [f"step {step}/{total}"] + [f"{k} {_fmt(v)}" for k, v in values.items()]
         line = " | ".join(parts)
         if self.tty:
-            print("\r" + line.ljust(100), end="", file=sys.stderr, flush=True)
+            say("\r" + line.ljust(100), end="")
         else:
-            print(line, file=sys.stderr, flush=True)
+            say(line)
         self.last_print = time.time()
 
     def message(self, text: str) -> None:
         if self.enabled:
             if self.tty:
-                print(file=sys.stderr)
-            print(text, file=sys.stderr, flush=True)
+                say("")
+            say(text)
 
     def close(self) -> None:
         if not self.enabled:
             return
         if self.tty:
-            print(file=sys.stderr)
+            say("")
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def say(text: str, end: str = "\n") -> None:
+    """Print to stderr. Where its reader has gone (``train.py 2>&1 | head``, a closed terminal),
+    the run goes on without a console (metrics.jsonl and summary.json still record it): stderr
+    becomes /dev/null rather than a broken pipe that would end the run as failed."""
+    try:
+        print(text, end=end, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):  # ValueError: stderr closed
+        sys.stderr = open(os.devnull, "w")
 
 
 def _fmt(v) -> str:

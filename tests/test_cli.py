@@ -199,3 +199,22 @@ def test_a_sweep_point_refused_while_building_is_recorded_and_the_sweep_goes_on(
     assert refused["status"] == "refused" and "too few for a window of model.block_size=5000000" in refused["reason"]
     assert done["status"] == "completed"
     assert "(this sweep point is skipped; the sweep goes on)" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_run_whose_console_reader_goes_away_trains_on(tmp_path):
+    """``train.py 2>&1 | head -3``: once the pipe closes, the run goes on without a console
+    (it ended as failed, 'BrokenPipeError', at its next progress line)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "model=gpt_test", "steps=30", "logger=none",
+                             "logger.log_every=1", f"hydra.run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "WANDB_MODE": "disabled"})
+    proc.stderr.readline()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
