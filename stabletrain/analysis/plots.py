@@ -241,8 +241,10 @@ def _title(run: Run, what: str) -> str:
         status = f" [{run.summary.get('status', '?')}"
         if run.diverged_step is not None:
             status += f" at step {run.diverged_step}"
-        if run.restored_at:
-            status += f", {len(run.restored_at)} rollback(s) (orange: restored step)"
+        # each rollback (summary.json), not each restored step: three may restore the same one
+        rollbacks = len(run.summary.get("rollbacks") or []) or len(run.restored_at)
+        if rollbacks:
+            status += f", {rollbacks} rollback(s) (orange: restored step)"
         if run.skipped_at:
             status += f", non-finite steps skipped (grey: {int(sum(run.get(N.SKIPPED_STEPS)[1]))})"
         status += "]"

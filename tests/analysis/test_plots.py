@@ -435,3 +435,12 @@ def test_health_alerts_are_marked_where_they_fired(tmp_path, monkeypatch):
     edge = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
     assert len(edge) == 1 and list(edge[0].get_xdata()) == [250] and list(edge[0].get_ydata()) == [1.0]
     plt.close("all")
+
+
+def test_the_title_counts_rollbacks_not_restored_steps(tmp_path):
+    run = _write_run(tmp_path / "run", crash=False)
+    back = {"trigger_step": 50, "detected_step": 50, "restored_step": 40, "skipped_steps": 10, "reason": "r"}
+    (run / "summary.json").write_text(json.dumps({"status": "diverged", "step": 300, "rollbacks": [back] * 3}))
+    with open(run / "metrics.jsonl", "a") as f:  # the three rollback records, all at step 40
+        f.write("\n" + "\n".join(json.dumps({"step": 40, N.rollback("restored_step"): 40}) for _ in range(3)))
+    assert "3 rollback(s)" in P._title(P.load_run(run), "x")
