@@ -523,9 +523,11 @@ READ_BY = {
     "schedule.milestones": ("schedule=step",), "schedule.gamma": ("schedule=step",),
     "schedule.min_lr": ("schedule=cosine",), "schedule.horizon": ("schedule=cosine",),
 }
-# groups whose every key is unread under one option: group -> (its schema, that option, why)
-OFF = {"reparam": (ReparamConfig, "none", "is off"), "deescalate": (DeescConfig, "none", "is off"),
-       "init": (InitConfig, "family", "keeps the model's own init")}
+# groups whose every key is unread under one option: group -> (its schema, that option, why, the
+# keys that option's own yaml sets)
+OFF = {"reparam": (ReparamConfig, "none", "is off", ()), "deescalate": (DeescConfig, "none", "is off", ()),
+       "init": (InitConfig, "family", "keeps the model's own init", ()),
+       "monitor": (MonitorConfig, "off", "is off", ("alerts",))}
 # keys that another key's setting leaves unread: key -> (read in this run?, what to set to use it)
 READ_WHEN = {
     **{f"ema.{k}": (lambda c: c.ema.decay is not None, "the weight average is off (set ema.decay, e.g. 0.9999)")
@@ -537,7 +539,15 @@ READ_WHEN = {
        for k in ("skip_window", "max_rollbacks", "lr_scale_on_rollback")},
     "divergence.max_skips": (lambda c: c.divergence.skip_nonfinite,
                              "no step is skipped (divergence.skip_nonfinite=false)"),
+    # (under monitor=off, OFF says it)
+    **{f"monitor.{k}": (lambda c: c.monitor.alerts or _name(c.monitor) == "off",
+                        "health alerts are off (monitor.alerts=false)")
+       for k in ("stop_on_alert", "rollback_on_alert", "entropy_floor", "qk_growth", "qk_window")},
 }
+
+
+def _name(group_cfg: Any) -> str:
+    return str(getattr(group_cfg.name, "value", group_cfg.name))
 
 
 def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
@@ -563,9 +573,9 @@ def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
             has = ", ".join(f"{g}={cfg[g].name}" for g in groups)
             out.append(f"note: {key}={_shown(value(key))} changes nothing: only {only} reads it, and this run "
                        f"has {has}")
-    for group, (cls, off, why) in OFF.items():
-        if str(cfg[group].name) == off:
-            for key in (f.name for f in fields(cls) if f.name != "name"):
+    for group, (cls, off, why, own) in OFF.items():
+        if _name(cfg[group]) == off:
+            for key in (f.name for f in fields(cls) if f.name not in ("name", *own)):
                 if _differs(cfg[group][key], getattr(cls(), key)):
                     out.append(f"note: {group}.{key}={_shown(cfg[group][key])} changes nothing: {group}={off} "
                                f"{why} (choose another {group} option)")
@@ -608,6 +618,8 @@ def _shown(value: Any) -> str:
     from omegaconf import OmegaConf
 
     value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+    if isinstance(value, bool):  # as it is written on the command line
+        return str(value).lower()
     return str(getattr(value, "value", value)).replace(" ", "")
 
 

@@ -30,6 +30,9 @@ from tests.helpers import make_cfg
     (["divergence.lr_scale_on_rollback=0.5"], "set divergence.action=rollback"),
     (["divergence.enabled=false", "divergence.window=5"], "divergence.window=5 changes nothing: the spike check"),
     (["divergence.skip_nonfinite=false", "divergence.max_skips=3"], "divergence.max_skips=3 changes nothing: no step"),
+    (["monitor=off", "monitor.stop_on_alert=true"], "monitor.stop_on_alert=true changes nothing: monitor=off is off"),
+    (["monitor.alerts=false", "monitor.entropy_floor=0.2"], "monitor.entropy_floor=0.2 changes nothing: health alerts "
+                                                            "are off (monitor.alerts=false)"),
 ])
 def test_a_key_nothing_reads_is_noted(overrides, note):
     notes = unread_keys(make_cfg(*overrides))
@@ -48,7 +51,8 @@ def test_a_key_its_option_reads_is_not_noted(overrides):
     assert unread_keys(make_cfg(*overrides)) == []
 
 
-@pytest.mark.parametrize("group", ["norm", "attention", "optim", "schedule", "reparam", "deescalate", "experiment"])
+@pytest.mark.parametrize("group", ["norm", "attention", "optim", "schedule", "reparam", "deescalate", "monitor",
+                                   "experiment"])
 def test_no_option_or_recipe_sets_a_key_it_does_not_read(group):
     for option in group_options(group):
         assert unread_keys(make_cfg(f"{group}={option}")) == [], f"{group}={option}"
