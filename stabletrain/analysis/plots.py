@@ -322,7 +322,7 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
               (N.VAL_LOSS, "validation loss", "cross-entropy (nats)", True),
               (N.VAL_ACC, "validation accuracy", "accuracy (fraction)", False),
               (N.LR, "scheduled learning rate", "learning rate", False),
-              (N.GRAD_NORM, "gradient norm (before clipping)", "global L2 norm", True),
+              (N.GRAD_NORM, "gradient norm (before clipping, the interval's largest)", "global L2 norm", True),
               (N.FRAC_BOUNDED, "AdamW²: fraction of tensors at the bound", "fraction of tensors", False)]
     panels = [p for p in panels if run.has(p[0])]
     if not panels:

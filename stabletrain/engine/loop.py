@@ -328,7 +328,7 @@ class Trainer:
     # --- logging --------------------------------------------------------------------
 
     def _log_interval(self, pending: list[tuple[int, StepResult]], dt: float, last_vals: dict) -> str | None:
-        """Read the interval's losses, skip flags, loss terms and last gradient norm back in one
+        """Read the interval's losses, skip flags, loss terms and gradient norm back in one
         device-to-host copy, check divergence step by step, and log. Under DDP the values are
         the global batch's and the monitors' stop request is shared, so every rank reaches the
         same verdict at the same step. Returns the reason to stop, or None."""
@@ -336,6 +336,12 @@ class Trainer:
         results = [r for _, r in pending]
         guarded = self.guard is not None
         gnorm = results[-1].grad_norm
+        if all(r.grad_norm is not None for r in results):
+            # every step computed one (divergence.skip_nonfinite): the interval's largest finite one, so
+            # that a spike between two log steps shows; a skipped step's is not finite, and said apart
+            g = torch.stack([r.grad_norm.float().reshape(()) for r in results])
+            g = torch.where(torch.isfinite(g), g, torch.full_like(g, -math.inf)).max()
+            gnorm = torch.where(torch.isinf(g), torch.full_like(g, math.nan), g)
         stop = 1.0 if self.monitor is not None and self.monitor.stop_reason else 0.0
         bad = self.data.bad_samples() if hasattr(self.data, "bad_samples") else 0
         # averaged over the ranks: the losses, the skip flags and the gradient norm (the same on

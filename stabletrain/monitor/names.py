@@ -25,7 +25,7 @@ BLOCK_GROUPS = (SIGMA1, SEC, ENTROPY, TOKEN_SIM, QK_SPECTRUM, NORM)
 # training scalars written by the loop
 LOSS = "loss"  # what is minimised: the task loss plus every loss term
 LR = "lr"
-GRAD_NORM = "grad_norm"  # before clipping
+GRAD_NORM = "grad_norm"  # before clipping; the log interval's largest, or the log step's without skip_nonfinite
 LOSS_PENALTY = "loss/penalty"  # the loss terms' share of LOSS
 STEP_TIME = "time/step_s"
 PEAK_MEMORY = "memory/peak_gb"

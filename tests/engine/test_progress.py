@@ -153,3 +153,20 @@ def test_perplexity_is_exp_of_the_loss_not_a_cap(loss, ppl, monkeypatch, tmp_pat
     monkeypatch.setattr(t, "_eval_sums", lambda model: torch.tensor([loss * 10, 0.0, 10.0], dtype=torch.float64))
     got = t.evaluate()
     assert got["val/loss"] == pytest.approx(loss) and got["val/ppl"] == pytest.approx(ppl, rel=1e-9)
+
+
+def test_the_logged_gradient_norm_is_the_intervals_largest(tmp_path):
+    """A spike between two log steps showed as a dip: grad_norm was the log step's own. It is
+    the interval's largest, the same run logged every step says which."""
+    args = ["model=gpt_test", "steps=20", "batch_size=8", "logger=none", "monitor=off", "eval_every=100",
+            "debug.spike_at_step=15", "precision=fp32"]
+    train(tmp_path / "every", *args, "logger.log_every=1")
+    train(tmp_path / "tens", *args, "logger.log_every=10")
+
+    def norms(d):
+        return {r["step"]: r["grad_norm"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                if "grad_norm" in r}
+
+    every, tens = norms(tmp_path / "every"), norms(tmp_path / "tens")
+    assert tens[20] == pytest.approx(max(every[s] for s in range(11, 21)), rel=1e-5)
+    assert tens[20] > 2 * every[20]  # the spike at step 15, not step 20's
