@@ -581,11 +581,16 @@ class Trainer:
         found = self.ckpt.ring_before(onset)
         if found is None:
             return f"{reason}; no ring checkpoint before step {onset} to roll back to"
+        again = self.rollbacks and found[0] == self.rollbacks[-1]["restored_step"]
+        if again and (earlier := self.ckpt.ring_before(found[0])) is not None:
+            found = earlier  # the state restored last time went wrong again: it may hold the trouble's start
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
+        fired = list(self.monitor.alerts) if self.monitor is not None else []
         self.ckpt.restore(path, ck)
         if self.monitor is not None:
             self.monitor.stop_reason = None
+            self.monitor.alerts = fired  # the alerts are a record of the run, not state to restore
         detected = self.step
         skipped = max(onset - restored, w.skip_window)
         self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped

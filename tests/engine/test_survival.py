@@ -462,3 +462,27 @@ def test_a_kill_during_a_rollback_resumes_the_run_it_would_have_been(tmp_path):
     s = train(tmp_path / "killed", *args, "resume=auto")
     assert s["status"] == "completed" and len(s["rollbacks"]) == 1 and not later.exists()
     assert losses(tmp_path / "killed") == losses(tmp_path / "full")
+
+
+def test_a_second_rollback_to_the_same_checkpoint_reaches_further_back(tmp_path):
+    """An alert at step 10 twice: the first rollback restores the ring's step 8; the trouble
+    comes back from it, so the second restores step 4, which comes before it. Both alerts stay in
+    the summary (a restore does not take the record back)."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *ROLLBACK, "steps=16", "ckpt.keep=3", "monitor=standard",
+                               "monitor.stop_on_alert=true", "monitor.rollback_on_alert=true",
+                               "divergence.max_rollbacks=3"), tmp_path)
+    real, raised = t.monitor.after_step, []
+
+    def after_step(step, last=False):
+        real(step, last)
+        if step + 1 == 10 and len(raised) < 2:
+            raised.append(step + 1)
+            t.monitor.alerts.append({"step": 10, "layer": "blocks.0", "value": 0.01, "message": f"alert {len(raised)}"})
+            t.monitor.stop_reason = "entropy collapse at blocks.0 (step 10)"
+
+    t.monitor.after_step = after_step
+    s = t.fit()
+    assert s["status"] == "completed" and [r["restored_step"] for r in s["rollbacks"]] == [8, 4]
+    assert [a["message"] for a in s["alerts"]] == ["alert 1", "alert 2"]
