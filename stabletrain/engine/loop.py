@@ -814,6 +814,11 @@ class Trainer:
                 at = summary.get("diverged_at", self.step)
                 where = f"at step {at}" + (f" (stopped at step {self.step})" if at != self.step else "")
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
+                alerts = self.monitor.alerts if self.monitor is not None else []
+                if alerts:  # a completed run may have collapsed on the way: said where it ends
+                    first = alerts[0]
+                    skips += (f" | {len(alerts)} health alert(s), the first at {first.get('layer')} step "
+                              f"{first.get('step')}")
                 if status == "interrupted" and not D.may_be_requeued():
                     reason += f"; continue it with resume=auto hydra.run.dir={self.run_dir}"
                 stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""

@@ -486,3 +486,20 @@ def test_a_second_rollback_to_the_same_checkpoint_reaches_further_back(tmp_path)
     s = t.fit()
     assert s["status"] == "completed" and [r["restored_step"] for r in s["rollbacks"]] == [8, 4]
     assert [a["message"] for a in s["alerts"]] == ["alert 1", "alert 2"]
+
+
+def test_the_last_line_names_the_health_alerts(tmp_path, capsys):
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*GPT, "steps=6", "monitor=standard", "logger=none"), tmp_path)
+    real = t.monitor.after_step
+
+    def after_step(step, last=False):
+        real(step, last)
+        if step + 1 == 3:
+            t.monitor.alerts.append({"step": 3, "layer": "blocks.1", "value": 0.01, "message": "m"})
+
+    t.monitor.after_step = after_step
+    assert t.fit()["status"] == "completed"
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("completed at step 6 | 1 health alert(s), the first at blocks.1 step 3 |"), last
