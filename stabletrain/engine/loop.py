@@ -680,6 +680,7 @@ class Trainer:
         traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
         m.message(f"{cfg.title}: {param_count(nparams)} params on {self.device}"
                   + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
+                  f"{'sequences' if self.data.kind == 'text' else 'images'} "
                   f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
                   f"run dir {self.run_dir}")
         for note in self.notes:
