@@ -544,6 +544,9 @@ class Trainer:
             done = self.run_dir / "summary.json"
             if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
                 done.replace(previous_name(done))
+            plots = self.run_dir / "plots"
+            if plots.is_dir():  # the earlier run's figures (plot_dynamics), not this one's
+                plots.rename(previous_name(plots))
         D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
 
     def _resume_notes(self, path: Path, ck: dict) -> None:

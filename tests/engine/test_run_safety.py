@@ -168,6 +168,10 @@ def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_
 
     assert steps("metrics.previous.jsonl") == [1, 2, 3, 4, 5, 6]
     assert steps("metrics.previous2.jsonl") == [1, 2, 3] and steps("metrics.jsonl") == [1]
+    (tmp_path / "plots").mkdir()  # plot_dynamics' figures of the last run
+    (tmp_path / "plots" / "training.png").write_bytes(b"png")
+    train(tmp_path, *args, "steps=1", quiet=False)
+    assert not (tmp_path / "plots").exists() and (tmp_path / "plots.previous" / "training.png").is_file()
 
 
 
