@@ -297,12 +297,14 @@ def _blocks_with(run: Run, group: str, quantity: str | None) -> list[str]:
     return [b for b in N.blocks_in(run.metrics) if run.has(N.metric(group, b, quantity))]
 
 
-def _few_steps(steps: np.ndarray, k: int = 5) -> list[float]:
-    """Up to ``k`` steps spread over the run, the last included."""
+def _few_steps(steps: np.ndarray, k: int = 5, must=()) -> list[float]:
+    """Up to ``k`` steps spread over the run, the last included, and the steps of ``must`` (an
+    alert's) that are among them."""
     steps = np.unique(steps)
     if len(steps) <= k:
         return list(steps)
-    return list(steps[np.unique(np.round(np.linspace(0, len(steps) - 1, k)).astype(int))])
+    spread = steps[np.unique(np.round(np.linspace(0, len(steps) - 1, k)).astype(int))]
+    return sorted(set(spread.tolist()) | {s for s in must if s in steps})
 
 
 def _value_at(series: Series, step: float) -> float:
@@ -449,7 +451,8 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     for ax, (block, curve) in zip(axes.flat, curves.items()):
         sizes = list(curve)
         d_h = sizes[-1]
-        steps = _few_steps(np.concatenate([s[0] for s in curve.values()]))
+        steps = _few_steps(np.concatenate([s[0] for s in curve.values()]),
+                           must=[a["step"] for a in run.alerts if a.get("layer") == block])
         for i, step in enumerate(steps):
             ys = [_value_at(curve[s], step) for s in sizes]
             ax.plot(sizes, ys, marker="o", ms=3, color=cmap(0.85 * i / max(len(steps) - 1, 1)),

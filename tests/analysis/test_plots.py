@@ -444,3 +444,10 @@ def test_the_title_counts_rollbacks_not_restored_steps(tmp_path):
     with open(run / "metrics.jsonl", "a") as f:  # the three rollback records, all at step 40
         f.write("\n" + "\n".join(json.dumps({"step": 40, N.rollback("restored_step"): 40}) for _ in range(3)))
     assert "3 rollback(s)" in P._title(P.load_run(run), "x")
+
+
+def test_the_sec_figure_keeps_an_alerts_step():
+    import numpy as np
+
+    assert P._few_steps(np.arange(0, 70, 10)) == [0, 20, 30, 40, 60]  # five spread: step 50 left out
+    assert P._few_steps(np.arange(0, 70, 10), must=[50, 55]) == [0, 20, 30, 40, 50, 60]  # 55 was not logged
