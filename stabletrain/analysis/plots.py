@@ -216,6 +216,15 @@ def _mark_divergence(ax, run: Run) -> None:
         ax.axvline(step, color="red", ls=":", lw=1)
 
 
+def _min_span(ax, span: float) -> None:
+    """A y axis at least ``span`` high: entropies that move by 1e-4 nats would otherwise fill
+    the panel and read as a steep fall."""
+    lo, hi = ax.get_ylim()
+    if hi - lo < span:
+        mid = (lo + hi) / 2
+        ax.set_ylim(mid - span / 2, mid + span / 2)
+
+
 def _depth_colors(n: int):
     cmap = plt.get_cmap("viridis")
     return [cmap(i / max(n - 1, 1)) for i in range(n)]
@@ -404,6 +413,7 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
             ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1,
                        label="uniform over each query's keys")
         _mark_divergence(ax, run)
+        _min_span(ax, 0.1)
         ax.set_title(f"attention entropy, {title}")
         ax.set_xlabel("step")
         ax.set_ylabel("entropy (nats)")
@@ -621,7 +631,7 @@ def plot_logits(run: Run, out_dir: Path) -> Path | None:
         ax = axes.pop(0)
         _line(ax, log_z, color="black")
         _mark_divergence(ax, run)
-        ax.set_title(r"output log-partition $\log Z$ (mean over tokens)")
+        ax.set_title(r"output log-partition $\log Z$ (mean over outputs)")
         ax.set_xlabel("step")
         ax.set_ylabel("log Z")
     fig.suptitle(_title(run, "logit growth"))
@@ -757,6 +767,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         if len(missing) < len(runs):
             drawn += 1
             ax.set_ylabel(ylabel)
+            if get is ent:
+                _min_span(ax, 0.1)
             if missing:  # said in the panel, so that a missing run is not mistaken for a hidden line
                 missing_in.append((ax, missing))
         else:

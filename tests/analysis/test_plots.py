@@ -451,3 +451,17 @@ def test_the_sec_figure_keeps_an_alerts_step():
 
     assert P._few_steps(np.arange(0, 70, 10)) == [0, 20, 30, 40, 60]  # five spread: step 50 left out
     assert P._few_steps(np.arange(0, 70, 10), must=[50, 55]) == [0, 20, 30, 40, 50, 60]  # 55 was not logged
+
+
+def test_an_entropy_panel_is_at_least_a_tenth_of_a_nat_high():
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 10], [2.83308, 2.83320])
+    P._min_span(ax, 0.1)
+    lo, hi = ax.get_ylim()
+    assert hi - lo == pytest.approx(0.1) and lo < 2.83308 and 2.83320 < hi
+    ax.set_ylim(0, 2)
+    P._min_span(ax, 0.1)
+    assert ax.get_ylim() == (0, 2)  # a wide axis is left as it is
+    plt.close(fig)
