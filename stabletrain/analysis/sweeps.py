@@ -93,6 +93,15 @@ def labels(run_dirs: list[Path]) -> list[str]:
     differs or two runs would share a label."""
     runs = [Run(Path(d), {}, settings(Path(d))) for d in run_dirs]
     keys = varying_keys(runs)
+    for r in runs:  # a run that did not override a key ran with its config's value: say which
+        missing = [k for k in keys if k not in r.settings]
+        config = r.path / "config.yaml"
+        if missing and config.is_file():
+            full = _flatten(yaml.safe_load(config.read_text()) or {})
+            for k in missing:  # a key, or a group chosen by name (optim=adamw2: optim.name)
+                if (v := full.get(k, full.get(f"{k}.name"))) is not None:
+                    r.settings[k] = v
+    keys = varying_keys(runs)  # filled in, some keys no longer differ
     out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings) for r in runs]
     if not keys or not all(out) or len(set(out)) < len(out):
         return [Path(d).resolve().name + (f" ({o})" if o and keys else "") for d, o in zip(run_dirs, out)]

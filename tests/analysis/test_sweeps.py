@@ -114,6 +114,9 @@ def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     (bare / ".hydra").mkdir(parents=True)
     (bare / ".hydra" / "overrides.yaml").write_text("[]\n")
     assert sweeps.labels([bare, dirs[2]]) == ["bare", "2 (optim=adamw)"]  # no empty label
+    (bare / "config.yaml").write_text(yaml.safe_dump({"optim": {"name": "adamw2", "tau": 0.004}}))  # what it ran
+    assert sweeps.labels([bare, dirs[2]]) == ["optim=adamw2", "optim=adamw"]
+    assert sweeps.labels([bare, dirs[0]]) == ["optim.tau=0.004", "optim.tau=0.01"]
 
 
 def _lr_table(diverged: dict) -> list[dict]:
