@@ -27,6 +27,7 @@ from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite
 from stabletrain.monitor.quantities import block_chunks, block_probe_metrics, model_weight_metrics
 
 HISTORY = 64  # weight snapshots kept for forensics
+REMEDIES = "a learning-rate warmup, optim=adamw2, reparam=sigma or attention=qknorm"
 
 
 def _qkv(attn: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,7 +132,8 @@ class MonitorRunner:
         for alert in self.watch.update(done, rec) if self.cfg.alerts else []:
             self.alerts.append(alert)
             rec[f"alert/{alert['layer']}"] = 1.0
-            self.sink.message("WARNING " + alert["message"])
+            # the console says what to try; summary.json keeps the finding alone
+            self.sink.message("WARNING " + alert["message"] + f" (what the papers do against it: {REMEDIES})")
             if self.cfg.stop_on_alert and self.stop_reason is None:
                 self.stop_reason = f"entropy collapse at {alert['layer']} (step {done})"
         self.sink.log(done, rec)

@@ -51,10 +51,13 @@ def test_adamw_without_warmup_collapses_and_the_alert_names_the_layer(tmp_path):
     assert s2["alerts"] == []
 
 
-def test_stop_on_alert_ends_the_run_as_diverged(tmp_path):
-    s = train(tmp_path, *COLLAPSE, "optim=adamw", "monitor.stop_on_alert=true")
+def test_stop_on_alert_ends_the_run_as_diverged(tmp_path, capsys):
+    s = train(tmp_path, *COLLAPSE, "optim=adamw", "monitor.stop_on_alert=true", quiet=False)
     assert s["status"] == "diverged" and "entropy collapse" in s["reason"]
     assert s["step"] < 100
+    warning = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("WARNING "))
+    assert warning.endswith("(what the papers do against it: a learning-rate warmup, optim=adamw2, reparam=sigma "
+                            "or attention=qknorm)")
 
 
 def test_divergence_forensics(tmp_path):
