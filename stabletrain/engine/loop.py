@@ -430,7 +430,9 @@ class Trainer:
         if k:
             pen = rec[N.LOSS_PENALTY]
             loss = f"{loss:.4g} (task {loss - pen:.4g} + penalty {pen:.4g})"
-        extra = {"skipped": f"{sum(skipped)} non-finite step(s)"} if sum(skipped) else {}
+        which = [s + 1 for (s, _), skip in zip(pending, skipped) if skip]
+        extra = {"skipped": f"{len(which)} non-finite step(s) (step {', '.join(map(str, which[:3]))}"
+                            f"{', ...' if len(which) > 3 else ''})"} if which else {}
         self.metrics.progress(self.step, self.total_steps,
                               {N.LOSS: loss, **extra, N.LR: lr, **shown, **speed})
         return reason

@@ -161,7 +161,7 @@ def test_skipped_steps_are_named_on_the_progress_line_and_counted_in_the_summary
               quiet=False)
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("step ")]
-    assert ["skipped 1 non-finite step(s)" in ln for ln in lines] == [False, True, False]  # steps 2, 4, 6
+    assert ["skipped 1 non-finite step(s) (step 3)" in ln for ln in lines] == [False, True, False]  # steps 2, 4, 6
     assert s["skipped_steps"] == 1 and "| 1 non-finite step(s) skipped" in err.splitlines()[-1]
 
 
