@@ -19,8 +19,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
-import statistics
 import signal
+import statistics
 import sys
 import time
 from dataclasses import dataclass
