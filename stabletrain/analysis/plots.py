@@ -185,9 +185,9 @@ def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
         x, y = x[keep], y[keep]
     if len(x) == 0:
         return False
-    style = {"marker": "." if len(x) < 30 else None, "ms": 3, "lw": 1.2}
+    style = {"marker": "." if len(x) < 30 else None, "ms": 3 if len(x) > 1 else 6, "lw": 1.2}
     ax.plot(x, y, **{**style, **kw})
-    if logy:
+    if logy and (len(x) > 1 or ax.get_yscale() == "log"):  # one point (a single evaluation): a linear axis
         log_scale(ax)
     return True
 
