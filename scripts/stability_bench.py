@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(out: Path, order: list[str] | None) -> int:
     md, paths = stability.write(out, order)
     if not md:
-        print(f"error: no benchmark run under {out}", file=sys.stderr)
+        plain = any(p.parent.parent == out for p in out.glob("*/summary.json"))
+        print(f"error: no benchmark run under {out}" + (
+            f" (it holds a plain sweep's runs, {out}/<n>/, not the benchmark's {out}/<fix>/lr<lr>/: "
+            f"scripts/summarize_sweep.py {out} tabulates those)" if plain else ""), file=sys.stderr)
         return 1
     print(md)
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}", file=sys.stderr)

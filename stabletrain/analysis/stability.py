@@ -111,12 +111,13 @@ def read_point(group: str, run_dir: Path) -> Point | None:
 
 
 def collect(out_dir: str | Path) -> dict[str, list[Point]]:
-    """Every run below ``out_dir``, by group (the first directory under ``out_dir``), by lr."""
+    """Every run below ``out_dir``, by group (the first directory under ``out_dir``), by lr. Runs
+    directly under ``out_dir`` (a plain sweep's ``0/``, ``1/``) belong to no fix and are left out."""
     root = Path(out_dir)
     groups: dict[str, list[Point]] = {}
     for run in sweeps.find_runs(root):
         rel = run.path.relative_to(root).parts
-        if not rel:
+        if len(rel) < 2:
             continue
         p = read_point(rel[0], run.path)
         if p is not None:

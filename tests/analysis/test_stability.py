@@ -94,3 +94,10 @@ def test_the_figure_draws_diverged_runs_on_the_top_edge_not_at_a_loss(tmp_path):
     assert list(crosses[0].get_ydata()) == [1.0] and crosses[0].get_transform() == ax.get_xaxis_transform()
     bottom, top = ax.get_ylim()
     assert bottom < 2.5 and 3.5 < top < math.log(256) * 1.1  # L0's line and the losses, nothing higher
+
+
+def test_a_plain_sweep_is_no_benchmark(tmp_path):
+    """A plain sweep's runs (OUT/0/, OUT/1/) made a table of one 'fix' per run: they are left out."""
+    _run(tmp_path / "0", 0.001, "completed", {"loss": 3.5})
+    _run(tmp_path / "1", 0.01, "completed", {"loss": 2.5})
+    assert S.collect(tmp_path) == {} and S.write(tmp_path) == ("", {})
