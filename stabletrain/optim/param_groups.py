@@ -130,7 +130,10 @@ def summarize_groups(groups: list[dict], header: str = "") -> str:
     """A few lines: per group its flags, tensor count, parameter count and example names."""
     total_t = sum(len(g["params"]) for g in groups)
     total_n = sum(p.numel() for g in groups for p in g["params"])
-    lines = [f"{header}{total_t} tensors, {param_count(total_n)} params in {len(groups)} groups"]
+    key = ""
+    if any("bound" in g for g in groups):  # AdamW²'s word for it, said once
+        key = " (bound: each update's spectral norm at most tau x sigma1(W); free: plain AdamW)"
+    lines = [f"{header}{total_t} tensors, {param_count(total_n)} params in {len(groups)} groups{key}"]
     for g in groups:
         flags = ["decay" if g["weight_decay"] > 0 else "no-decay"]
         if "bound" in g:

@@ -175,3 +175,16 @@ def test_norm_gains_are_known_by_the_registered_norm_type_not_the_class_name():
         assert r["2.weight"].kind == "vector" and not r["2.weight"].bound
     finally:
         NORMS._entries.pop("scaler_for_test")
+
+
+def test_the_group_table_says_what_bound_and_free_mean():
+    from stabletrain.optim.param_groups import summarize_groups
+
+    w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4))
+    groups = [{"params": [w], "names": ["w"], "kinds": ["matrix"], "weight_decay": 0.1, "bound": True},
+              {"params": [b], "names": ["b"], "kinds": ["vector"], "weight_decay": 0.0, "bound": False}]
+    head, bound, free = summarize_groups(groups, "optimizer adamw2: ").splitlines()
+    assert head.endswith("(bound: each update's spectral norm at most tau x sigma1(W); free: plain AdamW)")
+    assert bound.split()[:2] == ["decay", "bound"] and free.split()[:2] == ["no-decay", "free"]
+    sgd = [{k: v for k, v in g.items() if k != "bound"} for g in groups]
+    assert "bound:" not in summarize_groups(sgd).splitlines()[0]  # no AdamW², no such words
