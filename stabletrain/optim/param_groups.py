@@ -135,7 +135,8 @@ def summarize_groups(groups: list[dict], header: str = "") -> str:
         key = " (bound: each update's spectral norm at most tau x sigma1(W); free: plain AdamW)"
     lines = [f"{header}{total_t} tensors, {param_count(total_n)} params in {len(groups)} groups{key}"]
     for g in groups:
-        flags = ["decay" if g["weight_decay"] > 0 else "no-decay"]
+        # wd_mult: a group that decays on a schedule (optim.weight_decay_end) may start at wd 0
+        flags = ["decay" if g["weight_decay"] > 0 or g.get("wd_mult", 0) > 0 else "no-decay"]
         if "bound" in g:
             flags.append("bound" if g["bound"] else "free")
         if "lars_exclude" in g:

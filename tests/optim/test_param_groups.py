@@ -188,3 +188,12 @@ def test_the_group_table_says_what_bound_and_free_mean():
     assert bound.split()[:2] == ["decay", "bound"] and free.split()[:2] == ["no-decay", "free"]
     sgd = [{k: v for k, v in g.items() if k != "bound"} for g in groups]
     assert "bound:" not in summarize_groups(sgd).splitlines()[0]  # no AdamW², no such words
+
+
+def test_a_group_decayed_on_a_schedule_from_zero_is_labelled_decay():
+    from stabletrain.optim.param_groups import summarize_groups
+
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    group = {"params": [w], "names": ["w"], "kinds": ["matrix"], "weight_decay": 0.0, "wd_mult": 1.0}
+    assert summarize_groups([group]).splitlines()[1].split()[0] == "decay"
+    assert summarize_groups([{**group, "wd_mult": 0.0}]).splitlines()[1].split()[0] == "no-decay"
