@@ -53,4 +53,7 @@ if __name__ == "__main__":
         sys.argv[1:] = follower_argv(args)
     else:
         check_overrides(args)
+    if any(a.lower() in ("dry_run=true", "+dry_run=true") for a in args) and not any(
+            a.lstrip("+~").startswith("hydra.output_subdir=") for a in args):
+        sys.argv.append("hydra.output_subdir=null")  # a dry run writes nothing: not Hydra's record either
     main()
