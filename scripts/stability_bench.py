@@ -12,7 +12,9 @@ model widths (``--widths``). Design: **one Hydra multirun per fix (and width)**,
 ``OUT/<fix>/lr<lr>/`` (Hydra cannot zip override bundles, and a sweep per fix keeps a fix's
 overrides in one place). ``--launcher slurm`` adds ``hydra/launcher=slurm``: the same sweeps
 become job arrays. Resumable: a rerun launches only the learning rates whose run directory has
-no completed/diverged ``summary.json`` (an interrupted point resumes from its ``last.pt``).
+no completed/diverged ``summary.json`` (an interrupted point resumes from its ``last.pt``), and
+those that ran with other settings (``--extra``, the preset), whose old run moves to
+``lr<lr>.previous/``.
 
 The fixes (``{warmup}`` is the preset's warmup). Every fix other than the two warmup
 baselines runs on AdamW **without** warmup, the setting that breaks at high learning rates,
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from stabletrain.analysis import stability  # noqa: E402
+from stabletrain.metrics import previous_name  # noqa: E402
 
 FIXES = {
     "adamw_warmup": "optim=adamw warmup={warmup}",
@@ -98,14 +101,32 @@ def parse_fix(text: str) -> tuple[str, str]:
     return name, overrides
 
 
-def done_lrs(group_dir: Path) -> list[float]:
-    """Learning rates of ``group_dir`` whose run ended (completed or diverged)."""
-    out = []
+def done_lrs(group_dir: Path, overrides: list[str]) -> tuple[list[float], dict[float, Path]]:
+    """Learning rates of ``group_dir`` whose run ended (completed or diverged) with these
+    ``overrides``, and those that ended with others (an earlier call's ``--extra``, preset or
+    warmup), with their directories: a rerun must not take those for this benchmark's points."""
+    import yaml
+
+    def settings(ovs) -> dict:  # as Hydra records them: the last value of a key, false as False
+        out = {}
+        for o in ovs:
+            key, _, val = o.partition("=")
+            out[key] = yaml.safe_load(val) if val else val
+        out.pop("optim.lr", None)
+        return out
+
+    done, other = [], {}
     for d in sorted(group_dir.glob("*/")) if group_dir.is_dir() else []:
         p = stability.read_point(group_dir.name, d)
-        if p is not None and p.status in stability.DONE:
-            out.append(p.lr)
-    return out
+        if p is None or p.status not in stability.DONE:
+            continue
+        given = d / ".hydra" / "overrides.yaml"
+        ran = settings(yaml.safe_load(given.read_text()) or []) if given.is_file() else None
+        if ran is None or ran == settings(overrides):
+            done.append(p.lr)
+        else:
+            other[p.lr] = d
+    return done, other
 
 
 def sweep_command(group_dir: Path, overrides: list[str], lrs: list[float], launcher: str | None) -> list[str]:
@@ -165,13 +186,20 @@ def main(argv: list[str] | None = None) -> int:
             group = name if width is None else f"{name}-w{width}"
             order.append(group)
             group_dir = out / group
-            ended = done_lrs(group_dir)
+            overrides = [*base, *shlex.split(bundle.format(warmup=warmup)),
+                         *([f"model.embed_dim={width}"] if width else []), *a.extra]
+            ended, other = done_lrs(group_dir, overrides)
             todo = [lr for lr in lrs if not any(math.isclose(lr, e, rel_tol=1e-9) for e in ended)]
+            stale = {lr: d for lr, d in other.items() if any(math.isclose(lr, t, rel_tol=1e-9) for t in todo)}
+            if stale and not a.dry_run:  # resume=auto would continue them: they start afresh, the old kept aside
+                for d in stale.values():
+                    d.rename(previous_name(d))
+            if stale:
+                print(f"[{group}] lr {', '.join(f'{x:g}' for x in stale)} ran with other settings: running again "
+                      f"(the earlier runs moved to <dir>.previous)", file=sys.stderr)
             if not todo:
                 print(f"[{group}] all {len(lrs)} learning rates done, skipped", file=sys.stderr)
                 continue
-            overrides = [*base, *shlex.split(bundle.format(warmup=warmup)),
-                         *([f"model.embed_dim={width}"] if width else []), *a.extra]
             cmd = sweep_command(group_dir, overrides, todo, a.launcher)
             print(f"[{group}] {len(todo)} of {len(lrs)} learning rates: {shlex.join(cmd[1:])}", file=sys.stderr)
             if a.dry_run:

@@ -1,5 +1,6 @@
 """The benchmark and reproduction scripts still run (tiny CPU settings); timings are not judged."""
 
+import json
 import os
 import re
 import subprocess
@@ -82,6 +83,17 @@ def test_stability_bench(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "all 2 learning rates done, skipped" in p.stderr, p.stderr
     assert script("stability_bench.py", "--summarize-only", str(tmp_path)) == out
+    # other settings: the points run again (they were reused silently, their table unchanged)
+    fewer = [q if q != "steps=5" else "steps=3" for q in quick]
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "stability_bench.py"), "--out", str(tmp_path),
+                        "--preset", "tiny", "--lrs", "1e-3,1e-1", "--fixes", "adamw", *fewer],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "[adamw] lr 0.001, 0.1 ran with other settings: running again" in p.stderr, p.stderr
+    s = json.loads((tmp_path / "adamw" / "lr0.001" / "summary.json").read_text())
+    assert s["total_steps"] == 3 and (tmp_path / "adamw" / "lr0.001.previous" / "summary.json").is_file()
+    from stabletrain.analysis.stability import collect
+
+    assert sorted(pt.lr for pt in collect(tmp_path)["adamw"]) == [1e-3, 1e-1]  # the old runs are no points
 
 
 @pytest.mark.parametrize("name", ["bench_train.py", "bench_optim.py"])

@@ -117,7 +117,7 @@ def collect(out_dir: str | Path) -> dict[str, list[Point]]:
     groups: dict[str, list[Point]] = {}
     for run in sweeps.find_runs(root):
         rel = run.path.relative_to(root).parts
-        if len(rel) < 2:
+        if len(rel) < 2 or ".previous" in rel[-1]:  # a point run again with other settings: its old run
             continue
         p = read_point(rel[0], run.path)
         if p is not None:
