@@ -94,6 +94,17 @@ def _chosen_options(cfg) -> dict:
             "deescalate": (DEESCALATIONS, cfg.deescalate.name)}
 
 
+def ema_note(ema_cfg, total_steps: int) -> str:
+    """The start line of the weight average: its horizon, and a warning where it outlasts the run
+    (``val_ema/*`` would then score mostly the initial weights)."""
+    horizon = 1.0 / (1.0 - ema_cfg.decay)  # steps; averaging every k-th step with decay**k keeps it
+    line = f"weight average: ema.decay={ema_cfg.decay:g} (over ~{horizon:.0f} steps), scored as val_ema/*"
+    if horizon > total_steps and not ema_cfg.warmup:
+        line = (f"warning: ema.decay={ema_cfg.decay:g} averages over ~{horizon:.0f} steps, more than the run's "
+                f"{total_steps}: val_ema/* will mostly score the initial weights (lower it, or set ema.warmup=true)")
+    return line
+
+
 def own_groups(cfg) -> tuple[str, ...]:
     """The component groups whose chosen option the user registered (``imports``)."""
     return tuple(g for g, (reg, name) in _chosen_options(cfg).items() if not is_builtin(reg.entry(name)))
@@ -250,6 +261,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
     notes += lr_at.warnings()
+    if ema is not None:
+        notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
     mixup, criterion = task_loss(data, cfg.data)
     monitor = None

@@ -121,3 +121,15 @@ def test_sigma_reparam_recipe_trains_and_scores_its_average(tmp_path):
     final = s["final"]
     assert 0 <= final["val_ema/acc"] <= 1 and final["val_ema/loss"] > 0
     assert final["val_ema/loss"] != final["val/loss"]  # decay 0.99996 after 2 steps: nearly the initial model
+
+
+def test_the_start_line_gives_the_averages_horizon_and_warns_when_it_outlasts_the_run():
+    from types import SimpleNamespace
+
+    from stabletrain.build import ema_note
+
+    assert ema_note(SimpleNamespace(decay=0.9, warmup=False), 20) == \
+        "weight average: ema.decay=0.9 (over ~10 steps), scored as val_ema/*"
+    long = ema_note(SimpleNamespace(decay=0.99996, warmup=False), 20)
+    assert long.startswith("warning: ema.decay=0.99996 averages over ~25000 steps, more than the run's 20")
+    assert not ema_note(SimpleNamespace(decay=0.99996, warmup=True), 20).startswith("warning")  # warmed up
