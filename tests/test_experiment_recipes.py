@@ -42,7 +42,7 @@ def test_stable_gpt2_s():
     o = cfg.optim
     assert (_v(o.name), o.lr, list(o.betas), o.weight_decay) == ("adamw", 6e-4, [0.9, 0.95], 0.1)
     assert (_v(cfg.schedule.name), cfg.schedule.min_lr, cfg.warmup, cfg.steps) == ("cosine", 6e-5, 2000, 600000)
-    assert (cfg.batch_size, cfg.grad_clip, _v(cfg.precision), cfg.model.dropout) == (480, 1.0, "bf16", 0.0)
+    assert (cfg.batch_size, cfg.grad_clip, _v(cfg.precision), cfg.model.dropout) == (480, 1.0, "auto", 0.0)
     with torch.device("meta"):
         model = build_model(cfg.model, Components.of(cfg))
     norms = [m for m in model.modules() if isinstance(m, (StableNorm, nn.LayerNorm, nn.RMSNorm))]
