@@ -567,6 +567,11 @@ class Trainer:
             self.notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
                               f"from step 0, so at step {self.step} the lr is "
                               f"{self.schedule.lr_at(self.step) * self.lr_scale:.3g}")
+        if "ema.decay" in changed:  # allowed on resume, but val_ema/* then means something else
+            self.notes.append("the weight average changed on resume (ema.decay): " + (
+                "it starts now, from the resumed weights" if self.ema is not None and ck.get("ema") is None
+                else "it goes on from the resumed average with the new decay" if self.ema is not None
+                else "it is off from here"))
 
     def survive(self, reason: str, refused_save: bool = False) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the

@@ -133,3 +133,25 @@ def test_the_start_line_gives_the_averages_horizon_and_warns_when_it_outlasts_th
     long = ema_note(SimpleNamespace(decay=0.99996, warmup=False), 20)
     assert long.startswith("warning: ema.decay=0.99996 averages over ~25000 steps, more than the run's 20")
     assert not ema_note(SimpleNamespace(decay=0.99996, warmup=True), 20).startswith("warning")  # warmed up
+
+
+@pytest.mark.parametrize("second,note", [
+    ("ema.decay=0.9", "the weight average changed on resume (ema.decay): it goes on from the resumed average"),
+    ("ema.decay=null", "the weight average changed on resume (ema.decay): it is off from here"),
+])
+def test_a_resume_that_changes_the_weight_average_says_so(tmp_path, capsys, second, note):
+    from tests.helpers import train
+
+    args = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger=none", "monitor=off"]
+    train(tmp_path, *args, "steps=2", "ema.decay=0.99")
+    train(tmp_path, *args, "steps=4", second, "resume=auto", quiet=False)
+    assert note in capsys.readouterr().err
+
+
+def test_a_weight_average_added_on_resume_says_it_starts_there(tmp_path, capsys):
+    from tests.helpers import train
+
+    args = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger=none", "monitor=off"]
+    train(tmp_path, *args, "steps=2")
+    train(tmp_path, *args, "steps=4", "ema.decay=0.9", "resume=auto", quiet=False)
+    assert "it starts now, from the resumed weights" in capsys.readouterr().err
