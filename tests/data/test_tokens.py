@@ -283,3 +283,17 @@ def test_files_that_are_all_skipped_say_so(tmp_path):
     with pytest.raises(ConfigError, match=r"^no text to tokenize: all 1 file\(s\) were skipped as not UTF-8 text "
                                           r"\(e.g. .*a.bin\); give text files$"):
         prepare_from_sources(tmp_path / "out", files=[str(tmp_path / "in")], block_size=8)
+
+
+@pytest.mark.parametrize("vocab,noted", [(50304, True), (256, False), (320, False)])
+def test_a_vocabulary_far_larger_than_the_datas_is_said(vocab, noted):
+    """A GPT-2 recipe on byte-level text keeps its 50304 rows, as the recipe says, but says that
+    50048 of them are never used; nanoGPT's padding to a multiple of 64 is not remarked on."""
+    from stabletrain.build import fit_model_to_data
+
+    cfg = make_cfg("model=gpt_test", f"model.vocab_size={vocab}")
+    notes = fit_model_to_data(cfg, data_from_config(cfg))
+    assert bool(notes) == noted
+    if noted:
+        assert notes == ["model.vocab_size=50304 for data of 256 token ids: 50048 embedding rows are never used "
+                         "(model.vocab_size=256 would drop them)"]
