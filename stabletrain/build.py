@@ -193,7 +193,7 @@ def fit_model_to_data(cfg, data: Data) -> list[str]:
         if m.vocab_size < data.vocab_size:
             raise ConfigError(f"model.vocab_size={m.vocab_size} < the data's vocabulary {data.vocab_size}")
         padded = -(-data.vocab_size // 64) * 64  # nanoGPT's padding to a multiple of 64
-        if m.vocab_size > padded:  # a GPT-2 recipe on byte-level text: kept as the recipe says, but said
+        if m.vocab_size >= 2 * padded:  # a GPT-2 recipe on byte-level text: kept as the recipe says, but said
             notes.append(f"model.vocab_size={m.vocab_size} for data of {data.vocab_size} token ids: "
                          f"{m.vocab_size - data.vocab_size} embedding rows are never used (model.vocab_size="
                          f"{padded} would drop them)")
