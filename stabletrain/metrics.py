@@ -239,6 +239,12 @@ def si(x: float) -> str:
     return f"{x:.3g}"
 
 
+def milliseconds(seconds: float) -> str:
+    """``57.3``, ``412``, ``12345``: a step time for the progress line, in ms, no exponent."""
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
 def duration(seconds: float) -> str:
     """``1h05m``, ``4m07s``, ``9s``: an ETA for the progress line."""
     s = int(round(seconds))

@@ -37,8 +37,8 @@ from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
-from stabletrain.metrics import (duration, logged_value, param_count, peak_flops, previous_name, read_json, si,
-                                 write_json)
+from stabletrain.metrics import (duration, logged_value, milliseconds, param_count, peak_flops, previous_name,
+                                 read_json, si, write_json)
 from stabletrain.monitor import names as N
 
 
@@ -421,7 +421,7 @@ class Trainer:
         self.recent_step_times.append(step_s)
         self.step_time = statistics.median(self.recent_step_times)
         self.intervals_logged += 1
-        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "s/step": f"{step_s:.3g}",
+        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "ms/step": milliseconds(step_s),
                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
                  "eta": duration((self.total_steps - self.step) * self.step_time)}
         # the loss is what is minimised; with loss terms it reads as task + penalty, for the task part

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stabletrain.engine.loop import Trainer
-from stabletrain.metrics import duration, peak_flops
+from stabletrain.metrics import duration, milliseconds, peak_flops
 from tests.helpers import make_cfg, model_of, train
 
 
@@ -26,7 +26,7 @@ def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
     assert {5, 10, 12} <= set(steps)  # an evaluation step is logged even off the log cadence
     for s, ln in zip(steps, lines):
         assert ("val/loss" in ln) == (s in (5, 10, 12)), ln
-        assert re.search(r"tok/s [\d.]+k? \| s/step [\d.e-]+ \| eta \d", ln), ln
+        assert re.search(r"tok/s [\d.]+k? \| ms/step [\d.]+ \| eta \d", ln), ln
 
 
 def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
@@ -84,6 +84,8 @@ def test_a_run_shorter_than_the_probe_cadence_ends_with_a_probe(tmp_path):
 
 def test_duration_and_peaks():
     assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+    # step times in ms without an exponent, however slow the step
+    assert [milliseconds(s) for s in (0.0573, 0.41249, 12.3456)] == ["57.3", "412", "12346"]
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
     assert peak_flops("Some CPU") is None
 
