@@ -13,6 +13,7 @@ import torch
 
 from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, optim_name_of
 from stabletrain.engine import distributed as D
+from stabletrain.engine.rundir import own_dir_key
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import previous_name
 
@@ -334,7 +335,7 @@ class Checkpointer:
         if changed:
             raise ConfigError(f"{path} was written by a run with another {', '.join(changed[:8])}"
                               f"{' ...' if len(changed) > 8 else ''}; pass resume=auto resume_allow_changes=true "
-                              f"to continue it anyway, or give this run its own hydra.run.dir")
+                              f"to continue it anyway, or give this run its own {own_dir_key()}")
         theirs = ck.get("optim_name") or optim_name_of(ck.get("config", ""))
         if theirs is not None and theirs != self.optim_name:
             raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "

@@ -36,6 +36,7 @@ from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
+from stabletrain.engine.rundir import continue_with, sweep_dir
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
 from stabletrain.metrics import (duration, logged_value, milliseconds, param_count, peak_flops, previous_name,
                                  read_json, si, write_json)
@@ -485,9 +486,10 @@ class Trainer:
         if path is None:
             if r == "auto":
                 earlier = any((self.run_dir / f).is_file() for f in ("summary.json", "metrics.jsonl"))
-                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 ("
-                                  + ("the run there stopped before its first checkpoint)" if earlier else
-                                     "to continue a run, pass its directory as hydra.run.dir)"))
+                why = ("the run there stopped before its first checkpoint" if earlier else
+                       "this sweep point had not started" if sweep_dir() is not None else
+                       "to continue a run, pass its directory as hydra.run.dir")
+                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 ({why})")
             return None
         own = self._own_earlier_attempt(path) if r != "auto" and D.may_be_requeued() else None
         if own is not None:  # a requeued job started with resume=PATH goes on from where it stopped
@@ -831,7 +833,7 @@ class Trainer:
                     skips += (f" | {len(alerts)} health alert(s), the first at {first.get('layer')} step "
                               f"{first.get('step')}")
                 if status == "interrupted" and not D.may_be_requeued():
-                    reason += f"; continue it with resume=auto hydra.run.dir={self.run_dir}"
+                    reason += f"; continue it with {continue_with(self.run_dir)}"
                 stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""
                 self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
                                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items())

@@ -18,6 +18,33 @@ except ImportError:  # not POSIX: no lock
     fcntl = None
 
 
+def sweep_dir() -> Path | None:
+    """The sweep directory when this process trains a point of a Hydra multirun, else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return Path(HydraConfig.get().sweep.dir).resolve()
+    except Exception:  # no Hydra (the Python API), or a config without the field
+        return None
+    return None
+
+
+def continue_with(run_dir: str | Path) -> str:
+    """What continues the run in ``run_dir``. A sweep point is continued by running its sweep
+    again into the same directory: finished points stay as they are, the others go on."""
+    sweep = sweep_dir()
+    if sweep is not None:
+        return f"the sweep's command plus resume=auto hydra.sweep.dir={sweep}"
+    return f"resume=auto hydra.run.dir={run_dir}"
+
+
+def own_dir_key() -> str:
+    """The override that gives a run (or a sweep, for its points) a directory of its own."""
+    return "hydra.sweep.dir" if sweep_dir() is not None else "hydra.run.dir"
+
+
 class RunDirLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"
@@ -53,7 +80,7 @@ class RunDirLock:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder} holds {self.path}); "
-                              f"wait for it to end or give this run its own hydra.run.dir") from None
+                              f"wait for it to end or give this run its own {own_dir_key()}") from None
 
     def release(self) -> None:
         if self.fd is not None:

@@ -256,3 +256,42 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("interrupted at step 3: signal SIGTERM at step 3; continue it with resume=auto "
                            f"hydra.run.dir={tmp_path}"), last
+
+
+def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch):
+    """Inside a multirun the run dir is the sweep's: the hints name hydra.sweep.dir, and a point
+    the sweep had not reached before starts without the single-run advice."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from stabletrain.build import build_trainer
+    from stabletrain.cli import CONFIG_DIR
+    from stabletrain.engine.rundir import RunDirLock
+    from stabletrain.errors import ConfigError
+    from tests.helpers import make_cfg
+
+    for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(var, raising=False)
+    sweep = tmp_path / "sweep"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        hydra_cfg = compose("train", overrides=[f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    with open_dict(hydra_cfg):
+        hydra_cfg.hydra.mode = "MULTIRUN"
+    HydraConfig.instance().set_config(hydra_cfg)
+    try:
+        t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off", "resume=auto"), sweep / "0")
+        _run_until(t, 3)
+        err = capsys.readouterr().err
+        assert "starting from step 0 (this sweep point had not started)\n" in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.endswith(f"continue it with the sweep's command plus resume=auto hydra.sweep.dir={sweep}"), last
+        held = RunDirLock(sweep / "1").acquire()
+        with pytest.raises(ConfigError, match="its own hydra.sweep.dir$"):
+            RunDirLock(sweep / "1").check_free()
+        held.release()
+    finally:
+        HydraConfig.instance().cfg = None
