@@ -4,8 +4,8 @@ skipped steps, rollbacks and alerts of the runs that had any.
     python scripts/summarize_sweep.py multirun/2025-01-01/12-00-00 \
         [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]
 
-Prints a markdown table, writes SWEEP_DIR/summary.csv, and with --plot draws the final
-metric against the --x value (categorical when not numeric), one line per --series value,
+Prints a markdown table, writes SWEEP_DIR/summary.csv (not into a single run's directory), and
+with --plot draws the final metric against the --x value (categorical when not numeric), one line per --series value,
 diverged runs as crosses, or as triangles on the axis edge where their value is off it.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
@@ -40,9 +40,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     columns, table = sweeps.rows(runs)
     print(sweeps.markdown(columns, table))
-    csv_path = args.sweep_dir / "summary.csv"
-    sweeps.write_csv(csv_path, columns, table)
-    print(f"\n{len(table)} run{'s' * (len(table) != 1)}; table written to {csv_path}", file=sys.stderr)
+    if [r.path.resolve() for r in runs] == [args.sweep_dir.resolve()]:
+        # a run's own directory: its summary.json is the record; a csv beside it would be clutter
+        print(f"\n{args.sweep_dir} is one run, not a sweep (no summary.csv written); to compare runs, give the "
+              f"directory above them: a sweep's (multirun/DATE/TIME) or a day's (outputs/DATE)", file=sys.stderr)
+    else:
+        csv_path = args.sweep_dir / "summary.csv"
+        sweeps.write_csv(csv_path, columns, table)
+        print(f"\n{len(table)} run{'s' * (len(table) != 1)}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
         metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
         for key in (args.x, args.series, metric):

@@ -189,3 +189,20 @@ def test_sweep_plot_keeps_a_point_swept_to_null():
     assert list(zip(line.get_xdata(), line.get_ydata())) == [(1.0, 5.435)] and edge == [(0.0, 1.0)]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "null"]
     plt.close(fig)
+
+
+def test_the_script_writes_a_csv_for_runs_but_not_into_a_single_run(tmp_path, capsys):
+    import importlib.util
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("summarize_sweep", ROOT / "scripts" / "summarize_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for name, lr in [("a", 0.1), ("b", 0.2)]:
+        _fake_run(tmp_path / name, {"optim": {"lr": lr}}, {"status": "completed", "step": 3, "total_steps": 3})
+    assert script.main([str(tmp_path / "a")]) == 0
+    assert "is one run, not a sweep (no summary.csv written)" in capsys.readouterr().err
+    assert not (tmp_path / "a" / "summary.csv").exists()
+    assert script.main([str(tmp_path)]) == 0
+    assert (tmp_path / "summary.csv").read_text().splitlines()[0].startswith("optim.lr,status")
