@@ -5,8 +5,9 @@ skipped steps, rollbacks and alerts of the runs that had any.
         [--x optim.tau] [--series optim] [--metric final_val/loss] [--plot tau.png]
 
 Prints a markdown table, writes SWEEP_DIR/summary.csv (not into a single run's directory), and
-with --plot draws the final metric against the --x value (categorical when not numeric), one line per --series value,
-diverged runs as crosses, or as triangles on the axis edge where their value is off it.
+with --plot draws the final metric against the --x value (categorical when not numeric), one
+line per --series value, diverged runs as crosses, or as triangles on the axis edge where their
+value is off it.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
 
