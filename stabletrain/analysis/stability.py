@@ -167,8 +167,9 @@ def markdown(columns: list[str], rows: list[dict]) -> str:
 
 
 def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
-    """Final loss against learning rate (log axis, ticks at the grid), one curve per group;
-    diverged runs are crosses at the top of the axis, the dashed line is ``L0``."""
+    """Final loss against learning rate (log axis, ticks at the grid), one curve per group, the
+    dashed line ``L0``; the axis ends just above it. Diverged runs are crosses on the top edge, runs
+    that finished above ``L0`` triangles there, with their loss written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,20 +179,36 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
 
     names = [g for g in (order or []) if g in groups] + sorted(g for g in groups if g not in (order or []))
     l0s = [p.l0 for g in names for p in groups[g] if p.l0 is not None]
+    # A final loss above L0 is no better than not training (the sensitivity caps it there too); drawn at
+    # its value it would squash every other curve, so the axis ends just above L0 and such a run is a
+    # triangle on the top edge with its value written by it.
+    ceiling = l0s[0] if l0s else math.inf
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    any_bad = False
+    edge = ax.get_xaxis_transform()  # x in data, y in axes units: 1 is the top of the frame
+    kinds = set()
     for g in names:
-        ok = [(p.lr, p.loss) for p in groups[g] if p.loss is not None]
+        ok = [(p.lr, p.loss) for p in groups[g] if p.loss is not None and p.loss <= ceiling]
         line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o-", label=g)[0]
+        color = line.get_color()
+        for p in groups[g]:
+            if p.loss is not None and p.loss > ceiling:
+                ax.plot([p.lr], [1.0], "^", color=color, markersize=8, clip_on=False, transform=edge)
+                ax.annotate(f"{p.loss:.3g}", (p.lr, 1.0), xycoords=edge, xytext=(0, -9), textcoords="offset points",
+                            ha="center", va="top", fontsize=7, color=color, annotation_clip=False)
+                kinds.add("above")
         bad = [p.lr for p in groups[g] if p.status == "diverged"]
-        if bad:  # on the axis' top edge (x in data, y in axes units): a diverged run has no loss to draw
-            ax.plot(bad, [1.0] * len(bad), "x", color=line.get_color(), markersize=10, mew=2, clip_on=False,
-                    transform=ax.get_xaxis_transform())
-            any_bad = True
-    if any_bad:
+        if bad:  # on the top edge as well: a diverged run has no loss to draw
+            ax.plot(bad, [1.0] * len(bad), "x", color=color, markersize=10, mew=2, clip_on=False, transform=edge)
+            kinds.add("diverged")
+    if "diverged" in kinds:
         ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
+    if "above" in kinds:
+        ax.plot([], [], "^", ls="", color="gray", markersize=8, label="final loss above L0 (value written)")
     if l0s:
         ax.axhline(l0s[0], color="gray", ls="--", lw=1, label="L0 (init)")
+        shown = [p.loss for g in names for p in groups[g] if p.loss is not None and p.loss <= ceiling]
+        low = min(shown, default=ceiling)
+        ax.set_ylim(top=ceiling + 0.08 * max(ceiling - low, 0.1 * abs(ceiling)))
     xs = sorted({p.lr for g in names for p in groups[g]})
     log_scale(ax, "x")
     ax.set_xlabel("learning rate")

@@ -101,3 +101,24 @@ def test_a_plain_sweep_is_no_benchmark(tmp_path):
     _run(tmp_path / "0", 0.001, "completed", {"loss": 3.5})
     _run(tmp_path / "1", 0.01, "completed", {"loss": 2.5})
     assert S.collect(tmp_path) == {} and S.write(tmp_path) == ("", {})
+
+
+def test_a_loss_above_l0_is_a_triangle_on_the_top_edge_and_the_axis_ends_at_l0(tmp_path):
+    """A run that finished far above L0 (here 40 against L0 = ln 256 = 5.5) would squash the other
+    curves: the axis ends just above L0 and the run is a triangle on the top edge with its value."""
+    out = tmp_path / "bench"
+    _run(out / "adamw" / "lr0.001", 0.001, "completed", {"loss": 3.5})
+    _run(out / "adamw" / "lr0.01", 0.01, "completed", {"loss": 2.5})
+    _run(out / "adamw" / "lr0.1", 0.1, "completed", {"loss": 40.0})
+    fig = S.figure(S.collect(out))
+    ax = fig.axes[0]
+    curve = next(ln for ln in ax.get_lines() if ln.get_label() == "adamw")
+    assert list(curve.get_xdata()) == [0.001, 0.01] and list(curve.get_ydata()) == [3.5, 2.5]
+    tri = [ln for ln in ax.get_lines() if ln.get_marker() == "^" and len(ln.get_xdata())]
+    assert len(tri) == 1 and list(tri[0].get_xdata()) == [0.1] and list(tri[0].get_ydata()) == [1.0]
+    assert tri[0].get_transform() == ax.get_xaxis_transform()
+    assert [t.get_text() for t in ax.texts] == ["40"]
+    l0 = math.log(256)
+    bottom, top = ax.get_ylim()
+    assert bottom < 2.5 and l0 < top < l0 + 0.1 * (l0 - 2.5) + 1e-9
+    fig.savefig(tmp_path / "s.png")
