@@ -265,7 +265,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     total = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
-    notes += lr_at.warnings()
+    notes += [lr_at.describe(), *lr_at.warnings()]
     if ema is not None:
         notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)

@@ -1,5 +1,7 @@
 """What a new user meets on the command line: one line for each mistake, and a dry run."""
 
+import re
+
 import pytest
 
 from stabletrain.build import validate
@@ -78,6 +80,10 @@ def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
             "schedule=step", "schedule.milestones=[30,50,80]")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "blocks.*" in r.stderr and "total" in r.stderr and "dry run: nothing trained" in r.stderr
+    # the start line of the run, without a run dir, and its schedule in steps
+    assert re.search(r"^vit_test: [\d.]+K params on cpu, 50 steps of \d+ images \(1 micro-batch\(es\) of \d+ x 1 "
+                     r"rank\(s\)\)$", r.stderr, re.M), r.stderr
+    assert "\nschedule: warmup 60 steps to lr 0.001, then x0.1 at step(s) 30, 50, 80\n" in r.stderr
     # what the run would warn of, the dry run says too
     assert "the warmup (60 steps) is as long as the run (50 steps) or longer: the learning rate never" in r.stderr
     assert "schedule.milestones at step(s) 50, 80 are past the run's 50 steps" in r.stderr

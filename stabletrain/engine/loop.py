@@ -150,6 +150,7 @@ class Trainer:
                                  equivalent=settings.equivalent)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.stop_signal: int | None = None
+        self.after_step = False  # between a step's update and the next step: its evaluation, log, checkpoint
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
@@ -634,8 +635,11 @@ class Trainer:
                 raise KeyboardInterrupt  # the second Ctrl-C: a step that hangs can still be left
             if signum == signal.SIGINT and self.stop_signal is None and self.info.is_main:
                 # a step may take minutes on a CPU: say at once that the Ctrl-C was heard
-                print(f"\nCtrl-C: stopping after step {self.step + 1}, with a checkpoint "
-                      f"(Ctrl-C again to stop at once, without one)", file=sys.stderr, flush=True)
+                at = self.step if self.after_step else self.step + 1  # the step whose end is awaited
+                what = (f"stopping after step {at}, with a checkpoint" if at < self.total_steps else
+                        "the last step is done: the run completes after its evaluation and checkpoint"
+                        if self.after_step else f"step {at} is the last: the run completes after it")
+                print(f"\nCtrl-C: {what} (Ctrl-C again to stop at once, without one)", file=sys.stderr, flush=True)
             if D.signal_rank(signum) >= D.signal_rank(self.stop_signal):
                 self.stop_signal = signum  # a SIGTERM after a preemption warning must not cancel its requeue
 
@@ -685,16 +689,20 @@ class Trainer:
             for sig, h in old_handlers.items():
                 signal.signal(sig, h)
 
-    def _start(self, resumed: int | None) -> dict | None:
-        """The start lines; a resumed run that already completed returns its summary instead."""
-        cfg, m = self.settings, self.metrics
+    def headline(self) -> str:
+        """What is trained, where, how long: the first line of a run and of a dry run."""
+        cfg = self.settings
         nparams = sum(p.numel() for p in self.model.parameters())
         traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
-        m.message(f"{cfg.title}: {param_count(nparams)} params on {self.device}"
-                  + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
-                  f"{'sequences' if self.data.kind == 'text' else 'images'} "
-                  f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s)); "
-                  f"run dir {self.run_dir}")
+        return (f"{cfg.title}: {param_count(nparams)} params on {self.device}"
+                + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
+                f"{'sequences' if self.data.kind == 'text' else 'images'} "
+                f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s))")
+
+    def _start(self, resumed: int | None) -> dict | None:
+        """The start lines; a resumed run that already completed returns its summary instead."""
+        m = self.metrics
+        m.message(f"{self.headline()}; run dir {self.run_dir}")
         for note in self.notes:
             m.message(note)
         self.last_vals: dict = {}
@@ -746,6 +754,7 @@ class Trainer:
             return reason
 
         while self.step < self.total_steps:
+            self.after_step = False
             step = self.step
             save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
             eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
@@ -753,7 +762,7 @@ class Trainer:
             # is shown on the log line of its own step
             log_now = (step + 1) % cfg.log_every == 0 or save_due or eval_due
             pending.append((step, self.train_step(next(stream), want_grad_norm=log_now)))
-            self.step = step + 1
+            self.step, self.after_step = step + 1, True
             if self.monitor is not None:
                 self.monitor.after_step(step, last=self.step == self.total_steps)
             t_end = time.perf_counter()  # the interval's time excludes evaluation and checkpoints

@@ -77,6 +77,22 @@ class LRSchedule:
                        f"the milestones")
         return out
 
+    def describe(self) -> str:
+        """The schedule in steps, as the start lines give it: ``schedule: warmup 30 steps to lr
+        0.001, then cosine to 0 at step 600`` (warmup and milestones may have been given in epochs)."""
+        lr = f"{self.base_lr:.4g}"
+        head = "schedule: " + (f"warmup {self.warmup_steps} steps to lr {lr}, then " if self.warmup_steps
+                               else f"lr {lr}, ")
+        if self.name == "cosine":
+            horizon = self.horizon_steps if self.horizon_steps is not None else self.total_steps
+            past = f" (the run stops at step {self.total_steps})" if horizon != self.total_steps else ""
+            return head + f"cosine to {self.min_lr:.4g} at step {horizon}{past}"
+        if self.name == "step" and self.milestones:
+            return head + (f"x{self.gamma:g} at step(s) {', '.join(map(str, self.milestones))}")
+        if self.name in ("constant", "step"):
+            return head + "constant"
+        return head + f"schedule={self.name}"
+
     def __call__(self, step: int) -> float:
         w = self.warmup_steps
         if step < w:

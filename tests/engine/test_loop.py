@@ -295,3 +295,26 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         held.release()
     finally:
         HydraConfig.instance().cfg = None
+
+
+@pytest.mark.parametrize("step,after_step,said", [
+    (3, False, "stopping after step 4, with a checkpoint"),  # inside step 4
+    (4, True, "stopping after step 4, with a checkpoint"),  # step 4's evaluation or checkpoint
+    (9, False, "step 10 is the last: the run completes after it"),
+    (10, True, "the last step is done: the run completes after its evaluation and checkpoint"),
+])
+def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, step, after_step, said):
+    from stabletrain.build import build_trainer
+    from tests.helpers import make_cfg
+
+    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
+    capsys.readouterr()
+    t.step, t.after_step = step, after_step
+    old = t._install_signals()
+    try:
+        signal.raise_signal(signal.SIGINT)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert t.stop_signal == signal.SIGINT
+    assert capsys.readouterr().err.strip() == f"Ctrl-C: {said} (Ctrl-C again to stop at once, without one)"

@@ -70,6 +70,18 @@ def test_from_config_in_epochs():
     assert to_steps(3, "steps") == 3
     with pytest.raises(ValueError):
         to_steps(1.0, "epochs")
+    # said in steps, though given in epochs
+    assert lr.describe() == "schedule: warmup 15 steps to lr 0.1, then x0.1 at step(s) 2100"
+
+
+def test_describe_says_each_schedule_in_steps():
+    cos = LRSchedule("cosine", base_lr=6e-4, total_steps=100_000, warmup_steps=2000, min_lr=6e-5,
+                     horizon_steps=600_000)
+    assert cos.describe() == ("schedule: warmup 2000 steps to lr 0.0006, then cosine to 6e-05 at step 600000 "
+                              "(the run stops at step 100000)")
+    assert LRSchedule("cosine", 1e-3, 600).describe() == "schedule: lr 0.001, cosine to 0 at step 600"
+    assert LRSchedule("constant", 1.0, 50, warmup_steps=2).describe() == (
+        "schedule: warmup 2 steps to lr 1, then constant")
 
 
 def test_set_lr_applies_group_multiplier():
