@@ -35,6 +35,7 @@ from stabletrain.engine.checkpoint import seed_all
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import LoopSettings, Trainer, autocast_for
 from stabletrain.engine.memory import check_host_memory
+from stabletrain.engine.rundir import task_overrides
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
 from stabletrain.layers.deescalate import DEESCALATIONS
@@ -293,7 +294,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         flops_per_sample=float(flops(model, cfg.model)) if flops else 0.0,
         ckpt_keep=cfg.ckpt.keep, rollback_on_alert=cfg.monitor.rollback_on_alert,
         nan_at_step=cfg.debug.nan_at_step, spike_at_step=cfg.debug.spike_at_step,
-        spike_factor=cfg.debug.spike_factor, sharded=sharded, equivalent=_equivalent_values(cfg))
+        spike_factor=cfg.debug.spike_factor, sharded=sharded, equivalent=_equivalent_values(cfg),
+        overrides=task_overrides())
 
     def open_sink(resume_step: int | None) -> Metrics:
         config_dict = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else None

@@ -674,11 +674,16 @@ def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE,
                  equivalent: dict | None = None) -> list[str]:
     """The dotted keys whose values differ between two resolved configs (their yaml), outside
     the top-level keys ``may_change``; two values of one ``equivalent[key]`` do not differ."""
-    a, b = (dict(_leaves(_plain(y))) for y in (saved_yaml, mine_yaml))
+    a, b = (leaf_values(y) for y in (saved_yaml, mine_yaml))
     same = equivalent or {}
     return sorted(k for k in set(a) | set(b)
                   if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change
                   and not {a.get(k), b.get(k)} <= set(same.get(k, ())))
+
+
+def leaf_values(config_yaml: str) -> dict:
+    """Dotted key -> value of a resolved config's yaml (a checkpoint's, or a run's)."""
+    return dict(_leaves(_plain(config_yaml)))
 
 
 def optim_name_of(config_yaml: str) -> str | None:

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import RunDirLock, continue_with
+from stabletrain.engine.rundir import RunDirLock, continue_with, task_overrides
 from stabletrain.metrics import read_json, write_json
 
 
@@ -182,7 +182,7 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
              f"its last checkpoint", 1, every_rank=True)
         return None
     except StoppedAtOnce as e:
-        then = (f"continue it with {continue_with(run_dir)}" if e.saved_step is not None
+        then = (f"continue it with: {continue_with(run_dir, task_overrides())}" if e.saved_step is not None
                 else "no checkpoint was written: run it again to start over")
         fail(f"interrupted: {e}; {then}", 128 + signal.SIGINT)
         return None

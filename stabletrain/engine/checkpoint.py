@@ -11,11 +11,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, optim_name_of
+from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, optim_name_of
 from stabletrain.engine import distributed as D
-from stabletrain.engine.rundir import own_dir_key
+from stabletrain.engine.rundir import command, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import previous_name
+
+
+def mismatch(e: BaseException) -> str:
+    """load_state_dict's complaint in one line: its first finding, not its header
+    (``Error(s) in loading state_dict for VisionTransformer:``)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    detail = next((ln for ln in lines[1:]), lines[0] if lines else type(e).__name__)
+    return detail if len(detail) <= 200 else detail[:197] + "..."
 
 
 class CheckpointWriteError(OSError):
@@ -248,10 +256,11 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, info, device: torch.device, *, model, optimizer, divergence, ema=None,
                  monitor=None, sharded: bool = False, keep: int = 0, config_yaml: str = "",
-                 equivalent: dict | None = None):
+                 equivalent: dict | None = None, overrides=None):
         self.run_dir, self.dir, self.info, self.device = Path(run_dir), Path(run_dir) / "checkpoints", info, device
         self.model, self.optimizer, self.divergence, self.ema, self.monitor = model, optimizer, divergence, ema, monitor
         self.sharded, self.keep, self.config_yaml = sharded, keep, config_yaml
+        self.overrides = None if overrides is None else list(overrides)
         self.equivalent = equivalent or {}
         # stored in each checkpoint: an optimizer's state does not carry over to another optimizer
         self.optim_name = optim_name_of(config_yaml) or type(optimizer).__name__
@@ -260,12 +269,21 @@ class Checkpointer:
         """The keys a checkpoint's config sets otherwise than this run's, outside ``may_change``."""
         return changed_keys(saved_yaml, self.config_yaml, may_change, self.equivalent)
 
+    def command_of(self, ck: dict) -> str | None:
+        """The command that continues the run that wrote ``ck`` in this directory: its own
+        overrides (saved in the checkpoint; None for a checkpoint without them)."""
+        theirs = ck.get("overrides")
+        if theirs is None or self.info.world > 1:
+            return None
+        return command(theirs, own_dir_key(), sweep_dir() or self.run_dir)
+
     # --- saving ---------------------------------------------------------------------------
 
     def _payload(self, step: int, survival: dict) -> dict:
         """Everything but the model, the optimizer and the weight average."""
         return {"step": step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
-                "config": self.config_yaml, "optim_name": self.optim_name, "survival": survival,
+                "config": self.config_yaml, "overrides": self.overrides, "optim_name": self.optim_name,
+                "survival": survival,
                 "monitor": self.monitor.state_dict() if self.monitor is not None else {}}
 
     def save(self, step: int, survival: dict, ring: bool = False) -> bool:
@@ -343,9 +361,17 @@ class Checkpointer:
         if auto and not allow_changes and ck.get("config") and self.config_yaml:
             changed = self.changed_keys(ck["config"])
             if changed:
-                raise ConfigError(f"resume=auto would change the resumed run's {', '.join(changed[:8])}"
-                                  f"{' ...' if len(changed) > 8 else ''}: drop those overrides, or pass "
-                                  f"resume_allow_changes=true to continue with them")
+                was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
+                def value(d, k):
+                    return "unset" if k not in d else "null" if d[k] is None else d[k]
+
+                shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:4])
+                theirs = self.command_of(ck)
+                fix = (f"continue it with its own command, {theirs}" if theirs else
+                       "give the overrides the run was started with again")
+                raise ConfigError(f"resume=auto would change the resumed run's {shown}"
+                                  f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''}: {fix}; or pass "
+                                  f"resume_allow_changes=true to continue with the changes")
         if bool(ck.get("dcp")) != self.sharded:
             def par(sharded):
                 return "fsdp" if sharded else "ddp"
@@ -365,8 +391,10 @@ class Checkpointer:
         except (torch.OutOfMemoryError, ConfigError):
             raise
         except (RuntimeError, ValueError, KeyError) as e:  # load_state_dict's mismatches
-            raise ConfigError(f"{path} does not fit this run's model or optimizer ({first_line(e)[:200]}); resume it "
-                              f"with the config it was written with ({path.parent.parent / 'config.yaml'})") from None
+            theirs = self.command_of(ck)
+            fix = (f"resume it with the command it was written with, {theirs}" if theirs else
+                   f"resume it with the config it was written with ({path.parent.parent / 'config.yaml'})")
+            raise ConfigError(f"{path} does not fit this run's model or optimizer ({mismatch(e)}); {fix}") from None
         self.divergence.load_state_dict(ck["divergence"])
         set_rng_state(ck["rng"])
         if self.monitor is not None and ck.get("monitor"):

@@ -80,6 +80,8 @@ class LoopSettings:
     spike_at_step: int | None = None  # ... times spike_factor
     spike_factor: float = 1e4
     sharded: bool = False  # the model is FSDP2-sharded (parallel=fsdp): no DDP wrap, DCP checkpoints
+    # the command line's overrides (None outside Hydra): saved, and named by the hints to continue
+    overrides: tuple[str, ...] | None = None
 
 
 def autocast_for(device: torch.device, bf16: bool):
@@ -147,7 +149,7 @@ class Trainer:
         self.ckpt = Checkpointer(self.run_dir, self.info, device, model=model, optimizer=optimizer,
                                  divergence=self.divergence, ema=ema, monitor=monitor, sharded=self.sharded,
                                  keep=settings.ckpt_keep, config_yaml=settings.config_yaml,
-                                 equivalent=settings.equivalent)
+                                 equivalent=settings.equivalent, overrides=settings.overrides)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.stop_signal: int | None = None
         self.after_step = False  # between a step's update and the next step: its evaluation, log, checkpoint
@@ -498,9 +500,11 @@ class Trainer:
         else:
             ck = self.ckpt.load(path)
         if ck["step"] > self.total_steps:
-            raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: pass "
-                              f"steps={ck['step']} to finish it, more to train on (steps counts from the run's "
-                              f"start)")
+            theirs = self.ckpt.command_of(ck)
+            raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: "
+                              + (f"continue it with its own command, {theirs}; or " if theirs else "")
+                              + f"pass steps={ck['step']} to end it there, more to train on (steps counts from "
+                              f"the run's start)")
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
         self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
                                   allow_changes=self.settings.resume_allow_changes)
@@ -841,10 +845,10 @@ class Trainer:
                     first = alerts[0]
                     skips += (f" | {len(alerts)} health alert(s), the first at {first.get('layer')} step "
                               f"{first.get('step')}")
-                if status == "interrupted" and not D.may_be_requeued():
-                    reason += f"; continue it with {continue_with(self.run_dir)}"
                 stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""
                 self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
                                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items())
                                      + (stale if last_vals else ""))
+                if status == "interrupted" and not D.may_be_requeued():  # a line of its own, to copy
+                    self.metrics.message(f"continue it with: {continue_with(self.run_dir, self.settings.overrides)}")
         return summary

@@ -8,6 +8,7 @@ into the file for the refusal message.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from stabletrain.errors import ConfigError
@@ -31,13 +32,56 @@ def sweep_dir() -> Path | None:
     return None
 
 
-def continue_with(run_dir: str | Path) -> str:
-    """What continues the run in ``run_dir``. A sweep point is continued by running its sweep
-    again into the same directory: finished points stay as they are, the others go on."""
+def task_overrides() -> tuple[str, ...] | None:
+    """The command-line overrides of this process's Hydra job (a sweep point's own values);
+    None outside Hydra (the Python API). Saved in checkpoints: a refused resume names the
+    command that fits."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            return tuple(str(o) for o in HydraConfig.get().overrides.task)
+    except Exception:
+        pass
+    return None
+
+
+# overrides that name where a run lives or how it starts, not what it trains
+_NOT_THE_RUN = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.mode=", "resume=", "hydra.output_subdir=")
+
+
+def command(overrides, dir_key: str, dir_value, *, multirun: bool = False) -> str:
+    """``python train.py OVERRIDES resume=auto DIR_KEY=DIR``, quoted for a POSIX shell."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
+    args = ["python", "train.py", *(["-m"] if multirun else []), *kept, "resume=auto", f"{dir_key}={dir_value}"]
+    return " ".join(shlex.quote(a) for a in args)
+
+
+def _sweep_overrides(sweep: Path) -> list[str] | None:
+    """The sweep's own command-line overrides (comma lists and all), from its multirun.yaml."""
+    try:
+        import yaml
+
+        task = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]["task"]
+        return [str(o) for o in task]
+    except Exception:  # not written (another launcher), unreadable
+        return None
+
+
+def continue_with(run_dir: str | Path, overrides=None) -> str:
+    """The command that continues the run in ``run_dir``, started with ``overrides``. A sweep
+    point is continued by running its sweep again into the same directory: finished points stay
+    as they are, the others go on. Under torchrun or srun the launcher's own part is the user's."""
+    from stabletrain.topology import detect
+
     sweep = sweep_dir()
     if sweep is not None:
-        return f"the sweep's command plus resume=auto hydra.sweep.dir={sweep}"
-    return f"resume=auto hydra.run.dir={run_dir}"
+        ov = _sweep_overrides(sweep)
+        return (command(ov, "hydra.sweep.dir", sweep, multirun=True) if ov is not None
+                else f"the sweep's command plus resume=auto hydra.sweep.dir={sweep}")
+    if overrides is not None and detect().world == 1:
+        return command(overrides, "hydra.run.dir", run_dir)
+    return f"the run's command plus resume=auto hydra.run.dir={run_dir}"
 
 
 def own_dir_key() -> str:

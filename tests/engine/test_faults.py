@@ -279,7 +279,8 @@ def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_pa
 
 
 @pytest.mark.parametrize("at,reason,then", [
-    (3, "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)", "continue it with resume=auto"),
+    (3, "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)",
+     "continue it with: the run's command plus resume=auto"),
     (1, "a second Ctrl-C at step 1, without a checkpoint", "no checkpoint was written: run it again"),
 ])
 def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch, at, reason, then):
@@ -341,5 +342,5 @@ def test_a_run_stopped_between_evaluations_says_when_its_val_was_measured(tmp_pa
     t.train_step = step
     s = t.fit()
     assert s["status"] == "interrupted" and s["step"] == 3 and s["eval_step"] == 2 and "val/loss" in s["final"]
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+    line = capsys.readouterr().err.strip().splitlines()[-2]  # the last says how to continue
     assert line.startswith("interrupted at step 3") and line.endswith("(evaluated at step 2)"), line

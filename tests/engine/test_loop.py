@@ -253,9 +253,19 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
     t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
     s = _run_until(t, 3)
     assert s["reason"] == "signal SIGTERM at step 3"  # the summary keeps the reason alone
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("interrupted at step 3: signal SIGTERM at step 3; continue it with resume=auto "
-                           f"hydra.run.dir={tmp_path}"), last
+    *_, status, hint = capsys.readouterr().err.strip().splitlines()
+    assert status.startswith("interrupted at step 3: signal SIGTERM at step 3"), status
+    # outside Hydra (this Python API) the overrides are unknown
+    assert hint == f"continue it with: the run's command plus resume=auto hydra.run.dir={tmp_path}"
+
+    # from the command line: the command itself, quoted for the shell, on a line of its own
+    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path / "cli")
+    t.settings.overrides = ("model=gpt_test", "steps=10", "imports=[my fix.py]", "resume=auto",
+                            f"hydra.run.dir={tmp_path / 'cli'}")
+    _run_until(t, 3)
+    hint = capsys.readouterr().err.strip().splitlines()[-1]
+    assert hint == ("continue it with: python train.py model=gpt_test steps=10 'imports=[my fix.py]' resume=auto "
+                    f"hydra.run.dir={tmp_path / 'cli'}")
 
 
 def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch):
@@ -264,6 +274,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    import yaml
     from omegaconf import open_dict
 
     from stabletrain.build import build_trainer
@@ -288,7 +299,15 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         err = capsys.readouterr().err
         assert "starting from step 0 (this sweep point had not started)\n" in err, err
         last = err.strip().splitlines()[-1]
-        assert last.endswith(f"continue it with the sweep's command plus resume=auto hydra.sweep.dir={sweep}"), last
+        assert last == f"continue it with: the sweep's command plus resume=auto hydra.sweep.dir={sweep}", last
+        # the sweep's own command, from the multirun.yaml Hydra writes into its directory
+        (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": [
+            "model=gpt_test", "optim.lr=1e-3,2e-3", "resume=auto"]}}}))
+        t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), sweep / "2")
+        _run_until(t, 3)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last == (f"continue it with: python train.py -m model=gpt_test optim.lr=1e-3,2e-3 resume=auto "
+                        f"hydra.sweep.dir={sweep}")
         held = RunDirLock(sweep / "1").acquire()
         with pytest.raises(ConfigError, match="its own hydra.sweep.dir$"):
             RunDirLock(sweep / "1").check_free()

@@ -110,7 +110,8 @@ def test_data_auto_and_the_data_it_picks_are_the_same_run(tmp_path):
     from stabletrain.data.token_files import prepare_tokens
 
     prepare_tokens(tmp_path / "tok", [b"some other text " * 500], block_size=64)
-    with pytest.raises(ConfigError, match="resume=auto would change the resumed run's data.name, data.path"):
+    changed = r"would change the resumed run's data.name \(auto there, tokens here\), data.path \(null there"
+    with pytest.raises(ConfigError, match=changed):
         train(tmp_path, *GPT, "steps=5", "optim=adamw", "data=tokens", f"data.path={tmp_path / 'tok/train.bin'}",
               "resume=auto")
 
@@ -139,7 +140,7 @@ def test_a_resume_past_the_runs_steps_is_refused(tmp_path):
     """steps below the checkpoint's step would mark an unfinished run completed: refused, nothing changed."""
     train(tmp_path, *GPT, "steps=4", "optim=adamw")
     summary = (tmp_path / "summary.json").read_text()
-    with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 to finish it, more"):
+    with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 to end it there, more"):
         train(tmp_path, *GPT, "steps=2", "optim=adamw", "resume=auto")
     assert (tmp_path / "summary.json").read_text() == summary
 
@@ -225,3 +226,36 @@ def test_a_resumed_run_that_trains_on_has_no_summary_until_it_ends(tmp_path):
     s = t.fit()
     assert seen == [False, False] and s["status"] == "completed" and s["step"] == 4
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 4
+
+
+def test_a_refused_resume_names_the_command_that_started_the_run(tmp_path):
+    """The usual mistake: resume=auto with the run dir alone, without the run's own overrides.
+    The refusal shows what differs (its value there and here) and the run's command, which the
+    checkpoint keeps (Hydra's .hydra/overrides.yaml is rewritten by the refused attempt)."""
+    from tests.helpers import cli
+
+    run = tmp_path / "run"
+    own = ["model=gpt_test", "batch_size=8", "steps=3", "logger=none", "monitor=off"]
+    assert cli(*own, f"hydra.run.dir={run}").returncode == 0
+    r = cli("model=gpt_test", "logger=none", "resume=auto", f"hydra.run.dir={run}")
+    line = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and line.startswith("error: resume=auto would change the resumed run's batch_size "
+                                                 "(8 there, 64 here)"), line
+    assert line.endswith(f"continue it with its own command, python train.py {' '.join(own)} resume=auto "
+                         f"hydra.run.dir={run}; or pass resume_allow_changes=true to continue with the changes"), line
+    # a checkpoint past the default 600 steps: the run's own steps=700 is what was left out
+    long = tmp_path / "long"
+    assert cli(*own[:2], "steps=700", "logger=none", "monitor=off", "ckpt_every=650", "eval_every=1000",
+               f"hydra.run.dir={long}").returncode == 0
+    r = cli("model=gpt_test", "batch_size=8", "logger=none", "monitor=off", "resume=auto", f"hydra.run.dir={long}")
+    assert "is at step 700, past this run's 600 steps: continue it with its own command, python train.py " \
+           "model=gpt_test batch_size=8 steps=700" in r.stderr, r.stderr[-800:]
+
+
+def test_a_model_that_does_not_fit_names_the_first_mismatch(tmp_path):
+    from stabletrain.engine.checkpoint import mismatch
+
+    with pytest.raises(RuntimeError) as e:
+        torch.nn.Linear(2, 3).load_state_dict(torch.nn.Linear(2, 4).state_dict())
+    assert mismatch(e.value).startswith("size mismatch for weight: copying a param with shape torch.Size([4, 2])")
+    assert mismatch(ValueError("one line")) == "one line"
