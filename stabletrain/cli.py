@@ -7,6 +7,7 @@ validated, and any problem is printed as ``error: <what> <fix>`` with exit code 
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def explain(err: Exception, overrides: list[str]) -> str:
                         f"DIR being a searchpath folder)" if mine else
                         f" (an option of your own: DIR/{key}/{val}.yaml and hydra.searchpath=[file://DIR])" if own
                         else "")
-                return (f"{key}={val} is not an option of '{key}'; choose one of: "
-                        f"{', '.join(group_options(key, overrides))}{hint}")
+                options = group_options(key, overrides)
+                near = difflib.get_close_matches(val, options, n=1, cutoff=0.7)
+                return (f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(options)}"
+                        + (f" (did you mean {near[0]}?)" if near else "") + hint)
     from stabletrain.errors import ConfigError
 
     link = err
@@ -119,7 +122,6 @@ def explain(err: Exception, overrides: list[str]) -> str:
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
                     f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
         if len(term) > 2 and term[1] == "kwargs" and term[0] in KWARGS_GROUPS:
-            import difflib
 
             group = term[0]
             given = list(rest[group].kwargs) if rest is not None and rest[group].get("kwargs") else []
@@ -151,7 +153,6 @@ def _composed(overrides: list[str]):
 def _nearest_term_key(cfg, term: str, leaf: str) -> str:
     """``did you mean regularizer.zloss.coef?``, else the term's parameters: its dataclass's, or
     where the module registering it cannot be imported here, its yaml's."""
-    import difflib
 
     from stabletrain.losses import LOSS_TERMS
     from stabletrain.registry import import_modules
@@ -213,7 +214,6 @@ def schema_keys(node=None, prefix: str = "") -> list[str]:
 
 def _nearest_key(bad: str) -> str | None:
     """``did you mean optim.lr?`` for a misspelt key (or node), else the keys of the node it names."""
-    import difflib
 
     keys = schema_keys()
     nodes = {k.rpartition(".")[0] for k in keys}
@@ -285,7 +285,6 @@ def check_overrides(argv: list[str]) -> None:
 
 def _added_key_hint(name: str, ov: str) -> str:
     """What to write instead of ``+name=...``, a key the schema lacks."""
-    import difflib
 
     parts = name.split(".")
     kwargs = [f"{g}.kwargs" for g in KWARGS_GROUPS]

@@ -84,9 +84,11 @@ class Registry:
             import difflib
 
             near = difflib.get_close_matches(key, self.names(), n=1, cutoff=0.7)
-            # a yaml of one's own (hydra.searchpath) names an option that code must register
-            hint = (f"did you mean {near[0]}?" if near else
-                    "an option of your own registers itself in a Python module named in imports=[path/to/it.py]")
+            # a yaml of one's own (hydra.searchpath) names an option that code must register: a name
+            # near a built-in one (scalenorm, stablenorm) may be either a typo or that
+            own = "an option of your own registers itself in a Python module named in imports=[path/to/it.py]"
+            hint = (f"did you mean {near[0]}? If {key} is yours, name the module that registers it in "
+                    f"imports=[path/to/it.py]" if near else own)
             raise UnknownOption(f"{self.group}={key} is not an option; choose one of: {', '.join(self.names())} "
                                 f"({hint})")
         return self._entries[key]

@@ -33,7 +33,7 @@ def test_registry_lists_and_refuses_in_one_line():
     ("data.name=bogus", "data=bogus is not an option"),
     ("model.family=bogus", "model.family=bogus is not an option; choose one of: gpt, swin, vit"),
     ("deescalate.name=bogus", "deescalate.name=bogus is not an option; choose one of: deescalate, none"),
-    ("norm.name=stablenrm", "choose one of: layernorm, none, rmsnorm, stablenorm (did you mean stablenorm?)"),
+    ("norm.name=stablenrm", "choose one of: layernorm, none, rmsnorm, stablenorm (did you mean stablenorm? "),
     ("data.name=imagefolder", "data=imagefolder needs data.root=PATH, a folder with train/ and val/ class folders"),
     ("data.name=imagefolder data.root=/nope", "data.root=/nope does not exist: point data=imagefolder at a folder"),
 ])
@@ -70,3 +70,16 @@ def test_a_new_norm_is_one_registration_and_works_in_every_family(model):
         assert all(id(n.weight) in bound for n in norms)
     finally:
         NORMS._entries.pop("scale_for_test")
+
+
+def test_a_name_near_a_registered_one_may_be_a_typo_or_ones_own():
+    from tests.helpers import cli
+
+    reg = Registry("norm")
+    reg.register("stablenorm")(lambda: 1)
+    with pytest.raises(UnknownOption, match=r"\(did you mean stablenorm\? If scalenorm is yours, name the module "
+                                            r"that registers it in imports=\[path/to/it.py\]\)$"):
+        reg.get("scalenorm")
+    # a group option without a yaml: the same suggestion from the command line
+    r = cli("model=vit_tset")
+    assert r.stderr.strip().splitlines()[-1].endswith("vit_s_cifar, vit_test (did you mean vit_test?)"), r.stderr
