@@ -22,6 +22,8 @@ regularizer     ``LOSS_TERMS``                             stabletrain.losses.*
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 from pathlib import Path
 
 import torch
@@ -61,11 +63,13 @@ def validate(cfg) -> None:
     if cfg.model.kwargs and is_builtin(family):
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
+    check_own_kwargs("model", family, cfg.model.kwargs)
     for group, (registry, name) in _chosen_options(cfg).items():
         entry = registry.entry(name)
         if cfg[group].get("kwargs") and is_builtin(entry):
             raise ConfigError(f"{group}.kwargs is for a {group} option of your own (imports=...); {group}={entry.name} "
                               f"takes its settings as {group}.* keys (`python train.py --cfg job` lists them)")
+        check_own_kwargs(group, entry, cfg[group].get("kwargs"))
     if family.info.get("check"):
         family.info["check"](cfg.model, Components.of(cfg))
     data = _data_entry(cfg)
@@ -85,6 +89,31 @@ def validate(cfg) -> None:
         LOSS_TERMS.entry(name)
     build_loss_terms(cfg.regularizer)
     check_parallel(cfg)
+
+
+def declared_kwargs(group: str, entry) -> tuple[str, ...] | None:
+    """The ``<group>.kwargs`` names an option of one's own takes: declared at registration
+    (``kwargs=("g0",)``), or for an init, whose kwargs arrive as keyword arguments, read from its
+    signature; None when unknown (the option reads what it likes)."""
+    if entry.info.get("kwargs") is not None:
+        return tuple(entry.info["kwargs"])
+    if group == "init":
+        params = list(inspect.signature(entry.fn).parameters.values())[2:]  # after (weight, gain)
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return None
+
+
+def check_own_kwargs(group: str, entry, given) -> None:
+    """A ``<group>.kwargs`` key the option does not take is refused before anything is built: a
+    misspelt one would otherwise be silently unread."""
+    names = declared_kwargs(group, entry)
+    unknown = [k for k in (given or {}) if names is not None and k not in names]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], names, n=1, cutoff=0.6)
+        raise ConfigError(f"{group}.kwargs.{unknown[0]}: {entry.name} takes no such argument (it takes: "
+                          f"{', '.join(names) or 'none'})"
+                          + (f"; did you mean {group}.kwargs.{near[0]}?" if near else ""))
 
 
 def _chosen_options(cfg) -> dict:

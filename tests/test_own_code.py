@@ -186,7 +186,8 @@ def test_the_conv_stem_example_is_a_vit_with_a_stem_in_place_of_the_patchify():
 
 @pytest.mark.parametrize("override,needle", [
     ("model.kwargs.stem_channels=[8]", "the list must hold 2 channel counts"),
-    ("+model.kwargs.stem_channel=[8,16]", "model.kwargs.stem_channel: the conv_vit family reads only"),
+    ("+model.kwargs.stem_channel=[8,16]", "model.kwargs.stem_channel: conv_vit takes no such argument (it takes: "
+                                          "stem_channels); did you mean model.kwargs.stem_channels?"),
     ("model.patch_size=8", "must hold 3 channel counts"),
 ])
 def test_the_example_checks_its_arguments_in_one_line(override, needle):
@@ -386,7 +387,7 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
             def forward(self, x):
                 return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
 
-        @NORMS.register("gain_own", layer=GainNorm)
+        @NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))
         def gain_own(cfg, dim, **kw):
             return GainNorm(dim, cfg.kwargs.get("g0", 1.0))
 
@@ -418,3 +419,14 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
     check_keys(["+norm.kwargs.g0=2.5", "+schedule.kwargs.every=10"])  # no "adds a key nothing reads"
     with pytest.raises(ConfigError, match=r"did you mean \+norm.kwargs.g0\?"):
         check_keys(["+norm.kwarg.g0=2.5"])
+    # a misspelt argument is refused before anything is built: the norm declares its names
+    # (kwargs=), an init's are its signature's
+    bad = [o.replace("norm.kwargs.g0", "norm.kwargs.g00") for o in own]
+    with pytest.raises(ConfigError, match=r"^norm.kwargs.g00: gain_own takes no such argument \(it takes: g0\); "
+                                          r"did you mean norm.kwargs.g0\?$"):
+        validate(make_cfg(*bad))
+    bad = [o.replace("init.kwargs.value", "init.kwargs.valeu") for o in own]
+    with pytest.raises(ConfigError, match=r"^init.kwargs.valeu: const_own takes no such argument \(it takes: "
+                                          r"value\); did you mean init.kwargs.value\?$"):
+        validate(make_cfg(*bad))
+    validate(make_cfg(*own, "+schedule.kwargs.anything=1"))  # undeclared: the schedule reads what it likes
