@@ -50,13 +50,19 @@ def main(argv: list[str] | None = None) -> int:
         sweeps.write_csv(csv_path, columns, table)
         print(f"\n{len(table)} run{'s' * (len(table) != 1)}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
+        swept = sweeps.varying_keys(runs)
         metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
+        if args.metric is not None and metric not in columns and f"final_{metric}" in columns:
+            metric = f"final_{metric}"  # --metric val/acc: the final value is what a sweep compares
         for key in (args.x, args.series, metric):
             if key is not None and key not in columns:
                 print(f"error: {key!r} is not a column; choose from: {', '.join(columns)}", file=sys.stderr)
                 return 2
-        if args.x is None:
-            print("error: --plot needs --x KEY (a swept value)", file=sys.stderr)
+        if args.x is None and len(swept) == 1:
+            args.x = swept[0]
+        elif args.x is None:
+            print(f"error: --plot needs --x KEY, one of the swept keys: {', '.join(swept) or 'none (nothing varies)'}",
+                  file=sys.stderr)
             return 2
         print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
     return 0

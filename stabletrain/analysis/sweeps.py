@@ -148,12 +148,15 @@ def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
         row["run"] = r.path.name
         out.append(row)
     out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
-    events = [k for k in EVENTS if any(row[k] != "" for row in out)]
+    # where it diverged, and the skips, rollbacks and alerts: columns only where some run had them
+    optional = ["diverged_at", *EVENTS]
+    kept = [k for k in optional if any(row[k] != "" for row in out)]
     for row in out:
-        for k in EVENTS:
-            if k not in events:
+        for k in optional:
+            if k not in kept:
                 del row[k]
-    return keys + FIXED + events + [f"final_{k}" for k in vals] + ["run"], out
+    fixed = [k for k in FIXED if k in kept or k not in optional]
+    return keys + fixed + [k for k in EVENTS if k in kept] + [f"final_{k}" for k in vals] + ["run"], out
 
 
 def _cell(v) -> str:

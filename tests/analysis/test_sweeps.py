@@ -205,4 +205,14 @@ def test_the_script_writes_a_csv_for_runs_but_not_into_a_single_run(tmp_path, ca
     assert "is one run, not a sweep (no summary.csv written)" in capsys.readouterr().err
     assert not (tmp_path / "a" / "summary.csv").exists()
     assert script.main([str(tmp_path)]) == 0
-    assert (tmp_path / "summary.csv").read_text().splitlines()[0].startswith("optim.lr,status")
+    # no run diverged: no diverged_at column
+    assert (tmp_path / "summary.csv").read_text().splitlines()[0] == "optim.lr,status,step,total_steps,final_loss,run"
+    # one swept key: --plot takes it as x; --metric may leave out the final_ prefix
+    _fake_run(tmp_path / "c", {"optim": {"lr": 0.3}}, {"status": "completed", "step": 3, "total_steps": 3,
+                                                      "final": {"loss": 1.0, "val/acc": 0.5}})
+    capsys.readouterr()
+    assert script.main([str(tmp_path), "--metric", "val/acc", "--plot", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    _fake_run(tmp_path / "d", {"optim": {"lr": 0.3}, "seed": 1}, {"status": "completed", "step": 3})
+    assert script.main([str(tmp_path), "--plot", str(tmp_path / "q.png")]) == 2
+    assert "error: --plot needs --x KEY, one of the swept keys: optim.lr, seed" in capsys.readouterr().err
