@@ -140,7 +140,7 @@ def load_run(run_dir: str | Path) -> Run:
         raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a run directory?")
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return Run(run_dir.resolve().name, run_dir, read_metrics(metrics_path), summary)
+    return Run(sweeps.run_name(run_dir), run_dir, read_metrics(metrics_path), summary)
 
 
 def select_blocks(all_blocks: list[str], spec: str | None) -> list[str]:
@@ -289,7 +289,21 @@ def _legends_off_lines(fig) -> None:
         fig.tight_layout()
 
 
+# A linear y axis spans at least this fraction of its largest value: a loss that moves from 2.310 to
+# 2.319, or a sigma1 that moves in its fourth digit, would otherwise fill the panel as a steep change.
+MIN_RELATIVE_SPAN = 0.02
+
+
 def _save(fig, out_dir: Path, name: str) -> Path:
+    for ax in fig.axes:
+        if not (ax.get_visible() and ax.axison and ax.get_lines()):
+            continue
+        lo, hi = ax.get_ylim()
+        if ax.get_yscale() == "linear":
+            _min_span(ax, MIN_RELATIVE_SPAN * max(abs(lo), abs(hi)))
+        elif ax.get_yscale() == "log" and 0 < lo < hi < lo * (1 + 2 * MIN_RELATIVE_SPAN):
+            mid = math.sqrt(lo * hi)  # the same fraction, about the geometric middle
+            ax.set_ylim(mid / math.sqrt(1 + 2 * MIN_RELATIVE_SPAN), mid * math.sqrt(1 + 2 * MIN_RELATIVE_SPAN))
     _legends_off_lines(fig)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
@@ -748,7 +762,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = plt.get_cmap("tab10").colors
     # past ten runs the colours repeat: the dashes tell those runs apart (dotted marks divergence)
-    styles = [{"color": colors[i % 10], "ls": ("-", "--", "-.")[i // 10 % 3]} for i in range(len(runs))]
+    # each run drawn thinner than the one before, on top of it: two runs that coincide (the same
+    # seed, a setting that changed nothing) show as a thin line inside a thick one, not as one run
+    styles = [{"color": colors[i % 10], "ls": ("-", "--", "-.")[i // 10 % 3], "lw": max(0.8, 3.2 - i)}
+              for i in range(len(runs))]
     labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else "")
                 for run, name in zip(runs, names)]
     missing_in: list[tuple] = []
@@ -788,7 +805,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     # the free sixth panel holds the one legend: five copies of it would cover the curves
     slot = axes.flat[5]
     slot.axis("off")
-    handles = [Line2D([], [], lw=1.2, **style) for style in styles]
+    handles = [Line2D([], [], **style) for style in styles]
     if any(r.diverged_step is not None for r in runs):
         handles.append(Line2D([], [], color="gray", ls=":", lw=1))
         labelled.append("dotted: where the run of that colour diverged")

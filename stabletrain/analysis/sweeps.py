@@ -104,8 +104,22 @@ def labels(run_dirs: list[Path]) -> list[str]:
     keys = varying_keys(runs)  # filled in, some keys no longer differ
     out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings) for r in runs]
     if not keys or not all(out) or len(set(out)) < len(out):
-        return [Path(d).resolve().name + (f" ({o})" if o and keys else "") for d, o in zip(run_dirs, out)]
+        return [run_name(d) if not (o and keys) else f"{Path(d).resolve().name} ({o})" for d, o in zip(run_dirs, out)]
     return out
+
+
+def run_name(run_dir: str | Path) -> str:
+    """A run's name for titles and legends: its directory's, but a sweep point's number (``1``)
+    says nothing, so it becomes ``<sweep>/1 (norm.kwargs.g0=2)``: the values that point was given
+    among the keys its sweep varies."""
+    d = Path(run_dir).resolve()
+    if not d.name.isdigit() or not (d / ".hydra" / "overrides.yaml").is_file():
+        return d.name
+    points = [Run(p.parent.parent, {}, settings(p.parent.parent)) for p in d.parent.glob("*/.hydra/overrides.yaml")]
+    swept = varying_keys(points) if len(points) > 1 else []
+    mine = settings(d)
+    values = ", ".join(f"{k}={_cell(mine[k])}" for k in swept if k in mine)
+    return f"{d.parent.name}/{d.name}" + (f" ({values})" if values else "")
 
 
 def final_metrics(runs: list[Run]) -> list[str]:

@@ -465,3 +465,41 @@ def test_an_entropy_panel_is_at_least_a_tenth_of_a_nat_high():
     P._min_span(ax, 0.1)
     assert ax.get_ylim() == (0, 2)  # a wide axis is left as it is
     plt.close(fig)
+
+
+def test_a_tiny_change_is_drawn_small_on_linear_and_log_axes(tmp_path):
+    """A loss from 2.310 to 2.319, or a sigma1 in its fourth digit, does not fill its panel:
+    every axis spans at least 2% of its largest value; a wide axis is left as it is."""
+    import matplotlib.pyplot as plt
+
+    fig, (lin, log, wide) = plt.subplots(1, 3)
+    lin.plot([0, 10], [0.3439, 0.3438])
+    log.plot([0, 10], [2.310, 2.319])
+    log.set_yscale("log")
+    wide.plot([0, 10], [0.0, 1.0])
+    before = wide.get_ylim()
+    P._save(fig, tmp_path, "f.png")
+    lo, hi = lin.get_ylim()
+    assert hi - lo == pytest.approx(P.MIN_RELATIVE_SPAN * 0.3439, rel=0.02) and lo < 0.3438 and 0.3439 < hi
+    lo, hi = log.get_ylim()
+    assert hi / lo == pytest.approx(1 + 2 * P.MIN_RELATIVE_SPAN) and lo < 2.310 and 2.319 < hi
+    assert wide.get_ylim() == before
+
+
+def test_runs_that_coincide_stay_visible_and_a_sweep_point_is_named_by_its_values(tmp_path, monkeypatch):
+    from stabletrain.analysis.sweeps import run_name
+
+    dirs = []
+    for i, tau in enumerate([0.01, 0.02]):
+        d = _write_run(tmp_path / "sweep" / str(i), crash=False)  # the same curves
+        (d / ".hydra").mkdir()
+        (d / ".hydra" / "overrides.yaml").write_text(f"- model=vit_test\n- optim.tau={tau}\n")
+        dirs.append(d)
+    assert run_name(dirs[1]) == "sweep/1 (optim.tau=0.02)"  # not "1"
+    assert run_name(tmp_path / "sweep") == "sweep"
+    figures = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    P.compare_runs(dirs, tmp_path / "cmp")
+    loss = next(ax for ax in figures["compare.png"].axes if ax.get_title() == "training loss")
+    first, second = loss.get_lines()[:2]
+    assert first.get_linewidth() > second.get_linewidth() + 0.5  # the later, thinner, on top

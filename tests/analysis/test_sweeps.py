@@ -108,7 +108,8 @@ def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     twin = tmp_path / "twin"
     (twin / ".hydra").mkdir(parents=True)
     (twin / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["optim=adamw"]))
-    assert sweeps.labels([dirs[2], twin]) == ["2", "twin"]  # nothing differs: directory names
+    # nothing differs: directory names, a sweep point's with what its sweep gave it
+    assert sweeps.labels([dirs[2], twin]) == [f"{tmp_path.name}/2 (optim=adamw)", "twin"]
     assert sweeps.labels([dirs[0], dirs[2], twin])[1:] == ["2 (optim=adamw)", "twin (optim=adamw)"]
     bare = tmp_path / "bare"
     (bare / ".hydra").mkdir(parents=True)
