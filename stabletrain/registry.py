@@ -105,6 +105,18 @@ class Registry:
         return [self._entries[n] for n in sorted(self._entries)]
 
 
+def _near_file(path) -> str | None:
+    """The .py file beside a missing ``path`` whose name is nearest it (a typo), if any."""
+    import difflib
+
+    try:
+        names = [p.name for p in path.parent.glob("*.py")]
+    except OSError:
+        return None
+    near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
+    return str(path.parent / near[0]) if near else None
+
+
 def import_modules(names: list[str] | tuple[str, ...]) -> None:
     """Import the user's own modules (the ``imports`` key) so that what they register, a model
     family, a norm, a loss term, an optimizer, becomes an option beside stabletrain's own.
@@ -121,8 +133,11 @@ def import_modules(names: list[str] | tuple[str, ...]) -> None:
         if name.endswith(".py") or os.sep in name or "/" in name:
             path = Path(name).expanduser().resolve()
             if not path.is_file():
-                raise ConfigError(f"imports: {name} is not a file (relative paths start at {os.getcwd()}); "
-                                  f"give the path of a .py file or a module name")
+                where = "" if Path(name).expanduser().is_absolute() else f" (relative paths start at {os.getcwd()})"
+                near = _near_file(path)
+                raise ConfigError(f"imports: {name} is not a file{where}; "
+                                  + (f"did you mean {near}? " if near else "")
+                                  + "give the path of a .py file or a module name")
             known = sys.modules.get(path.stem)
             if known is not None:
                 if Path(getattr(known, "__file__", "") or "").resolve() != path:

@@ -106,12 +106,14 @@ def test_a_norm_of_your_own_is_an_option_in_every_slot(tmp_path, monkeypatch, ho
     ("nowhere/mine.py", "imports: nowhere/mine.py is not a file (relative paths start at"),
     ("no_such_module_here", "imports: no module named no_such_module_here on sys.path or in"),
     ("{tmp}/json.py", "has the name of the module json imported from"),
+    # an absolute path: no word on relative ones, and the file one typo away is named
+    ("{tmp}/jsno.py", "imports: {tmp}/jsno.py is not a file; did you mean {tmp}/json.py? give the path"),
 ])
 def test_an_import_that_cannot_be_found_is_one_line(tmp_path, imports, needle):
     (tmp_path / "json.py").write_text("")
     with pytest.raises(ConfigError) as e:
         validate(make_cfg("model=vit_test", f"imports=[{imports.format(tmp=tmp_path)}]"))
-    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert needle.format(tmp=tmp_path) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_module_that_fails_on_its_own_import_keeps_its_traceback(tmp_path):
