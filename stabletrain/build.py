@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import math
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from stabletrain.data import DATASETS, Data, Shard, resolve_name, task_loss
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import seed_all
 from stabletrain.engine.divergence import DivergenceWatch
-from stabletrain.engine.loop import LoopSettings, Trainer, autocast_for
+from stabletrain.engine.loop import EVAL_BATCH_CAP, LoopSettings, Trainer, autocast_for
 from stabletrain.engine.memory import check_host_memory
 from stabletrain.engine.rundir import task_overrides
 from stabletrain.errors import ConfigError
@@ -133,6 +134,17 @@ def ema_note(ema_cfg, total_steps: int) -> str:
         line = (f"warning: ema.decay={ema_cfg.decay:g} averages over ~{horizon:.0f} steps, more than the run's "
                 f"{total_steps}: val_ema/* will mostly score the initial weights (lower it, or set ema.warmup=true)")
     return line
+
+
+def eval_note(data, cfg) -> str | None:
+    """Said where an evaluation scores only part of a vision val set: an accuracy to compare with a
+    paper's is over all of it. (Text is scored on random windows, as nanoGPT does: an estimate.)"""
+    bs = min(cfg.batch_size, EVAL_BATCH_CAP)
+    scored = cfg.eval_batches * bs
+    if data.kind != "vision" or not data.n_val or scored >= data.n_val:
+        return None
+    return (f"validation: {scored} of the {data.n_val} val images per evaluation (eval_batches={cfg.eval_batches} "
+            f"of {bs}, a fixed random part); eval_batches={math.ceil(data.n_val / bs)} scores them all")
 
 
 def own_groups(cfg) -> tuple[str, ...]:
@@ -295,7 +307,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     total = cfg.steps if cfg.steps is not None else max(1, int(round(cfg.epochs * spe)))
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
-    notes += [lr_at.describe(), *lr_at.warnings()]
+    notes += [lr_at.describe(), *lr_at.warnings()] + ([part] if (part := eval_note(data, cfg)) else [])
     if ema is not None:
         notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)

@@ -70,6 +70,7 @@ class Data:
     in_chans: int = 3
     vocab_size: int = 0
     seq_len: int = 0
+    n_val: int = 0  # samples or tokens of the validation set
     extra: dict = field(default_factory=dict)
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -81,7 +82,8 @@ class TensorImages(Data):
     """Images held in memory (the embedded digits)."""
 
     def __init__(self, t: dict[str, torch.Tensor], num_classes: int, seed: int, repeats: int = 1):
-        super().__init__("vision", len(t["y_train"]), num_classes=num_classes, in_chans=t["x_train"].shape[1])
+        super().__init__("vision", len(t["y_train"]), num_classes=num_classes, in_chans=t["x_train"].shape[1],
+                         n_val=len(t["y_val"]))
         self.t, self.seed, self.repeats = t, seed, repeats
 
     def train_iter(self, start_step: int, shard: Shard) -> Iterator[list[Batch]]:
@@ -106,7 +108,7 @@ class TokenWindows(Data):
             if len(arr) <= seq_len + 1:  # a window is seq_len inputs and the next token of the last
                 raise ConfigError(f"{name}: {len(arr)} tokens, too few for a window of model.block_size="
                                   f"{seq_len} (+1): lower model.block_size" + (f", or {fix}" if fix else ""))
-        super().__init__("text", len(train), vocab_size=vocab_size, seq_len=seq_len)
+        super().__init__("text", len(train), vocab_size=vocab_size, seq_len=seq_len, n_val=len(val))
         self.train, self.val, self.seed = train, val, seed
 
     def _windows(self, arr: np.ndarray, starts: torch.Tensor) -> Batch:

@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from stabletrain.config import ConfigError
 from stabletrain.data import Batch, Data, Shard, epoch_indices
@@ -131,11 +131,14 @@ def _posterize_zero_bits(transform) -> None:
                 op.aug_fn = posterize
 
 
+VAL_PART_SEED = 1234  # which val images a partial evaluation scores (eval_batches x batch < the val set)
+
+
 class ImageData(Data):
     """A train and a val data set of ``(image tensor, label)`` behind the step-indexed stream."""
 
     def __init__(self, d, seed: int, train_set: Dataset, val_set: Dataset, num_classes: int):
-        super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3)
+        super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3, n_val=len(val_set))
         self.train_set, self.val_set = train_set, val_set
         self.seed, self.workers, self.repeats = seed, loader_workers(d.num_workers), d.repeated_aug
 
@@ -156,9 +159,15 @@ class ImageData(Data):
             yield [next(it) for _ in range(shard.accum)]
 
     def val_batches(self, batch_size: int, max_batches: int) -> Iterator[Batch]:
+        part = self.val_set
+        if max_batches * batch_size < len(part):
+            # a part of the val set is a fixed random one, the same for every run and seed: the first
+            # images would be the first classes only (an ImageFolder lists them class by class)
+            pick = torch.randperm(len(part), generator=torch.Generator().manual_seed(VAL_PART_SEED))
+            part = Subset(part, pick[:max_batches * batch_size].sort().values.tolist())
         # its own generator: the global one is the model's (dropout, drop path), and how often a run
         # evaluates may differ between a run and its resume
-        loader = DataLoader(self.val_set, batch_size=batch_size, num_workers=self.workers,
+        loader = DataLoader(part, batch_size=batch_size, num_workers=self.workers,
                             generator=torch.Generator().manual_seed(self.seed))
         for i, b in enumerate(loader):
             if i >= max_batches:

@@ -52,6 +52,9 @@ class StepResult(NamedTuple):
     lr: float  # the rate the step ran at
 
 
+EVAL_BATCH_CAP = 256  # evaluation batches are the training batch, at most this (the forward needs no grads)
+
+
 @dataclass
 class LoopSettings:
     """The few values the loop itself reads; everything else arrives built."""
@@ -312,7 +315,7 @@ class Trainer:
         """(loss sum, correct, count) over the validation batches, summed on the device and over
         the ranks: one host sync per scored model, not one per batch."""
         # The same global eval batches whatever the world size; each rank scores its slice.
-        bs = min(self.settings.batch_size, 256)
+        bs = min(self.settings.batch_size, EVAL_BATCH_CAP)
         r, w = self.info.rank, self.info.world
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         for x, y in self.data.val_batches(bs, self.settings.eval_batches):

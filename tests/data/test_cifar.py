@@ -64,7 +64,7 @@ def test_eval_batch_is_the_pickled_pixels_normalised(tmp_path, no_md5, name):
     assert d.kind == "vision" and d.num_classes == classes and d.in_chans == 3
     assert d.n_train == sum(len(e[label_key]) for f, e in written.items() if "test" not in f)
 
-    x, y = next(d.val_batches(batch_size=4, max_batches=1))
+    x, y = next(d.val_batches(batch_size=4, max_batches=len(test[label_key])))  # all of it: in order
     assert x.shape == (4, 3, 32, 32) and y.tolist() == test[label_key][:4]
     pixels = torch.tensor(test["data"][1], dtype=torch.float32).view(3, 32, 32) / 255  # CHW, as pickled
     expect = (pixels - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)

@@ -148,3 +148,32 @@ def test_image_evaluation_draws_nothing_from_the_global_rng():
     torch.manual_seed(1)
     assert len(list(d.val_batches(4, 10))) == 3
     assert torch.equal(torch.rand(3), expect)
+
+
+def test_a_partial_evaluation_scores_a_fixed_random_part_of_the_val_set():
+    """An ImageFolder lists the val images class by class: 2 batches of 4 of 40 images must not be
+    the first two classes. The part is the same for every call, run and seed; all of it when it fits.
+    The start lines say how much is scored and the eval_batches that score all of it."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    from stabletrain.build import eval_note
+    from stabletrain.data.vision import ImageData
+
+    labels = torch.arange(40) // 4  # 10 classes in order, 4 images each
+    ds = TensorDataset(torch.arange(40).float().view(40, 1, 1, 1).expand(40, 3, 2, 2), labels)
+
+    def scored(seed, batches):
+        d = ImageData(SimpleNamespace(num_workers=0, repeated_aug=1), seed, ds, ds, 10)
+        return torch.cat([y for _, y in d.val_batches(4, batches)])
+
+    part = scored(0, 2)
+    assert len(part) == 8 and len(set(part.tolist())) > 2  # not classes 0 and 1 only
+    assert torch.equal(part, scored(0, 2)) and torch.equal(part, scored(7, 2))
+    assert torch.equal(scored(0, 10), labels)  # all of it: in order
+    d = ImageData(SimpleNamespace(num_workers=0, repeated_aug=1), 0, ds, ds, 10)
+    cfg = SimpleNamespace(batch_size=4, eval_batches=2)
+    assert eval_note(d, cfg) == ("validation: 8 of the 40 val images per evaluation (eval_batches=2 of 4, a fixed "
+                                 "random part); eval_batches=10 scores them all")
+    assert eval_note(d, SimpleNamespace(batch_size=4, eval_batches=10)) is None
