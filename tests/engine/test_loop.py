@@ -4,6 +4,7 @@ import json
 import math
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -246,6 +247,7 @@ def test_locater_penalty_is_logged_beside_the_loss(tmp_path):
 
 def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatch):
     from stabletrain.build import build_trainer
+    from stabletrain.engine.rundir import interpreter
     from tests.helpers import make_cfg
 
     for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):  # under a scheduler the job is requeued instead
@@ -264,8 +266,11 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
                             f"hydra.run.dir={tmp_path / 'cli'}")
     _run_until(t, 3)
     hint = capsys.readouterr().err.strip().splitlines()[-1]
-    assert hint == ("continue it with: python train.py model=gpt_test steps=10 'imports=[my fix.py]' resume=auto "
-                    f"hydra.run.dir={tmp_path / 'cli'}")
+    # this interpreter ("python" only where that is it: a venv's python run bare would lack torch)
+    assert hint == (f"continue it with: {interpreter()} train.py model=gpt_test steps=10 'imports=[my fix.py]' "
+                    f"resume=auto hydra.run.dir={tmp_path / 'cli'}")
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    assert interpreter() == "python"
 
 
 def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch):
@@ -279,7 +284,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
 
     from stabletrain.build import build_trainer
     from stabletrain.cli import CONFIG_DIR
-    from stabletrain.engine.rundir import RunDirLock
+    from stabletrain.engine.rundir import RunDirLock, interpreter
     from stabletrain.errors import ConfigError
     from tests.helpers import make_cfg
 
@@ -306,8 +311,8 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), sweep / "2")
         _run_until(t, 3)
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert last == (f"continue it with: python train.py -m model=gpt_test optim.lr=1e-3,2e-3 resume=auto "
-                        f"hydra.sweep.dir={sweep}")
+        assert last == (f"continue it with: {interpreter()} train.py -m model=gpt_test optim.lr=1e-3,2e-3 "
+                        f"resume=auto hydra.sweep.dir={sweep}")
         held = RunDirLock(sweep / "1").acquire()
         with pytest.raises(ConfigError, match="its own hydra.sweep.dir$"):
             RunDirLock(sweep / "1").check_free()
