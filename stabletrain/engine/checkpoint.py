@@ -15,7 +15,7 @@ from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, opt
 from stabletrain.engine import distributed as D
 from stabletrain.engine.rundir import command, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
-from stabletrain.metrics import previous_name
+from stabletrain.metrics import previous_name, read_json
 
 
 def mismatch(e: BaseException) -> str:
@@ -269,6 +269,16 @@ class Checkpointer:
         """The keys a checkpoint's config sets otherwise than this run's, outside ``may_change``."""
         return changed_keys(saved_yaml, self.config_yaml, may_change, self.equivalent)
 
+    def fits(self, ck: dict) -> bool:
+        """Whether ``ck``'s weights have this model's names and shapes (a sharded checkpoint's are
+        not read here: taken to fit)."""
+        theirs = ck.get("model")
+        if self.sharded or not isinstance(theirs, dict):
+            return True
+        mine = self.model.state_dict()
+        return theirs.keys() == mine.keys() and all(
+            getattr(theirs[k], "shape", None) == getattr(v, "shape", None) for k, v in mine.items())
+
     def command_of(self, ck: dict) -> str | None:
         """The command that continues the run that wrote ``ck`` in this directory: its own
         overrides (saved in the checkpoint; None for a checkpoint without them)."""
@@ -367,11 +377,15 @@ class Checkpointer:
 
                 shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:4])
                 theirs = self.command_of(ck)
-                fix = (f"continue it with its own command, {theirs}" if theirs else
-                       "give the overrides the run was started with again")
+                own = f"its own command, {theirs}" if theirs else "the overrides it was started with"
+                done = (read_json(path.parent.parent / "summary.json") or {}).get("status") == "completed"
+                fix = (f"the run there completed at step {ck['step']} ({own}, with a larger steps=, trains it on)"
+                       if done else f"continue it with {own}")
+                fix += ("; or pass resume_allow_changes=true to continue with the changes" if self.fits(ck) else
+                        "; this model's weights do not fit that checkpoint, so resume_allow_changes cannot help")
+                fix += f"; a new run goes in another {own_dir_key()}" if done or not self.fits(ck) else ""
                 raise ConfigError(f"resume=auto would change the resumed run's {shown}"
-                                  f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''}: {fix}; or pass "
-                                  f"resume_allow_changes=true to continue with the changes")
+                                  f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''}: {fix}")
         if bool(ck.get("dcp")) != self.sharded:
             def par(sharded):
                 return "fsdp" if sharded else "ddp"

@@ -242,8 +242,14 @@ def test_a_refused_resume_names_the_command_that_started_the_run(tmp_path):
     line = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and line.startswith("error: resume=auto would change the resumed run's batch_size "
                                                  "(8 there, 64 here)"), line
-    assert f"continue it with its own command, {sys.executable} {ROOT / 'train.py'} {' '.join(own)} resume=auto " \
-           f"hydra.run.dir={run}; or pass resume_allow_changes=true" in line, line
+    cmd = f"{sys.executable} {ROOT / 'train.py'} {' '.join(own)} resume=auto hydra.run.dir={run}"
+    assert line.endswith(f": the run there completed at step 3 (its own command, {cmd}, with a larger steps=, trains "
+                         "it on); or pass resume_allow_changes=true to continue with the changes; a new run goes in "
+                         "another hydra.run.dir"), line
+    # another model shape: resume_allow_changes would not help, and is not offered
+    r = cli(*own, "model.depth=3", "resume=auto", f"hydra.run.dir={run}")
+    line = r.stderr.strip().splitlines()[-1]
+    assert "model.depth (2 there, 3 here)" in line and "resume_allow_changes cannot help" in line, line
     # a checkpoint past the default 600 steps: the run's own steps=700 is what was left out
     long = tmp_path / "long"
     assert cli(*own[:2], "steps=700", "logger=none", "monitor=off", "ckpt_every=650", "eval_every=1000",
