@@ -525,9 +525,10 @@ READ_BY = {
 }
 # groups whose every key is unread under one option: group -> (its schema, that option, why, the
 # keys that option's own yaml sets)
-OFF = {"reparam": (ReparamConfig, "none", "is off", ()), "deescalate": (DeescConfig, "none", "is off", ()),
+OFF = {"reparam": (ReparamConfig, "none", "reparametrises no layer", ()),
+       "deescalate": (DeescConfig, "none", "adds no de-escalation", ()),
        "init": (InitConfig, "family", "keeps the model's own init", ()),
-       "monitor": (MonitorConfig, "off", "is off", ("alerts",))}
+       "monitor": (MonitorConfig, "off", "measures nothing", ("alerts",))}
 # keys that another key's setting leaves unread: key -> (read in this run?, what to set to use it)
 READ_WHEN = {
     **{f"ema.{k}": (lambda c: c.ema.decay is not None, "the weight average is off (set ema.decay, e.g. 0.9999)")

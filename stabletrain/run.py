@@ -118,9 +118,7 @@ def dry_run_report(trainer) -> str:
     from stabletrain.optim.param_groups import parameter_table
 
     t = trainer
-    lines = [parameter_table(t.model), t.headline(), *t.notes,
-             f"data: {t.data.kind}, {t.data.n_train} training {'tokens' if t.data.kind == 'text' else 'samples'}, "
-             f"{t.steps_per_epoch} steps per epoch",
+    lines = [parameter_table(t.model), t.headline(), t.data_line(), *t.notes,
              "dry run: nothing trained, nothing written"]
     return "\n".join(lines)
 

@@ -706,10 +706,17 @@ class Trainer:
                 f"{'sequences' if self.data.kind == 'text' else 'images'} "
                 f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s))")
 
+    def data_line(self) -> str:
+        d = self.data
+        what = "tokens" if d.kind == "text" else "samples"
+        return (f"data: {d.kind}, {d.n_train} training {what}" + (f" ({d.n_val} val)" if d.n_val else "")
+                + f", {self.steps_per_epoch} steps per epoch, {self.total_steps / self.steps_per_epoch:.3g} epochs")
+
     def _start(self, resumed: int | None) -> dict | None:
         """The start lines; a resumed run that already completed returns its summary instead."""
         m = self.metrics
         m.message(f"{self.headline()}; run dir {self.run_dir}")
+        m.message(self.data_line())
         for note in self.notes:
             m.message(note)
         self.last_vals: dict = {}

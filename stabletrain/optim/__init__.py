@@ -99,7 +99,9 @@ def build_optimizer(
     )
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
-    summary = summarize_groups(groups, header=f"optimizer {name} lr {lr:g}: ")
+    tau = optim_cfg.get("tau") if hasattr(optim_cfg, "get") else getattr(optim_cfg, "tau", None)
+    summary = summarize_groups(groups, header=f"optimizer {name} lr {lr:g}: ",
+                               tau=None if tau is None else float(tau))
     for g in groups:
         g.pop("kinds")
         g["lr"] = lr * g["lr_mult"]

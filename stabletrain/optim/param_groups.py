@@ -126,13 +126,15 @@ def make_param_groups(
     return list(groups.values())
 
 
-def summarize_groups(groups: list[dict], header: str = "") -> str:
-    """A few lines: per group its flags, tensor count, parameter count and example names."""
+def summarize_groups(groups: list[dict], header: str = "", tau: float | None = None) -> str:
+    """A few lines: per group its flags, tensor count, parameter count and example names; AdamW²'s
+    ``tau`` in the words that say what "bound" means."""
     total_t = sum(len(g["params"]) for g in groups)
     total_n = sum(p.numel() for g in groups for p in g["params"])
     key = ""
     if any("bound" in g for g in groups):  # AdamW²'s word for it, said once
-        key = " (bound: each update's spectral norm at most tau x sigma1(W); free: plain AdamW)"
+        at_most = f"tau={tau:g}" if tau is not None else "tau"
+        key = f" (bound: each update's spectral norm at most {at_most} x sigma1(W); free: plain AdamW)"
     lines = [f"{header}{total_t} tensors, {param_count(total_n)} params in {len(groups)} groups{key}"]
     for g in groups:
         # wd_mult: a group that decays on a schedule (optim.weight_decay_end) may start at wd 0

@@ -185,6 +185,9 @@ def test_the_group_table_says_what_bound_and_free_mean():
               {"params": [b], "names": ["b"], "kinds": ["vector"], "weight_decay": 0.0, "bound": False}]
     head, bound, free = summarize_groups(groups, "optimizer adamw2: ").splitlines()
     assert head.endswith("(bound: each update's spectral norm at most tau x sigma1(W); free: plain AdamW)")
+    # a sweep over tau tells its points apart in this line
+    assert summarize_groups(groups, tau=0.004).splitlines()[0].endswith("at most tau=0.004 x sigma1(W); free: plain "
+                                                                         "AdamW)")
     assert bound.split()[:2] == ["decay", "bound"] and free.split()[:2] == ["no-decay", "free"]
     sgd = [{k: v for k, v in g.items() if k != "bound"} for g in groups]
     assert "bound:" not in summarize_groups(sgd).splitlines()[0]  # no AdamW², no such words
