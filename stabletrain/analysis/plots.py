@@ -254,8 +254,15 @@ def _title(run: Run, what: str) -> str:
         rollbacks = len(run.summary.get("rollbacks") or []) or len(run.restored_at)
         if rollbacks:
             status += f", {rollbacks} rollback(s) (orange: restored step)"
-        if run.skipped_at:
-            status += f", non-finite steps skipped (grey: {int(sum(run.get(N.SKIPPED_STEPS)[1]))})"
+        # summary.json counts every skipped step; the records only those of the history a
+        # rollback kept (it drops the records after the step it restores)
+        series = run.get(N.SKIPPED_STEPS)
+        here = int(sum(series[1])) if series is not None else 0
+        total = max(int(run.summary.get("skipped_steps") or 0), here)
+        if total:
+            where = ("grey" if here == total else f"grey: the {here} in the kept history" if here
+                     else "all in histories rollbacks dropped")
+            status += f", {total} non-finite step(s) skipped ({where})"
         status += "]"
     return f"{run.name}{status}: {what}"
 

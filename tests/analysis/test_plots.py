@@ -198,6 +198,10 @@ def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch)
                  if len(set(line.get_xdata())) == 1}
         assert marks == {(x, "tab:orange") for x in orange} | {(x, "0.6") for x in grey}
         assert ("rollback(s)" in figures[-1]._suptitle.get_text()) == bool(orange)
+        # the title counts every skipped step (summary.json), the dropped history's too
+        title = figures[-1]._suptitle.get_text()
+        assert title.endswith("1 non-finite step(s) skipped (all in histories rollbacks dropped)]: training curves"
+                              if name == "rb" else "1 non-finite step(s) skipped (grey)]: training curves"), title
 
 
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
