@@ -213,18 +213,23 @@ def _check_tokens(d) -> None:
 
 @DATASETS.register("tokens", kind="text", check=_check_tokens)
 def tokens(d, m, seed: int) -> Data:
-    from stabletrain.data.token_files import load_token_files
+    from stabletrain.data.token_files import META, load_token_files
 
     train, val, vocab = load_token_files(d.path or "")
     path = Path(d.path)
+    # bins without a meta.json are read as nanoGPT's GPT-2 files; a byte-level set that lost its
+    # meta.json would train as GPT-2 ids: said where the vocabulary is refused
+    assumed = "" if path.with_name(META).is_file() else (
+        f" ({path.parent} has no {META}: its tokens are taken as nanoGPT's GPT-2 ids; files of "
+        f"scripts/prepare_tokens.py have one, so write them again if it was lost)")
     return _token_windows(train, val, vocab, m, seed, (str(path), str(path.with_name("val.bin"))),
-                          f"write the files again with scripts/prepare_tokens.py --block-size {m.block_size}")
+                          f"write the files again with scripts/prepare_tokens.py --block-size {m.block_size}", assumed)
 
 
 def _token_windows(train: np.ndarray, val: np.ndarray, vocab: int, m, seed: int, names: tuple[str, str],
-                   remedy: str) -> TokenWindows:
+                   remedy: str, assumed: str = "") -> TokenWindows:
     if m.vocab_size < vocab:  # the embedding would index out of range on the first batch
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary {vocab}: "
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the data's vocabulary {vocab}{assumed}: "
                           f"set model.vocab_size={-(-vocab // 64) * 64} (or larger)")
     return TokenWindows(train, val, vocab, m.block_size, seed, names, remedy)
 
