@@ -62,7 +62,13 @@ def gpt2_encoding(fallback: str = "data.tokenizer=byte"):
 
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # offline: tiktoken raises connection errors of several kinds
+        import os
+
+        given = os.environ.get("TIKTOKEN_CACHE_DIR")
+        where = (f"TIKTOKEN_CACHE_DIR={given} does not hold them (they are named by the SHA-1 of their URL, as "
+                 f"tiktoken writes them online): copy them there from a machine that has run it" if given else
+                 "set TIKTOKEN_CACHE_DIR to a folder holding them")
         raise ConfigError(
             f"tiktoken cannot load the gpt2 encoding ({type(e).__name__}); offline it needs its cached files: "
-            f"set TIKTOKEN_CACHE_DIR to a folder holding them, or use {fallback}"
+            f"{where}, or use {fallback}"
         ) from e

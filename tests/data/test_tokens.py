@@ -106,7 +106,11 @@ def test_gpt2_offline_is_a_clear_error(tmp_path, monkeypatch):
     import tiktoken
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: (_ for _ in ()).throw(ConnectionError("offline")))
-    with pytest.raises(ConfigError, match="TIKTOKEN_CACHE_DIR.*--tokenizer byte"):
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    with pytest.raises(ConfigError, match="set TIKTOKEN_CACHE_DIR to a folder holding them, or use --tokenizer byte"):
+        prepare_tokens(tmp_path, ["text"], tokenizer="gpt2")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))  # given, but without the files
+    with pytest.raises(ConfigError, match=f"TIKTOKEN_CACHE_DIR={tmp_path / 'empty'} does not hold them"):
         prepare_tokens(tmp_path, ["text"], tokenizer="gpt2")
 
 
