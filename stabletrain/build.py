@@ -308,6 +308,11 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
     notes += [lr_at.describe(), *lr_at.warnings()] + ([part] if (part := eval_note(data, cfg)) else [])
+    if cfg.debug.spike_at_step is not None:
+        dv = cfg.divergence
+        notes.append(f"debug.spike_at_step={cfg.debug.spike_at_step}: that step's loss is multiplied by "
+                     f"{cfg.debug.spike_factor:g}; a spike of one step is watched, not acted on (a divergence is "
+                     f"{dv.window} steps in a row above {dv.spike_factor:g}x the running mean, divergence.window)")
     if ema is not None:
         notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)

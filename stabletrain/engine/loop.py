@@ -372,8 +372,12 @@ class Trainer:
         bad, stop = int(values[-2]), values[-1]
         reason = None
         self.trigger = None
+        passed = []  # (first step, length) of the loss spikes that ended in this interval
         for (s, _), value, skip in zip(pending, losses, skipped):
+            over = self.divergence.over
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
+            if over and not self.divergence.over and not skip:
+                passed.append((s + 1 - over, over))
             if reason:
                 self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
                 self.trigger = (self.divergence.onset or s + 1, "divergence")
@@ -440,6 +444,14 @@ class Trainer:
         which = [s + 1 for (s, _), skip in zip(pending, skipped) if skip]
         extra = {"skipped": f"{len(which)} non-finite step(s) (step {', '.join(map(str, which[:3]))}"
                             f"{', ...' if len(which) > 3 else ''})"} if which else {}
+        # what the divergence watch sees: a spike is a divergence only once it lasts divergence.window steps
+        w = self.divergence
+        if w.over and reason is None:
+            extra["spike"] = (f"since step {self.step - w.over + 1}, the loss above {w.factor:g}x its running mean "
+                              f"{w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
+        elif passed:
+            first, length = passed[-1]
+            extra["spike"] = f"of step {first} passed after {length} step(s)"
         self.metrics.progress(self.step, self.total_steps,
                               {N.LOSS: loss, **extra, N.LR: lr, **shown, **speed})
         return reason

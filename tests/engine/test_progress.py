@@ -172,3 +172,23 @@ def test_the_logged_gradient_norm_is_the_intervals_largest(tmp_path):
     every, tens = norms(tmp_path / "every"), norms(tmp_path / "tens")
     assert tens[20] == pytest.approx(max(every[s] for s in range(11, 21)), rel=1e-5)
     assert tens[20] > 2 * every[20]  # the spike at step 15, not step 20's
+
+
+def test_the_progress_line_says_what_the_divergence_watch_sees(tmp_path, capsys):
+    """An injected one-step spike at step 30, a log step: the start lines say a lone spike is
+    watched, not acted on; step 30's line says how far it is from a divergence, step 40's that it
+    passed. A spike inside an interval is said as passed on its interval's line."""
+    args = ["model=gpt_test", "steps=40", "batch_size=8", "logger=none", "monitor=off", "eval_every=100",
+            "logger.log_every=10"]
+    train(tmp_path / "a", *args, "debug.spike_at_step=30", quiet=False)
+    err = capsys.readouterr().err
+    assert "debug.spike_at_step=30: that step's loss is multiplied by 10000; a spike of one step is watched, " \
+           "not acted on (a divergence is 20 steps in a row above 4x the running mean, divergence.window)" in err
+    lines = {int(m.group(1)): ln for ln in err.splitlines() if (m := re.match(r"step (\d+)/40 ", ln))}
+    assert re.search(r"\| spike since step 30, the loss above 4x its running mean [\d.]+ \(1 of 20 steps to a "
+                     r"divergence\) \|", lines[30]), lines[30]
+    assert "| spike of step 30 passed after 1 step(s) |" in lines[40], lines[40]
+    assert "spike" not in lines[10] + lines[20]
+    train(tmp_path / "b", *args, "debug.spike_at_step=25", quiet=False)
+    out = capsys.readouterr().err
+    assert "step 30/40 | loss 5" in out and "| spike of step 25 passed after 1 step(s) |" in out
