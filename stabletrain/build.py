@@ -308,6 +308,11 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
     notes += [lr_at.describe(), *lr_at.warnings()] + ([part] if (part := eval_note(data, cfg)) else [])
+    if cfg.monitor.rollback_on_alert and cfg.ckpt_every > cfg.monitor.probe_every:
+        # an alert fires at a probe: the newest ring checkpoint before it may be ckpt_every back
+        notes.append(f"note: monitor.rollback_on_alert with ckpt_every={cfg.ckpt_every} > monitor.probe_every="
+                     f"{cfg.monitor.probe_every}: a rollback may restore a state long before the alert, or step 0; "
+                     f"set ckpt_every={cfg.monitor.probe_every} or less")
     if cfg.debug.spike_at_step is not None:
         dv = cfg.divergence
         notes.append(f"debug.spike_at_step={cfg.debug.spike_at_step}: that step's loss is multiplied by "

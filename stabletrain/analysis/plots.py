@@ -90,8 +90,10 @@ class Run:
 
     @property
     def alerts(self) -> list[dict]:
-        """The run's health alerts (summary.json): ``step``, ``layer`` and the min entropy ``value``."""
-        return [a for a in (self.summary or {}).get("alerts") or [] if isinstance(a, dict) and "step" in a]
+        """The run's health alerts (summary.json): ``step``, ``layer`` and the min entropy ``value``;
+        not those of a history a rollback abandoned, whose steps are on no curve drawn."""
+        return [a for a in (self.summary or {}).get("alerts") or []
+                if isinstance(a, dict) and "step" in a and not a.get("rolled_back")]
 
     @property
     def skipped_at(self) -> list[float]:

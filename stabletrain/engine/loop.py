@@ -618,11 +618,13 @@ class Trainer:
             found = earlier  # the state restored last time went wrong again: it may hold the trouble's start
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
-        fired = list(self.monitor.alerts) if self.monitor is not None else []
+        # the alerts are a record of the run, not state to restore; those of the history this
+        # rollback abandons are marked so, for their steps are no longer on any curve
+        fired = [{**a, "rolled_back": True} for a in self.monitor.alerts] if self.monitor is not None else []
         self.ckpt.restore(path, ck)
         if self.monitor is not None:
             self.monitor.stop_reason = None
-            self.monitor.alerts = fired  # the alerts are a record of the run, not state to restore
+            self.monitor.alerts = fired
         detected = self.step
         skipped = max(onset - restored, w.skip_window)
         self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped
@@ -864,9 +866,13 @@ class Trainer:
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
                 alerts = self.monitor.alerts if self.monitor is not None else []
                 if alerts:  # a completed run may have collapsed on the way: said where it ends
-                    first = alerts[0]
-                    skips += (f" | {len(alerts)} health alert(s), the first at {first.get('layer')} step "
-                              f"{first.get('step')}")
+                    kept = [a for a in alerts if not a.get("rolled_back")]
+                    gone = len(alerts) - len(kept)
+                    skips += f" | {len(alerts)} health alert(s)"
+                    if kept:
+                        skips += f", the first at {kept[0].get('layer')} step {kept[0].get('step')}"
+                    if gone:
+                        skips += f"{' and' if kept else ','} {gone} in the histories rollbacks abandoned"
                 stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""
                 self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
                                      + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items())

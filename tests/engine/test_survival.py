@@ -486,6 +486,11 @@ def test_a_second_rollback_to_the_same_checkpoint_reaches_further_back(tmp_path)
     s = t.fit()
     assert s["status"] == "completed" and [r["restored_step"] for r in s["rollbacks"]] == [8, 4]
     assert [a["message"] for a in s["alerts"]] == ["alert 1", "alert 2"]
+    # each fired in a history its rollback abandoned: marked so, and left off the figures' curves
+    assert [a.get("rolled_back") for a in s["alerts"]] == [True, True]
+    from stabletrain.analysis.plots import load_run
+
+    assert load_run(tmp_path).alerts == []
 
 
 def test_the_last_line_names_the_health_alerts(tmp_path, capsys):
@@ -503,3 +508,23 @@ def test_the_last_line_names_the_health_alerts(tmp_path, capsys):
     assert t.fit()["status"] == "completed"
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("completed at step 6 | 1 health alert(s), the first at blocks.1 step 3 |"), last
+    # alerts of a history a rollback abandoned are counted apart: their steps may lie past the end
+    t.monitor.alerts = [{"step": 9, "layer": "blocks.0", "rolled_back": True}, {"step": 3, "layer": "blocks.1"}]
+    t._finish("completed", None, {})
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("completed at step 6 | 2 health alert(s), the first at blocks.1 step 3 and 1 in the "
+                           "histories rollbacks abandoned"), last
+
+
+@pytest.mark.parametrize("ckpt_every,noted", [(200, True), (50, False)])
+def test_rolling_back_alerts_with_sparse_checkpoints_is_noted(tmp_path, ckpt_every, noted):
+    """An alert fires at a probe; with checkpoints rarer than probes a rollback restores a state
+    long before it (step 0 in a short run): said at the start, with the setting that avoids it."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *ROLLBACK, "steps=4", "monitor=standard", "monitor.stop_on_alert=true",
+                               "monitor.rollback_on_alert=true", "monitor.probe_every=50", f"ckpt_every={ckpt_every}"),
+                      tmp_path)
+    want = ("note: monitor.rollback_on_alert with ckpt_every=200 > monitor.probe_every=50: a rollback may restore a "
+            "state long before the alert, or step 0; set ckpt_every=50 or less")
+    assert (want in t.notes) == noted
