@@ -81,10 +81,15 @@ def find_runs(sweep_dir: str | Path) -> list[Run]:
     return runs
 
 
+def _same(v):
+    """A value as compared across runs: 0 from an override and 0.0 from a config.yaml are one."""
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
 def varying_keys(runs: list[Run]) -> list[str]:
     keys = sorted({k for r in runs for k in r.settings})
     missing = object()
-    return [k for k in keys if len({repr(r.settings.get(k, missing)) for r in runs}) > 1]
+    return [k for k in keys if len({_same(r.settings.get(k, missing)) for r in runs}) > 1]
 
 
 def labels(run_dirs: list[Path]) -> list[str]:

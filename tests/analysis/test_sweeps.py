@@ -217,3 +217,11 @@ def test_the_script_writes_a_csv_for_runs_but_not_into_a_single_run(tmp_path, ca
     _fake_run(tmp_path / "d", {"optim": {"lr": 0.3}, "seed": 1}, {"status": "completed", "step": 3})
     assert script.main([str(tmp_path), "--plot", str(tmp_path / "q.png")]) == 2
     assert "error: --plot needs --x KEY, one of the swept keys: optim.lr, seed" in capsys.readouterr().err
+
+
+def test_a_number_given_as_0_and_read_as_0_0_is_no_difference(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / ".hydra").mkdir(parents=True)
+    (a / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["warmup=0", "optim.lr=0.1"]))
+    _fake_run(b, {"warmup": 0.0, "optim": {"lr": 0.2}}, {"status": "completed"})
+    assert sweeps.labels([a, b]) == ["optim.lr=0.1", "optim.lr=0.2"]
