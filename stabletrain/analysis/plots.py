@@ -646,7 +646,7 @@ def plot_logits(run: Run, out_dir: Path) -> Path | None:
         for b, s, c in zip(layers, series, _depth_colors(len(layers))):
             _line(ax, s, logy=logy, color=c, label=b)
         _mark_divergence(ax, run)
-        ax.set_title("max attention logit (over heads, queries, keys)")
+        ax.set_title("max attention logit (signed: the largest q.k, over heads, queries, keys)")
         ax.set_xlabel("step")
         ax.set_ylabel("max logit")
         _depth_legend_or_bar(fig, ax, layers)
