@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{a.out}: {meta['train_tokens']} train and {meta['val_tokens']} val tokens "
           f"({meta['tokenizer']}, vocab {meta['vocab_size']}, {meta['dtype']})")
+    if meta.get("val_documents") == 0 and meta.get("train_documents", 0) > 0:
+        # no document was drawn for validation: val.bin is the end of the training stream
+        print(f"note: no document was drawn for validation (--val-fraction {a.val_fraction:g} of "
+              f"{meta['train_documents']} documents): val.bin is the last {meta['val_tokens']} tokens of the text, "
+              f"cut from the end of train; more documents or a larger --val-fraction draw whole ones",
+              file=sys.stderr)
     if skipped := meta.get("skipped_files"):
         print(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]} "
               f"(all listed in {Path(a.out) / 'meta.json'})", file=sys.stderr)

@@ -303,3 +303,15 @@ def test_a_vocabulary_far_larger_than_the_datas_is_said(vocab, noted):
     if noted:
         assert notes == ["model.vocab_size=50304 for data of 256 token ids: 50048 embedding rows are never used "
                          "(model.vocab_size=256 would drop them)"]
+
+
+def test_the_script_says_when_no_document_was_drawn_for_validation(tmp_path, capsys):
+    from scripts.prepare_tokens import main
+
+    text = tmp_path / "one.txt"
+    text.write_text("a single document " * 200)
+    assert main(["--out", str(tmp_path / "out"), "--files", str(text), "--block-size", "8", "--quiet"]) == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["val_documents"] == 0 and meta["val_tokens"] == 10  # block size + 2, cut from train's end
+    assert ("note: no document was drawn for validation (--val-fraction 0.0005 of 1 documents): val.bin is the "
+            "last 10 tokens of the text, cut from the end of train") in capsys.readouterr().err
