@@ -159,7 +159,8 @@ def test_the_script_names_skipped_files_and_its_progress_ends_at_what_it_read(tm
     assert main(["--out", str(tmp_path / "out"), "--files", str(tmp_path), "--block-size", "8"]) == 0
     err = capsys.readouterr().err
     assert "skipped 1 file(s) that are not UTF-8 text, e.g. " + str(tmp_path / "__pycache__" / "a.pyc") in err
-    final = err.replace("\r", "\n").strip().splitlines()[-2]  # the bar's last state, then the skip line
+    # the bar's last state, then the note on validation and the skip line
+    final = err.replace("\r", "\n").strip().splitlines()[-3]
     assert "100%" in final and "3/3" in final, final
 
 
