@@ -16,8 +16,8 @@ from tests.helpers import make_cfg
     (["optim=adamw2", "optim.momentum=0.5"], "optim.momentum=0.5 changes nothing: only optim=sgd/lars reads it"),
     (["schedule.milestones=[10]"], "schedule.milestones=[10.0] changes nothing: only schedule=step reads it"),
     (["attention=qknorm", "attention.c=2"], "attention.c=2.0 changes nothing: only attention=stable reads it"),
-    (["reparam.gamma_init=svd"], "reparam.gamma_init=svd changes nothing: reparam=none is off"),
-    (["deescalate.lambda_=0.5"], "deescalate.lambda_=0.5 changes nothing: deescalate=none is off"),
+    (["reparam.gamma_init=svd"], "reparam.gamma_init=svd changes nothing: reparam=none reparametrises no layer"),
+    (["deescalate.lambda_=0.5"], "deescalate.lambda_=0.5 changes nothing: deescalate=none adds no de-escalation"),
     (["ema.every=5"], "ema.every=5 changes nothing: the weight average is off"),
     (["norm.eps=1e-6"], "norm.eps=1e-06 changes nothing: only norm=stablenorm/rmsnorm reads it"),
     (["norm.alpha=0.3", "attention=qknorm"], "only norm=stablenorm or attention=stable reads it, and this run has "
@@ -30,7 +30,8 @@ from tests.helpers import make_cfg
     (["divergence.lr_scale_on_rollback=0.5"], "set divergence.action=rollback"),
     (["divergence.enabled=false", "divergence.window=5"], "divergence.window=5 changes nothing: the spike check"),
     (["divergence.skip_nonfinite=false", "divergence.max_skips=3"], "divergence.max_skips=3 changes nothing: no step"),
-    (["monitor=off", "monitor.stop_on_alert=true"], "monitor.stop_on_alert=true changes nothing: monitor=off is off"),
+    (["monitor=off", "monitor.stop_on_alert=true"],
+     "monitor.stop_on_alert=true changes nothing: monitor=off measures nothing"),
     (["monitor.alerts=false", "monitor.entropy_floor=0.2"], "monitor.entropy_floor=0.2 changes nothing: health alerts "
                                                             "are off (monitor.alerts=false)"),
 ])

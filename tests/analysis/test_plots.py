@@ -507,3 +507,24 @@ def test_runs_that_coincide_stay_visible_and_a_sweep_point_is_named_by_its_value
     loss = next(ax for ax in figures["compare.png"].axes if ax.get_title() == "training loss")
     first, second = loss.get_lines()[:2]
     assert first.get_linewidth() > second.get_linewidth() + 0.5  # the later, thinner, on top
+
+
+def test_a_bound_far_below_the_entropy_is_said_and_the_uniform_line_lies_beneath(tmp_path, monkeypatch):
+    run_dir = _write_run(tmp_path / "r", crash=False)
+    recs = (run_dir / "metrics.jsonl").read_text().splitlines()
+    tiny = []
+    for line in recs:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            tiny.append(line)  # the torn last line, kept as it is
+            continue
+        tiny.append(json.dumps({k: (1e-7 if k.endswith("/bound_min") else v) for k, v in r.items()}))
+    (run_dir / "metrics.jsonl").write_text("\n".join(tiny))
+    figures = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    P.plot_entropy(P.load_run(run_dir), BLOCKS, tmp_path / "plots")
+    mean_ax, _, bound_ax = figures["entropy.png"].axes[:3]
+    assert any(t.get_text().startswith("bound below ") for t in bound_ax.texts)
+    uniform = next(ln for ln in mean_ax.get_lines() if ln.get_label() == "uniform over each query's keys")
+    assert all(uniform.get_zorder() < ln.get_zorder() for ln in mean_ax.get_lines() if ln is not uniform)
