@@ -13,7 +13,7 @@ import torch
 
 from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, optim_name_of
 from stabletrain.engine import distributed as D
-from stabletrain.engine.rundir import command, own_dir_key, sweep_dir
+from stabletrain.engine.rundir import command, continue_with, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import previous_name, read_json
 
@@ -281,11 +281,35 @@ class Checkpointer:
 
     def command_of(self, ck: dict) -> str | None:
         """The command that continues the run that wrote ``ck`` in this directory: its own
-        overrides (saved in the checkpoint; None for a checkpoint without them)."""
-        theirs = ck.get("overrides")
-        if theirs is None or self.info.world > 1:
+        overrides (saved in the checkpoint; None for a checkpoint without them), or a sweep
+        point's sweep command."""
+        if self.info.world > 1:  # the launcher's part of the command is the user's
             return None
-        return command(theirs, own_dir_key(), sweep_dir() or self.run_dir)
+        if sweep_dir() is not None:
+            return continue_with(self.run_dir)
+        theirs = ck.get("overrides")
+        return None if theirs is None else command(theirs, "hydra.run.dir", self.run_dir)
+
+    def _changes_refused(self, path: Path, ck: dict, changed: list[str]) -> str:
+        """Why resume=auto refuses ``changed`` keys, with their values there and here, and what to
+        do: the run's own command; resume_allow_changes only where the weights still fit."""
+        was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
+
+        def value(d, k):
+            return "unset" if k not in d else "null" if d[k] is None else d[k]
+
+        shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        theirs = self.command_of(ck)
+        own = f"its own command, {theirs}" if theirs else "the overrides it was started with"
+        done = (read_json(path.parent.parent / "summary.json") or {}).get("status") == "completed"
+        fits = self.fits(ck)
+        fix = (f"the run there completed at step {ck['step']} ({own}, with a larger steps=, trains it on)"
+               if done else f"continue it with {own}")
+        fix += ("; or pass resume_allow_changes=true to continue with the changes" if fits else
+                "; this model's weights do not fit that checkpoint, so resume_allow_changes cannot help")
+        fix += f"; a new run goes in another {own_dir_key()}" if done or not fits else ""
+        return f"resume=auto would change the resumed run's {shown}{more}: {fix}"
 
     # --- saving ---------------------------------------------------------------------------
 
@@ -371,21 +395,7 @@ class Checkpointer:
         if auto and not allow_changes and ck.get("config") and self.config_yaml:
             changed = self.changed_keys(ck["config"])
             if changed:
-                was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
-                def value(d, k):
-                    return "unset" if k not in d else "null" if d[k] is None else d[k]
-
-                shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:4])
-                theirs = self.command_of(ck)
-                own = f"its own command, {theirs}" if theirs else "the overrides it was started with"
-                done = (read_json(path.parent.parent / "summary.json") or {}).get("status") == "completed"
-                fix = (f"the run there completed at step {ck['step']} ({own}, with a larger steps=, trains it on)"
-                       if done else f"continue it with {own}")
-                fix += ("; or pass resume_allow_changes=true to continue with the changes" if self.fits(ck) else
-                        "; this model's weights do not fit that checkpoint, so resume_allow_changes cannot help")
-                fix += f"; a new run goes in another {own_dir_key()}" if done or not self.fits(ck) else ""
-                raise ConfigError(f"resume=auto would change the resumed run's {shown}"
-                                  f"{f' and {len(changed) - 4} more' if len(changed) > 4 else ''}: {fix}")
+                raise ConfigError(self._changes_refused(path, ck, changed))
         if bool(ck.get("dcp")) != self.sharded:
             def par(sharded):
                 return "fsdp" if sharded else "ddp"
