@@ -92,6 +92,24 @@ def varying_keys(runs: list[Run]) -> list[str]:
     return [k for k in keys if len({_same(r.settings.get(k, missing)) for r in runs}) > 1]
 
 
+def _unread(run: Run, key: str) -> bool:
+    """Whether ``run`` chose none of the options that read ``key`` (optim.tau on an AdamW run): a
+    label naming it would read as a setting that run had. Unknown choices count as read."""
+    from stabletrain.config import READ_BY
+
+    readers = READ_BY.get(key)
+    if not readers:
+        return False
+    config = run.path / "config.yaml"
+    full = _flatten(yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+    for reader in readers:
+        group, option = reader.split("=")
+        chosen = run.settings.get(group, full.get(f"{group}.name"))
+        if chosen is None or str(chosen) == option:
+            return False
+    return True
+
+
 def labels(run_dirs: list[Path]) -> list[str]:
     """A legend label per run: the settings that differ between these runs (``optim.tau=0.01``),
     which say more than a sweep point's directory name (``3``); the directory name where nothing
@@ -107,7 +125,8 @@ def labels(run_dirs: list[Path]) -> list[str]:
                 if (v := full.get(k, full.get(f"{k}.name"))) is not None:
                     r.settings[k] = v
     keys = varying_keys(runs)  # filled in, some keys no longer differ
-    out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings) for r in runs]
+    out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings and not _unread(r, k))
+           for r in runs]
     if not keys or not all(out) or len(set(out)) < len(out):
         return [run_name(d) if not (o and keys) else f"{Path(d).resolve().name} ({o})" for d, o in zip(run_dirs, out)]
     return out

@@ -225,3 +225,11 @@ def test_a_number_given_as_0_and_read_as_0_0_is_no_difference(tmp_path):
     (a / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["warmup=0", "optim.lr=0.1"]))
     _fake_run(b, {"warmup": 0.0, "optim": {"lr": 0.2}}, {"status": "completed"})
     assert sweeps.labels([a, b]) == ["optim.lr=0.1", "optim.lr=0.2"]
+
+
+def test_a_label_leaves_out_a_key_the_runs_option_does_not_read(tmp_path):
+    """An AdamW run compared with an AdamW² run of tau 0.01: the AdamW run is not labelled with
+    the tau it never read (it is in its config.yaml as the schema's default)."""
+    _fake_run(tmp_path / "a", {"optim": {"name": "adamw", "tau": 0.004}}, {"status": "completed"})
+    _fake_run(tmp_path / "b", {"optim": {"name": "adamw2", "tau": 0.01}}, {"status": "completed"})
+    assert sweeps.labels([tmp_path / "a", tmp_path / "b"]) == ["optim.name=adamw", "optim.name=adamw2, optim.tau=0.01"]
