@@ -60,7 +60,13 @@ def settings(run_dir: Path) -> dict:
             key, _, val = line.partition("=")
             out[key.lstrip("+~")] = _value(val)
         return out
-    config = run_dir / "config.yaml"
+    return dict(resolved_config(run_dir))
+
+
+def resolved_config(run_dir: Path) -> dict:
+    """The run's resolved ``config.yaml``, flattened (``optim.tau``); empty without one. Callers
+    copy it before changing it."""
+    config = Path(run_dir) / "config.yaml"
     return _flatten(yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
 
 
@@ -100,8 +106,7 @@ def _unread(run: Run, key: str) -> bool:
     readers = READ_BY.get(key)
     if not readers:
         return False
-    config = run.path / "config.yaml"
-    full = _flatten(yaml.safe_load(config.read_text()) or {}) if config.is_file() else {}
+    full = resolved_config(run.path)
     for reader in readers:
         group, option = reader.split("=")
         chosen = run.settings.get(group, full.get(f"{group}.name"))
@@ -118,9 +123,8 @@ def labels(run_dirs: list[Path]) -> list[str]:
     keys = varying_keys(runs)
     for r in runs:  # a run that did not override a key ran with its config's value: say which
         missing = [k for k in keys if k not in r.settings]
-        config = r.path / "config.yaml"
-        if missing and config.is_file():
-            full = _flatten(yaml.safe_load(config.read_text()) or {})
+        if missing:
+            full = resolved_config(r.path)
             for k in missing:  # a key, or a group chosen by name (optim=adamw2: optim.name)
                 if (v := full.get(k, full.get(f"{k}.name"))) is not None:
                     r.settings[k] = v

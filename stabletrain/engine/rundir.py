@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from stabletrain.errors import ConfigError
@@ -53,9 +55,6 @@ _NOT_THE_RUN = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.mode=", "resume=", 
 def interpreter() -> str:
     """``python`` where that is this interpreter (an active venv), else this interpreter's path:
     a hint run as printed must find torch and Hydra."""
-    import shutil
-    import sys
-
     found = shutil.which("python")
     # the same folder, not the same file: a venv's python links to the system's
     if found and sys.executable and os.path.dirname(os.path.abspath(found)) == os.path.dirname(sys.executable):
@@ -66,8 +65,6 @@ def interpreter() -> str:
 def command(overrides, dir_key: str, dir_value, *, multirun: bool = False) -> str:
     """``python train.py OVERRIDES resume=auto DIR_KEY=DIR``, quoted for a POSIX shell: this
     interpreter, and train.py as the user named it."""
-    import sys
-
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
     args = [interpreter(), script, *(["-m"] if multirun else []), *kept, "resume=auto", f"{dir_key}={dir_value}"]
