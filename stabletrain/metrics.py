@@ -113,17 +113,23 @@ class Metrics:
         self.last_print = 0.0
         if not enabled:
             return
-        if self.path.exists():
-            if resume_step is not None:
-                self._truncate_after(resume_step)
-            else:  # a fresh start in a used directory: its records would mix with the old run's
-                old = previous_name(self.path)  # metrics.previous.jsonl, metrics.previous2.jsonl, ...
-                self.path.replace(old)
-                self.message(f"{self.path} held an earlier run's records: moved to {old.name}")
+        # a fresh start finds no file: the trainer has moved an earlier run's aside
+        if self.path.exists() and resume_step is not None:
+            self._truncate_after(resume_step)
         self.file = open(self.path, "a", buffering=1)
         mode = option_value(logger.wandb)
         if mode != "disabled":
             self._start_wandb(Path(run_dir), logger, name, mode, config_dict, resumed=resume_step is not None)
+
+    def begin_with(self, history: Path, step: int) -> int:
+        """A run resumed from another run's checkpoint at ``step``: its records start with that
+        run's (``history``, its metrics.jsonl) up to the step, so that its figures show the whole
+        run. Returns how many records were copied."""
+        if not self.enabled or not history.is_file():
+            return 0
+        rows = [ln for ln in read_lines(history) if json.loads(ln).get("step", 0) <= step]
+        self.file.write("".join(ln + "\n" for ln in rows))
+        return len(rows)
 
     def truncate_after(self, step: int) -> None:
         """Drop the records after ``step`` while the run goes on (a rollback): the file is

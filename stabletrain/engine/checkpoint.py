@@ -121,6 +121,17 @@ def last_checkpoint(run_dir: Path) -> Path | None:
     return p if p.is_file() else None
 
 
+def records_of(ckpt: Path) -> Path | None:
+    """The metrics.jsonl of the run that wrote the checkpoint ``ckpt``: ``RUN/checkpoints/x.pt``
+    -> ``RUN/metrics.jsonl``; one a fresh run set aside, ``RUN/checkpoints.previous2/x.pt`` ->
+    ``RUN/metrics.previous2.jsonl`` (the loop moves the two with one suffix). None for a
+    checkpoint outside a run directory."""
+    folder = Path(ckpt).parent
+    if not folder.name.startswith("checkpoints"):
+        return None
+    return folder.parent / f"metrics{folder.name[len('checkpoints'):]}.jsonl"
+
+
 def seed_all(seed: int) -> None:
     """torch's, Python's and NumPy's global generators (timm's Mixup draws from NumPy's)."""
     torch.manual_seed(seed)

@@ -33,7 +33,7 @@ from torch import nn
 
 from stabletrain.config import RESUME_MAY_CHANGE
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint
+from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.rundir import continue_with, sweep_dir
@@ -556,21 +556,29 @@ class Trainer:
         return last, ck
 
     def _set_aside_earlier_run(self) -> None:
-        """Move an earlier run's checkpoints and summary aside (rank 0; metrics.jsonl: its sink), so
-        that none is overwritten, restored by a rollback or taken for this run's."""
+        """Move an earlier run's checkpoints, records, summary and figures aside (rank 0), so that
+        none is overwritten, restored by a rollback or taken for this run's. They share one suffix
+        (``checkpoints.previous2/`` goes with ``metrics.previous2.jsonl``), so that a resume from
+        the set-aside checkpoints finds their history (:func:`records_of`)."""
         if self.info.is_main:
             moved = self.ckpt.set_aside()
-            if moved is not None:
-                last = moved / "last.pt"  # resume=auto would now find this run's checkpoints
-                self.notes.append(f"{self.ckpt.dir} held an earlier run's checkpoints: moved to {moved.name}/"
+            suffix = moved.name[len(self.ckpt.dir.name):] if moved is not None else None
+            went = [(self.ckpt.dir.name + "/", moved.name + "/")] if moved is not None else []
+            for name in ("metrics.jsonl", "summary.json", "plots"):
+                path = self.run_dir / name
+                if not path.exists():
+                    continue
+                stem, dot, ext = name.partition(".")
+                dest = self.run_dir / f"{stem}{suffix}{dot}{ext}" if suffix else None
+                dest = dest if dest is not None and not dest.exists() else previous_name(path)
+                path.replace(dest)
+                went.append((name, dest.name))
+            if went:
+                last = moved / "last.pt" if moved is not None else None  # resume=auto would find this run's
+                self.notes.append(f"{self.run_dir} held an earlier run: moved aside "
+                                  + ", ".join(f"{a} -> {b}" for a, b in went)
                                   + (f" (to continue that run instead, stop this one and pass resume={last})"
-                                     if last.is_file() else ""))
-            done = self.run_dir / "summary.json"
-            if done.is_file():  # a resume of this run must not take the earlier run's summary for its own
-                done.replace(previous_name(done))
-            plots = self.run_dir / "plots"
-            if plots.is_dir():  # the earlier run's figures (plot_dynamics), not this one's
-                plots.rename(previous_name(plots))
+                                     if last is not None and last.is_file() else ""))
         D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
 
     def _resume_notes(self, path: Path, ck: dict) -> None:
@@ -681,8 +689,12 @@ class Trainer:
             hook()
         if resumed is None:
             self._set_aside_earlier_run()
-        # a run resumed from elsewhere starts its own records (and wandb run) at the resumed step
+        # a run resumed from elsewhere starts its own records (and wandb run), with the history
+        # that led to its checkpoint
         self.metrics = self.open_sink(None if self.resumed_elsewhere is not None else resumed)
+        history = records_of(self.resumed_elsewhere) if self.resumed_elsewhere is not None else None
+        if history is not None and self.metrics.begin_with(history, resumed):
+            self.notes.append(f"the records up to step {resumed} are copied from {history}")
         if self.monitor is not None:
             self.monitor.attach(self.metrics)
         # from here to the last record: a signal is answered at the next step, or ignored once
@@ -758,10 +770,8 @@ class Trainer:
         metrics_file = self.run_dir / "metrics.jsonl"
         if math.isnan(logged_value(metrics_file, next(iter(self.last_vals)), self.step)):
             m.log(self.step, self.last_vals)  # once: a signal after the evaluation has logged it already
-        # resumed from another run's last step: its loss is in that run's records
-        source = self.resumed_elsewhere
-        losses = metrics_file if source is None else source.parent.parent / metrics_file.name
-        self.last_train_loss = logged_value(losses, N.LOSS, self.step) if losses.is_file() else math.nan
+        # resumed from another run's last step: its loss came with that run's records
+        self.last_train_loss = logged_value(metrics_file, N.LOSS, self.step)
         return None
 
     def _train(self, resumed: int | None) -> tuple[str, str | None]:

@@ -174,7 +174,7 @@ def test_a_fresh_start_in_a_used_directory_says_so_and_moves_the_old_records(tmp
     (tmp_path / "checkpoints/last.pt").unlink()  # as a run killed before its first checkpoint
     train(tmp_path, *FAST, "steps=3", "resume=auto")
     err = capsys.readouterr().err
-    assert "resume=auto: no checkpoint in" in err and "moved to metrics.previous.jsonl" in err
+    assert "resume=auto: no checkpoint in" in err and "metrics.jsonl -> metrics.previous.jsonl" in err
     assert "the run there stopped before its first checkpoint" in err  # not "pass its directory"
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]  # this run's steps, once each

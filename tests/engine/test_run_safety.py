@@ -173,7 +173,9 @@ def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_
     (tmp_path / "plots").mkdir()  # plot_dynamics' figures of the last run
     (tmp_path / "plots" / "training.png").write_bytes(b"png")
     train(tmp_path, *args, "steps=1", quiet=False)
-    assert not (tmp_path / "plots").exists() and (tmp_path / "plots.previous" / "training.png").is_file()
+    # with the checkpoints of the run that drew them: one suffix for the run's files
+    assert not (tmp_path / "plots").exists() and (tmp_path / "plots.previous3" / "training.png").is_file()
+    assert (tmp_path / "checkpoints.previous3").is_dir() and (tmp_path / "metrics.previous3.jsonl").is_file()
 
 
 
@@ -206,7 +208,20 @@ def test_the_set_aside_runs_hint_continues_that_run(tmp_path, capsys):
     hint = re.search(r"to continue that run instead, stop this one and pass (resume=\S+)\)", capsys.readouterr().err)
     assert hint and hint.group(1) == f"resume={tmp_path / 'checkpoints.previous/last.pt'}"
     s = train(tmp_path, *args, "steps=6", hint.group(1), quiet=False)
-    assert "resumed from step 4" in capsys.readouterr().err and s["status"] == "completed" and s["step"] == 6
+    err = capsys.readouterr().err
+    assert "resumed from step 4" in err and s["status"] == "completed" and s["step"] == 6
+    # the records are the continued run's whole history: its own 4 steps (set aside with its
+    # checkpoints under one suffix), then 2 more; the 1-step run that was stopped is kept apart
+    from stabletrain.metrics import read_records
+
+    def losses(name):
+        return [(r["step"], r["loss"]) for r in read_records(tmp_path / name) if "loss" in r]
+
+    assert f"the records up to step 4 are copied from {tmp_path / 'metrics.previous.jsonl'}" in err
+    assert losses("metrics.jsonl")[:4] == losses("metrics.previous.jsonl")
+    assert [step for step, _ in losses("metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in losses("metrics.previous2.jsonl")] == [1]
+    assert (tmp_path / "checkpoints.previous2/last.pt").is_file()
 
 
 def test_a_resumed_run_that_trains_on_has_no_summary_until_it_ends(tmp_path):

@@ -377,7 +377,7 @@ def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_p
 def test_a_resume_from_another_runs_checkpoint_sets_the_directorys_run_aside(tmp_path):
     """resume=<run X's last.pt> into a directory that holds run A: A's checkpoints, records and
     summary move aside, so a rollback restores X's resumed state (not A's ring) and the records
-    are this run's alone."""
+    are X's history up to its checkpoint, then this run's."""
     d, x = tmp_path / "d", tmp_path / "x"
     train(d, *GPT, "steps=12", "ckpt_every=4", "seed=1")  # run A
     train(x, *GPT, "steps=10", "ckpt_every=5")
@@ -385,7 +385,10 @@ def test_a_resume_from_another_runs_checkpoint_sets_the_directorys_run_aside(tmp
     assert s["status"] == "completed" and s["rollbacks"][0]["restored_step"] == 10
     assert (d / "checkpoints.previous/step_000012.pt").is_file()  # A's, kept
     assert (d / "metrics.previous.jsonl").is_file() and (d / "summary.previous.json").is_file()
-    assert min(r["step"] for r in _records(d)) >= 10
+    x_history = [r for r in _records(x) if r["step"] <= 10]
+    assert _records(d)[:len(x_history)] == x_history
+    own = _records(d)[len(x_history):]  # the rollback's record is dated at the step it restored
+    assert all(r["step"] > 10 or "rollback/restored_step" in r for r in own)
     resumed = _load(x / "checkpoints/last.pt")["model"]
     _assert_equal(_load(d / "checkpoints/step_000010.pt")["model"], resumed)
 
