@@ -147,6 +147,18 @@ def eval_note(data, cfg) -> str | None:
             f"of {bs}, a fixed random part); eval_batches={math.ceil(data.n_val / bs)} scores them all")
 
 
+def stablenorm_note(cfg) -> str | None:
+    """Said where StableNorm with alpha < 0.5 meets AdamW²: a combination that learns slowly
+    (measured in docs/methods.md §5), which a user trying one override would take for StableNorm's fault."""
+    alpha, width = cfg.norm.alpha, cfg.model.embed_dim
+    if option_value(cfg.norm.name) != "stablenorm" or option_value(cfg.optim.name) != "adamw2" or alpha >= 0.5:
+        return None
+    return (f"note: norm=stablenorm with norm.alpha={alpha:g} under optim=adamw2 learns slowly: a StableNorm's "
+            f"output is d^(alpha-0.5) = {width ** (alpha - 0.5):.2f}x an RMSNorm's at width {width}, and AdamW² "
+            f"bounds how fast the weights grow to make up for it (optim.tau); the paper's Stable-Transformer "
+            f"recipes train with optim=adamw (docs/methods.md §5)")
+
+
 def own_groups(cfg) -> tuple[str, ...]:
     """The component groups whose chosen option the user registered (``imports``)."""
     return tuple(g for g, (reg, name) in _chosen_options(cfg).items() if not is_builtin(reg.entry(name)))
@@ -308,6 +320,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     lr_at = make_schedule(cfg.schedule, scaled_lr(cfg.optim, cfg.batch_size), total, warmup=cfg.warmup,
                           steps_per_epoch=spe)
     notes += [lr_at.describe(), *lr_at.warnings()] + ([part] if (part := eval_note(data, cfg)) else [])
+    notes += [slow] if (slow := stablenorm_note(cfg)) else []
     if cfg.monitor.rollback_on_alert and cfg.ckpt_every > cfg.monitor.probe_every:
         # an alert fires at a probe: the newest ring checkpoint before it may be ckpt_every back
         notes.append(f"note: monitor.rollback_on_alert with ckpt_every={cfg.ckpt_every} > monitor.probe_every="

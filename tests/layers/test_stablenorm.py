@@ -102,3 +102,23 @@ def test_float64_input_is_normalised_in_float64():
     expect = 32**0.25 * x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-5)
     assert sn(x).dtype == torch.float64
     torch.testing.assert_close(sn(x), expect, rtol=1e-14, atol=0)
+
+
+def test_the_start_note_on_stablenorm_under_adamw2_states_the_output_scale_it_measures():
+    """norm=stablenorm (alpha < 0.5) under AdamW² is noted at the start with the factor by which
+    its output is smaller than RMSNorm's; that factor is the measured ratio of the two outputs."""
+    import re
+
+    from stabletrain.build import stablenorm_note
+    from tests.helpers import make_cfg
+
+    cfg = make_cfg("model=vit_test", "norm=stablenorm", "norm.alpha=0.125", "optim=adamw2")
+    note = stablenorm_note(cfg)
+    d = cfg.model.embed_dim
+    factor = float(re.search(r"= ([\d.]+)x an RMSNorm's at width (\d+)", note).group(1))
+    assert f"at width {d}" in note and "norm.alpha=0.125" in note
+    x = torch.randn(64, d)
+    ratio = StableNorm(d, alpha=0.125, eps=0.0).forward(x).norm(dim=-1) / nn.RMSNorm(d, eps=0.0)(x).norm(dim=-1)
+    assert torch.allclose(ratio, torch.full_like(ratio, factor), atol=0.005)
+    for other in (["optim=adamw"], ["norm.alpha=0.5"], ["norm=rmsnorm"]):
+        assert stablenorm_note(make_cfg("model=vit_test", "norm=stablenorm", "norm.alpha=0.125", *other)) is None
