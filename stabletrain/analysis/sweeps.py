@@ -307,7 +307,7 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
     if not healthy and "at" not in kinds:  # no run has a value to scale the y axis by
         ax.set_yticks([])
     xs = sorted({a for a, _ in points(table, False) + points(table, True)})
-    if categories is None and xs and xs[0] > 0 and xs[-1] / xs[0] >= 10:  # learning rates, tau: decades apart
+    if categories is None and log_spaced(xs):
         log_scale(ax, "x")
     ax.set_xlabel(x)
     ax.set_ylabel(metric.replace("final_", "final "))
@@ -319,6 +319,25 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
         label_x_ticks(fig, ax, xs, [categories[int(a)] for a in xs] if categories is not None else None)
         fig.tight_layout()
     return fig
+
+
+def log_spaced(xs: list[float]) -> bool:
+    """Whether sorted swept values belong on a log axis: positive and decades apart (learning
+    rates), or a geometric series (``optim.tau=0.002,0.004,0.008``: evenly spaced in log, not in
+    value), which a linear axis would bunch at its left end."""
+    if not xs or xs[0] <= 0:
+        return False
+    if xs[-1] / xs[0] >= 10:
+        return True
+    if len(xs) < 3:
+        return False
+
+    def unevenness(values) -> float:  # spread of the gaps relative to their mean
+        gaps = [b - a for a, b in zip(values, values[1:])]
+        mean = sum(gaps) / len(gaps)
+        return math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+
+    return unevenness([math.log(v) for v in xs]) < unevenness(xs)
 
 
 def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str) -> Path:

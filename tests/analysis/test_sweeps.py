@@ -233,3 +233,19 @@ def test_a_label_leaves_out_a_key_the_runs_option_does_not_read(tmp_path):
     _fake_run(tmp_path / "a", {"optim": {"name": "adamw", "tau": 0.004}}, {"status": "completed"})
     _fake_run(tmp_path / "b", {"optim": {"name": "adamw2", "tau": 0.01}}, {"status": "completed"})
     assert sweeps.labels([tmp_path / "a", tmp_path / "b"]) == ["optim.name=adamw", "optim.name=adamw2, optim.tau=0.01"]
+
+
+@pytest.mark.parametrize("values,log", [
+    ([0.002, 0.004, 0.008], True),  # doubling: even in log, not in value
+    ([1e-4, 3e-4, 1e-3, 3e-3], True),  # decades apart
+    ([1, 2, 3, 4], False),  # even in value
+    ([0.25, 0.5], False),  # two points: no series to read
+    ([0, 0.5, 1], False),  # zero has no log
+])
+def test_a_geometric_sweep_is_drawn_on_a_log_axis(values, log):
+    import matplotlib.pyplot as plt
+
+    assert sweeps.log_spaced(values) is log
+    fig = sweeps.figure(_table("optim.tau", values, series=("adamw2",)), "optim.tau", None, "final_val/loss")
+    assert fig.axes[0].get_xscale() == ("log" if log else "linear")
+    plt.close(fig)
