@@ -50,6 +50,17 @@ def normalize(x: Tensor, dim: int = -1) -> Tensor:
     return x / x.norm(dim=dim, keepdim=True).clamp_min(_EPS)
 
 
+def normalize_or(x: Tensor, keep: Tensor, norm: Tensor | None = None) -> Tensor:
+    """``x`` normalised along its last dim, or ``keep`` (a unit vector) where ``x`` is zero.
+
+    A power iteration's vectors must stay unit vectors: one that became zero (the matrix was
+    zero at that step, as a zero-initialised layer is, or the vector was orthogonal to it) would
+    be kept by a warm start and give sigma1 = 0 at every later step. ``norm``: ``x``'s norms
+    when already known (a sum over ranks)."""
+    norm = (x.norm(dim=-1) if norm is None else norm).unsqueeze(-1)
+    return torch.where(norm > _EPS, x / norm.clamp_min(_EPS), keep)
+
+
 def random_unit(*shape: int, device=None, dtype=torch.float32, generator=None) -> Tensor:
     return normalize(torch.randn(*shape, device=device, dtype=dtype, generator=generator))
 
@@ -77,13 +88,13 @@ def power_iteration(
         wtu = torch.bmm(u.unsqueeze(1), w).squeeze(1)
         if group is not None:
             torch.distributed.all_reduce(wtu, group=group)
-        v = normalize(wtu)
+        v = normalize_or(wtu, v)
         wv = torch.bmm(v.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
         if group is None:
-            u = normalize(wv)
+            u = normalize_or(wv, u)
         else:
             sigma = row_norms(wv, group)
-            u = wv / sigma.clamp_min(_EPS).unsqueeze(-1)
+            u = normalize_or(wv, u, sigma)
     if group is None:
         sigma = wv.norm(dim=-1)
     if squeeze:
@@ -188,10 +199,10 @@ def pair_power_iteration(
         x = normalize(torch.bmm(torch.stack((y[..., 0], u_a), 1), a))  # (N, 2, d): u, v_a
         z = torch.bmm(a, x.transpose(1, 2))  # (N, k, 2): A u, A v_a
         sigma_a = z[..., 1].norm(dim=-1)
-        u_a = z[..., 1] / sigma_a.clamp_min(_EPS).unsqueeze(-1)
+        u_a = normalize_or(z[..., 1], u_a, sigma_a)
         w = torch.bmm(torch.stack((z[..., 0], u_b), 1), b)  # (N, 2, d): M^T u, B^T u_b
         sigma = w.norm(dim=-1)  # (N, 2): sigma_ab, sigma_b
-        v = w / sigma.clamp_min(_EPS).unsqueeze(-1)
+        v = normalize_or(w, torch.stack((v_ab, v_b), 1), sigma)
         v_ab, v_b = v[:, 0], v[:, 1]
     return sigma_a, sigma[:, 1], sigma[:, 0], (u_a, v_b, v_ab)
 

@@ -47,7 +47,7 @@ from torch.nn.utils import parametrize
 
 from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry, option_value
-from stabletrain.spectral import batched_sigma1, normalize, random_unit
+from stabletrain.spectral import batched_sigma1, normalize_or, random_unit
 
 QKV_LAYOUTS = {
     # (apply_to, qkv_split) -> one entry per slice of (q, k, v): index of the sigma that
@@ -308,7 +308,7 @@ def _sharded_reparam_step(reps: list[tuple[Tensor, SigmaReparam]]) -> None:
             us = [y / n for y, n in zip(wv, norms)]
             wtu = torch.cat([u @ m for (m, _, _), u in zip(items, us)])
             dist.all_reduce(wtu, group=group)
-            vs = [normalize(z) for z in wtu.split([m.shape[1] for m, _, _ in items])]
+            vs = [normalize_or(z, v) for z, v in zip(wtu.split([m.shape[1] for m, _, _ in items]), vs)]
         full_u = torch.cat([torch.zeros_like(part.u, dtype=torch.float32) for _, _, part in items])
         start = 0
         for (m, at, part), u in zip(items, us):

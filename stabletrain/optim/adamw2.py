@@ -141,6 +141,9 @@ class _SigmaAhead:
         )
 
 
+# below this weight decay the direction is not stored as -U/wd, whose entries (and their squares,
+# in the power iteration) would overflow float32
+_MIN_LERP_DECAY = 1e-6
 W_KEYS = ("w_u", "w_v")  # warm-start vectors of sigma1(W) in self.state[p]
 U_KEYS = ("upd_u", "upd_v")  # and of sigma1(U)
 
@@ -148,7 +151,8 @@ U_KEYS = ("upd_u", "upd_v")  # and of sigma1(U)
 class AdamW2(Optimizer):
     """AdamW with the Weyl learning-rate bound of AdamW² (000, Alg. 1; docs/methods.md §1).
 
-    Args mean what they mean for ``torch.optim.AdamW``, plus:
+    ``lr``, ``betas``, ``eps``, ``weight_decay`` mean what they mean for ``torch.optim.AdamW``
+    (and are checked in each param group too), plus:
         tau: largest allowed ``lr * sigma1(U) / sigma1(W)`` per step (000 Table 2: 0.004
             vision, 0.01 GPT).
         power_iters: power-iteration steps per sigma1 estimate (000: 3).
@@ -173,7 +177,7 @@ class AdamW2(Optimizer):
 
     _step_supports_amp_scaling = True
     found_inf: Tensor | None = None
-    grad_scale: Tensor | None = None
+    # no ``grad_scale`` attribute until GradScaler sets one: it multiplies ours, default 1
 
     def __init__(
         self,
@@ -190,23 +194,11 @@ class AdamW2(Optimizer):
         fused: bool | None = None,
         overlap_sigma_w: bool = False,
     ):
-        if not 0.0 <= lr:
-            raise ValueError(f"AdamW2: lr={lr} must be >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"AdamW2: betas={betas} must lie in [0, 1)")
-        if not 0.0 <= eps:
-            raise ValueError(f"AdamW2: eps={eps} must be >= 0")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"AdamW2: weight_decay={weight_decay} must be >= 0")
-        if not tau > 0.0:
-            raise ValueError(f"AdamW2: tau={tau} must be > 0")
-        if power_iters < 1:
-            raise ValueError(f"AdamW2: power_iters={power_iters} must be >= 1")
         if overlap_sigma_w and not warm_start:
             raise ValueError("AdamW2: overlap_sigma_w=True needs warm_start=True (set one of them differently)")
         defaults = {
             "lr": lr,
-            "betas": tuple(betas),
+            "betas": tuple(betas) if isinstance(betas, (tuple, list)) else betas,  # checked below
             "eps": eps,
             "weight_decay": weight_decay,
             "tau": tau,
@@ -215,6 +207,7 @@ class AdamW2(Optimizer):
             "eps_inside_sqrt": eps_inside_sqrt,
             "bound": None,
         }
+        _check_hyperparameters(defaults, "")
         super().__init__(params, defaults)
         for p in (p for g in self.param_groups for p in g["params"]):
             _shard_group(p)  # refuses shardings whose matrices it cannot reassemble
@@ -270,6 +263,7 @@ class AdamW2(Optimizer):
     def _skip_flag(self) -> Tensor | None:
         """``found_inf`` (GradScaler's and StepGuard's contract) as a 0-dim bool device tensor, or None."""
         if getattr(self, "grad_scale", None) is not None:
+            del self.grad_scale  # GradScaler deletes it after a step, not after one that raised
             raise RuntimeError(
                 "AdamW2 does not unscale gradients: grad_scale must be None "
                 "(call GradScaler.unscale_(optimizer) before GradScaler.step)"
@@ -281,9 +275,24 @@ class AdamW2(Optimizer):
             found_inf = found_inf.full_tensor()
         return found_inf.reshape(()) > 0
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)  # fills the group's missing keys from the defaults
+        _check_hyperparameters(self.param_groups[-1], f"param group {len(self.param_groups) - 1}: ")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        groups = state_dict.get("param_groups", [])
+        if any("tau" not in g for g in groups):
+            raise ValueError("AdamW2.load_state_dict: this state dict has no tau in its param groups, so another "
+                             "optimizer (torch.optim.AdamW?) saved it; load it into that optimizer, or start "
+                             "AdamW2 from fresh state")
         self._ahead = {}  # iterated from vectors the loaded state replaces
         super().load_state_dict(state_dict)
+        for state in self.state.values():
+            # a zero warm-start vector (saved before normalize_or kept them unit) would give
+            # sigma1 = 0 for good: drawn afresh instead. v is the same on every rank: all agree.
+            for ku, kv in (W_KEYS, U_KEYS):
+                if kv in state and not _local(state[kv]).any():
+                    del state[ku], state[kv]
 
     def _init_state(self, p: Tensor) -> None:
         state = self.state[p]
@@ -425,7 +434,8 @@ class AdamW2(Optimizer):
         # The step W - lr_eff*U - lr_eff*wd*W (Alg. 1 line 11: the bounded rate scales the
         # decay too) is lerp(W, -U/wd, lr_eff*wd): one pass over W and the direction. So the
         # direction holds -U/wd (or -U without decay), and its sigma1 is rescaled below.
-        scale = -1.0 / wd if wd != 0 else -1.0
+        lerp = wd >= _MIN_LERP_DECAY
+        scale = -1.0 / wd if lerp else -1.0
         ahead = self._ahead.get(key)
         if ahead is not None and not ahead.still_valid(params, group["power_iters"]):
             ahead = None
@@ -458,7 +468,7 @@ class AdamW2(Optimizer):
             hit = hit & ~skip
             sigma_u = torch.where(skip, 0.0, sigma_u)  # U of a skipped step is zero (fused) or never applied
 
-        if wd != 0:
+        if lerp:
             rates = list((lr_eff * wd).unbind(0))
             if all(p.dtype == dtype for p in params):
                 torch._foreach_lerp_(local, steps, rates)
@@ -466,6 +476,8 @@ class AdamW2(Optimizer):
                 for p, d, a in zip(local, steps, rates):
                     p.copy_(torch.lerp(p.to(dtype), d, a))
         else:
+            if wd != 0:  # a decay too small for -U/wd to stay finite: W(1 - lr_eff*wd) - lr_eff*U
+                torch._foreach_mul_(local, list((1.0 - lr_eff * wd).unbind(0)))
             torch._foreach_addcmul_(local, steps, list(lr_eff.unbind(0)))
         return BoundRecord(names, lr, lr_eff, hit, sigma_w, sigma_u)
 
@@ -579,7 +591,8 @@ class AdamW2(Optimizer):
         names = [name for r in self.last_bound for name in r.names]
         rows = torch.cat(
             [
-                torch.stack([r.lr_eff, r.lr_eff / r.lr, r.sigma_w, r.sigma_u, r.hit.to(r.lr_eff.dtype)])
+                torch.stack([r.lr_eff, r.lr_eff / r.lr if r.lr else torch.ones_like(r.lr_eff), r.sigma_w,
+                             r.sigma_u, r.hit.to(r.lr_eff.dtype)])
                 for r in self.last_bound
             ],
             dim=1,
@@ -610,6 +623,29 @@ class AdamW2(Optimizer):
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def _check_hyperparameters(group: dict, where: str) -> None:
+    """The constructor's arguments and each param group's own values, in one line naming the key."""
+    def number(key: str, ok, need: str) -> None:
+        value = group[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            hint = " (a YAML 1e-3 is a string: write 1.0e-3)" if isinstance(value, str) else ""
+            raise ValueError(f"AdamW2: {where}{key}={value!r} must be {need}{hint}")
+
+    number("lr", lambda x: x >= 0, "a finite number >= 0")
+    number("eps", lambda x: x >= 0, "a finite number >= 0")
+    number("weight_decay", lambda x: x >= 0, "a finite number >= 0")
+    number("tau", lambda x: x > 0, "a finite number > 0")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"AdamW2: {where}betas={betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.999)")
+    iters = group["power_iters"]
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"AdamW2: {where}power_iters={iters!r} must be an integer >= 1")
+    if group["bound"] not in (None, True, False):
+        raise ValueError(f"AdamW2: {where}bound={group['bound']!r} must be True, False or None (by shape)")
 
 
 def _group_names(group: dict, index: int) -> list[str]:

@@ -3,6 +3,7 @@
 import copy
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -236,6 +237,126 @@ def test_zero_initialised_tensor_learns_at_full_rate():
     assert tel["sigma_w"]["zero"] == 0.0
     assert tel["lr_ratio"]["zero"] == 1.0 and tel["bound_fraction"] == 0.0
     torch.testing.assert_close(lin.weight, -0.01 * g / (g.abs() + 1e-8))
+
+
+def _growths(weights, steps, make_opt, lr=0.1):
+    """sigma1(W_t) / sigma1(W_{t-1}) - 1 per step (exact SVD) of a small regression whose two
+    layers ``weights`` start as given, stepped by ``make_opt(params)``."""
+    torch.manual_seed(0)
+    w1, w2 = (nn.Parameter(w.clone()) for w in weights)
+    opt = make_opt([{"params": [w1, w2], "names": ["w1", "w2"]}], lr)
+    x, y = torch.randn(32, w1.shape[1], dtype=w1.dtype), torch.randn(32, w2.shape[0], dtype=w1.dtype)
+    out = []
+    for _ in range(steps):
+        before = [sigma1_exact(w) for w in (w1, w2)]
+        ((torch.tanh(x @ w1.T) @ w2.T - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        out.append([(sigma1_exact(w) / b - 1) if b > 0 else math.nan for w, b in zip((w1, w2), before)])
+    return out, opt
+
+
+def test_a_zero_initialised_tensor_is_bounded_from_its_second_step():
+    """A zero matrix has sigma1 = 0 and takes the plain lr once; its power-iteration vectors must
+    stay unit vectors through that step (W^T u = 0), or the warm start would read sigma1 = 0 and
+    leave it unbounded ever after. The layer before it gets a zero gradient at step 0, which must
+    not unbound it either."""
+    tau = 0.01
+    weights = (torch.randn(16, 8, dtype=torch.float64) / 3, torch.zeros(4, 16, dtype=torch.float64))
+    growth, opt = _growths(weights, 12, lambda groups, lr: AdamW2(groups, lr=lr, weight_decay=0.0, tau=tau))
+    later = [g for step in growth[1:] for g in step]
+    assert max(later) <= 1.05 * tau, later  # before the fix: 20-80 tau per step, for good
+    stats = opt.bound_stats()
+    assert stats["sigma_w"]["w2"] > 0 and stats["sigma_u"]["w1"] > 0 and stats["bound_fraction"] == 1.0
+    for p in opt.state:
+        for key in ("w_u", "w_v", "upd_u", "upd_v"):
+            assert torch.linalg.vector_norm(opt.state[p][key]).item() == pytest.approx(1.0)
+
+
+def test_zero_warm_start_vectors_of_an_earlier_state_are_drawn_afresh_on_load():
+    """A state dict saved with zero vectors (by the optimizer before they were kept unit) resumes bounded."""
+    tau = 0.01
+    weights = (torch.randn(16, 8, dtype=torch.float64) / 3, torch.randn(4, 16, dtype=torch.float64) / 3)
+    _, opt = _growths(weights, 2, lambda groups, lr: AdamW2(groups, lr=lr, tau=tau))
+    saved = opt.state_dict()
+    for state in saved["state"].values():
+        for key in ("w_u", "w_v", "upd_u", "upd_v"):
+            state[key] = torch.zeros_like(state[key])
+    fresh = AdamW2(opt.param_groups, lr=0.1, tau=tau)
+    fresh.load_state_dict(saved)
+    assert all("w_v" not in st and "upd_v" not in st for st in fresh.state.values())
+    assert all("exp_avg" in st for st in fresh.state.values())  # the moments are kept
+
+
+def test_a_tiny_weight_decay_keeps_the_bound():
+    """-U/wd is no way to store the direction when wd is tiny (it overflows float32): the step is
+    W(1 - lr_eff wd) - lr_eff U all the same, bounded."""
+    tau = 0.01
+    weights = (torch.randn(16, 8) / 3, torch.randn(4, 16) / 3)
+    for wd in (1e-20, 1e-7):
+        growth, opt = _growths(weights, 6, lambda groups, lr, wd=wd: AdamW2(groups, lr=lr, weight_decay=wd, tau=tau))
+        assert max(g for step in growth for g in step) <= 1.1 * tau, (wd, growth)
+        assert all(v > 0 for v in opt.bound_stats()["sigma_u"].values())
+
+
+def test_the_rate_ratio_is_one_at_lr_zero():
+    lin = nn.Linear(5, 3)
+    opt = AdamW2(lin.parameters(), lr=0.0)
+    lin(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    assert opt.bound_stats()["lr_ratio"] == {"group0.0": 1.0}
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("tau", 0.0, "tau=0.0 must be a finite number > 0"),
+    ("tau", -1.0, "tau=-1.0 must be"),
+    ("tau", None, "tau=None must be"),
+    ("lr", -0.1, "lr=-0.1 must be a finite number >= 0"),
+    ("lr", "1e-3", "lr='1e-3' must be a finite number >= 0 (a YAML 1e-3 is a string: write 1.0e-3)"),
+    ("lr", math.inf, "lr=inf must be"),
+    ("weight_decay", -1, "weight_decay=-1 must be"),
+    ("betas", (1.0, 0.999), "betas=(1.0, 0.999) must be two numbers in [0, 1)"),
+    ("betas", 0.9, "betas=0.9 must be two numbers"),
+    ("power_iters", 0, "power_iters=0 must be an integer >= 1"),
+    ("power_iters", 2.5, "power_iters=2.5 must be an integer >= 1"),
+    ("bound", "false", "bound='false' must be True, False or None"),
+])
+def test_a_bad_value_is_refused_in_one_line_as_an_argument_and_in_a_param_group(key, value, says):
+    lin = nn.Linear(4, 4)
+    if key != "bound":  # a param group's key only
+        with pytest.raises(ValueError, match=re.escape(f"AdamW2: {says}")) as err:
+            AdamW2(lin.parameters(), **{key: value})
+        assert "\n" not in str(err.value)
+    groups = [{"params": [lin.weight]}, {"params": [lin.bias], key: value}]
+    with pytest.raises(ValueError, match=re.escape(f"AdamW2: param group 1: {says}")):
+        AdamW2(groups)
+
+
+def test_the_state_of_another_optimizer_is_refused_on_load():
+    lin = nn.Linear(4, 4)
+    other = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(2, 4)).sum().backward()
+    other.step()
+    with pytest.raises(ValueError, match=r"no tau in its param groups, so another optimizer \(torch.optim.AdamW\?\)"):
+        AdamW2(lin.parameters()).load_state_dict(other.state_dict())
+
+
+def test_gradscaler_without_unscale_meets_the_optimizers_own_message():
+    """torch's GradScaler multiplies the optimizer's grad_scale (default 1): the step then says
+    what to do, instead of a TypeError inside torch."""
+    model = make_model()
+    opt = make_adamw2(model)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_fn(model, *batches(1)[0])).backward()
+    with pytest.raises(RuntimeError, match=r"call GradScaler.unscale_\(optimizer\) before GradScaler.step"):
+        scaler.step(opt)
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_fn(model, *batches(1)[0])).backward()
+    scaler.unscale_(opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)  # unscaled first: a plain step
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("inside", [False, True])
