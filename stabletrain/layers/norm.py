@@ -12,7 +12,8 @@ from stabletrain.registry import Registry, option_value
 class StableNorm(nn.Module):
     """``gamma * d^alpha * x / sqrt(||x||^2 + eps)`` over the last dim (004 Eq. 2).
 
-    ``alpha`` in [0, 0.5]: the output norm is ``d^alpha`` (times gamma); 0.5 is RMSNorm up to
+    ``alpha`` in [0, 0.5] (default 0.25, StableViT's, as under ``norm=stablenorm``): the output
+    norm is ``d^alpha`` (times gamma); 0.5 is RMSNorm up to
     where eps enters (here ``eps`` sits beside ``||x||^2``, RMSNorm's beside ``mean(x^2)``, so
     StableNorm(alpha=0.5, eps) equals RMSNorm(eps / d)). ``alpha`` outside [0, 0.5] raises
     :class:`ConfigError`.
@@ -24,7 +25,7 @@ class StableNorm(nn.Module):
     with a finite gradient in both modes. Computed in fp32 under autocast.
     """
 
-    def __init__(self, dim: int, alpha: float = 0.5, eps: float | None = None, eps_mode: str = "sqrt",
+    def __init__(self, dim: int, alpha: float = 0.25, eps: float | None = None, eps_mode: str = "sqrt",
                  bias: bool = False):
         super().__init__()
         if not 0.0 <= alpha <= 0.5:
