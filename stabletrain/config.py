@@ -198,7 +198,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     # adamw2 (docs/methods.md §1)
-    tau: float = 0.004
+    tau: Optional[float] = None  # None: the model family's (000 Table 2: 0.004 ViT and Swin, 0.01 GPT)
     eps_inside_sqrt: bool = False
     power_iters: int = 3
     warm_start: bool = True
@@ -419,7 +419,8 @@ def validate(cfg: Any) -> None:
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
           f"optim.betas={list(o.betas)} must be two values in [0, 1)")
     _need(o.eps > 0, f"optim.eps={o.eps} must be > 0")
-    _need(o.tau > 0, f"optim.tau={o.tau} must be > 0 (the AdamW² papers use 0.004 for ViT, 0.01 for GPT)")
+    _need(o.tau is None or o.tau > 0,
+          f"optim.tau={o.tau} must be > 0, or null for the model family's (the AdamW² paper: 0.004 ViT, 0.01 GPT)")
     _need(o.power_iters >= 1, f"optim.power_iters={o.power_iters} must be >= 1")
     _need(o.warm_start or not o.overlap_sigma_w,
           "optim.overlap_sigma_w=true needs optim.warm_start=true (or set overlap_sigma_w=false)")

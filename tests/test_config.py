@@ -107,3 +107,22 @@ def test_values_that_crashed_or_were_silently_accepted_are_one_line_errors(overr
 ])
 def test_the_edges_that_mean_something_pass(overrides):
     validate(make_cfg("model=vit_test", "steps=10", *overrides))
+
+
+@pytest.mark.parametrize("overrides,tau", [
+    (["model=gpt_test"], 0.01),  # 000 Table 2: GPT
+    (["model=vit_test"], 0.004),  # ViT
+    (["model=swin_test"], 0.004),  # Swin
+    (["model=gpt_test", "optim.tau=0.002"], 0.002),  # given: kept
+    (["model=gpt_test", "optim=adamw"], None),  # read by AdamW² alone
+])
+def test_a_null_tau_is_the_model_familys_and_config_yaml_records_it(tmp_path, overrides, tau):
+    from omegaconf import OmegaConf
+
+    from stabletrain.build import build_trainer
+
+    cfg = make_cfg(*overrides, "logger=none", "monitor=off")
+    t = build_trainer(cfg, tmp_path)
+    if tau is not None:
+        assert [g["tau"] for g in t.optimizer.param_groups] == [tau] * len(t.optimizer.param_groups)
+    assert OmegaConf.to_container(cfg, resolve=True)["optim"]["tau"] == tau  # what run.py writes to config.yaml

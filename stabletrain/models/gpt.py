@@ -40,7 +40,7 @@ def gpt_flops(model: nn.Module, m) -> float:
     return (6 * n + 12 * m.depth * m.embed_dim * t) * t
 
 
-@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops,
+@MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops, tau=0.01,  # 000 Table 2
                  no_decay=(),  # nanoGPT decays every matrix, its position embedding too
                  keys=("vocab_size", "block_size", "bias", "dropout", "embed_dim", "depth", "num_heads", "mlp_ratio",
                        "mlp_hidden", "act"))

@@ -19,13 +19,21 @@ from stabletrain.registry import Registry
 #             none registered: the model's own ``no_weight_decay()`` if it has one (timm's)
 #   keys      the ``model.*`` keys it reads; one of the others set away from its default is noted
 #             as changing nothing (none registered: no note)
+#   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
 MODELS = Registry("model.family", "stabletrain.models", package=True)
+DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
 
 
 def is_builtin(entry) -> bool:
     """Whether a registry entry is stabletrain's own (not registered by a module of ``imports``)."""
     return entry.fn.__module__.startswith("stabletrain.")
+
+
+def family_tau(family: str) -> float:
+    """AdamW²'s bound for ``optim.tau=null``: the family's (000 Table 2: 0.01 for GPT, 0.004 for
+    ViT and Swin), DEFAULT_TAU for one registered without it."""
+    return float(MODELS.entry(family).info.get("tau", DEFAULT_TAU))
 
 
 def family_entry(name):

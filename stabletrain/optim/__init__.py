@@ -80,7 +80,8 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, str]:
     """The optimizer named by ``optim_cfg.name`` over ``model``'s grouped parameters.
 
-    Call after the model is on its device (adamw picks its fused kernel from that). Groups
+    Call after the model is on its device (adamw picks its fused kernel from that).
+    ``optim_cfg.tau`` null under AdamW² is set to the model family's (:func:`family_tau`). Groups
     follow :mod:`stabletrain.optim.param_groups` and carry ``names`` and ``lr_mult``; the
     initial ``lr`` of each group is ``scaled_lr * lr_mult``. Returns the optimizer and a short
     text summary of the split for the trainer to print.
@@ -100,6 +101,11 @@ def build_optimizer(
     if not groups:
         raise ValueError("build_optimizer: the model has no trainable parameters")
     tau = optim_cfg.get("tau") if hasattr(optim_cfg, "get") else getattr(optim_cfg, "tau", None)
+    if tau is None and name == "adamw2":
+        from stabletrain.models.registry import family_tau
+
+        # written into the config, so that config.yaml records the bound the run had
+        tau = optim_cfg.tau = family_tau(option_value(family))
     summary = summarize_groups(groups, header=f"optimizer {name} lr {lr:g}: ",
                                tau=None if tau is None else float(tau))
     for g in groups:
