@@ -277,7 +277,15 @@ class AdamW2(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # fills the group's missing keys from the defaults
-        _check_hyperparameters(self.param_groups[-1], f"param group {len(self.param_groups) - 1}: ")
+        index = len(self.param_groups) - 1
+        _check_hyperparameters(self.param_groups[-1], f"param group {index}: ")
+        if param_group.get("names") or param_group.get("param_names"):  # telemetry keys: one per tensor
+            taken = {n for i, g in enumerate(self.param_groups[:-1]) for n in _group_names(g, i)}
+            mine = _group_names(self.param_groups[-1], index)
+            again = [n for i, n in enumerate(mine) if n in taken or n in mine[:i]]
+            if again:
+                raise ValueError(f"AdamW2: param group {index}: name {again[0]!r} is given twice; "
+                                 f"names label the telemetry, one tensor each")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         groups = state_dict.get("param_groups", [])

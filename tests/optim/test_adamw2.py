@@ -332,6 +332,14 @@ def test_a_bad_value_is_refused_in_one_line_as_an_argument_and_in_a_param_group(
         AdamW2(groups)
 
 
+def test_a_name_given_twice_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="param group 1: name 'w' is given twice"):
+        AdamW2([{"params": [a.weight], "names": ["w"]}, {"params": [b.weight], "names": ["w"]}])
+    with pytest.raises(ValueError, match="param group 0: name 'w' is given twice"):
+        AdamW2([{"params": [a.weight, b.weight], "names": ["w", "w"]}])
+
+
 def test_the_state_of_another_optimizer_is_refused_on_load():
     lin = nn.Linear(4, 4)
     other = torch.optim.AdamW(lin.parameters())
