@@ -35,21 +35,30 @@ def sweep_dir() -> Path | None:
 
 
 def task_overrides() -> tuple[str, ...] | None:
-    """The command-line overrides of this process's Hydra job (a sweep point's own values);
-    None outside Hydra (the Python API). Saved in checkpoints: a refused resume names the
-    command that fits."""
+    """The command-line overrides of this process's Hydra job (a sweep point's own values), with
+    the ``hydra.*`` ones that its config needs (``hydra.searchpath`` finds options of the user's
+    own, ``hydra/launcher`` runs a sweep on SLURM); None outside Hydra (the Python API). Saved
+    in checkpoints: a refused resume names the command that fits."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
         if HydraConfig.initialized():
-            return tuple(str(o) for o in HydraConfig.get().overrides.task)
+            o = HydraConfig.get().overrides
+            return _own(o.hydra) + tuple(str(x) for x in o.task)
     except Exception:
         pass
     return None
 
 
 # overrides that name where a run lives or how it starts, not what it trains
-_NOT_THE_RUN = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.mode=", "resume=", "hydra.output_subdir=")
+_NOT_THE_RUN = ("hydra.run.dir=", "hydra.sweep.dir=", "hydra.mode=", "resume=", "hydra.output_subdir=",
+                "hydra/job_logging=")
+
+
+def _own(hydra_overrides) -> tuple[str, ...]:
+    """The ``hydra.*`` overrides a command was given, less those that place the run (Hydra lists
+    its mode and directory among them)."""
+    return tuple(str(x) for x in hydra_overrides if not str(x).lstrip("+~").startswith(_NOT_THE_RUN))
 
 
 def interpreter() -> str:
@@ -76,8 +85,8 @@ def _sweep_overrides(sweep: Path) -> list[str] | None:
     try:
         import yaml
 
-        task = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]["task"]
-        return [str(o) for o in task]
+        given = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]
+        return [*_own(given.get("hydra") or []), *(str(o) for o in given["task"])]
     except Exception:  # not written (another launcher), unreadable
         return None
 

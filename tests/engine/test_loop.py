@@ -273,6 +273,31 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
     assert interpreter() == "python"
 
 
+def test_the_runs_overrides_keep_the_hydra_ones_its_config_needs():
+    """An option of the user's own is found through hydra.searchpath: a command that continues
+    the run without it would fail; where the run lives is the continuing command's own."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from stabletrain.cli import CONFIG_DIR
+    from stabletrain.config import register
+    from stabletrain.engine.rundir import task_overrides
+    from tests.helpers import ROOT
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        mine = f"hydra.searchpath=[file://{ROOT / 'examples/conv_stem/configs'}]"
+        cfg = compose("train", overrides=[mine, "hydra.run.dir=/y", "steps=3"], return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert task_overrides() == (mine, "steps=3")
+    finally:
+        HydraConfig.instance().cfg = None
+
+
 def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch):
     """Inside a multirun the run dir is the sweep's: the hints name hydra.sweep.dir, and a point
     the sweep had not reached before starts without the single-run advice."""
@@ -306,13 +331,15 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         last = err.strip().splitlines()[-1]
         assert last == f"continue it with: the sweep's command plus resume=auto hydra.sweep.dir={sweep}", last
         # the sweep's own command, from the multirun.yaml Hydra writes into its directory
-        (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": [
-            "model=gpt_test", "optim.lr=1e-3,2e-3", "resume=auto"]}}}))
+        # with the hydra.* overrides its options need (an option of the user's own: searchpath)
+        (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {
+            "hydra": [f"hydra.sweep.dir={sweep}", "hydra.mode=MULTIRUN", "hydra.searchpath=[file:///mine]"],
+            "task": ["model=gpt_test", "optim.lr=1e-3,2e-3", "resume=auto"]}}}))
         t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), sweep / "2")
         _run_until(t, 3)
         last = capsys.readouterr().err.strip().splitlines()[-1]
-        assert last == (f"continue it with: {interpreter()} train.py -m model=gpt_test optim.lr=1e-3,2e-3 "
-                        f"resume=auto hydra.sweep.dir={sweep}")
+        assert last == (f"continue it with: {interpreter()} train.py -m 'hydra.searchpath=[file:///mine]' "
+                        f"model=gpt_test optim.lr=1e-3,2e-3 resume=auto hydra.sweep.dir={sweep}")
         held = RunDirLock(sweep / "1").acquire()
         with pytest.raises(ConfigError, match="its own hydra.sweep.dir$"):
             RunDirLock(sweep / "1").check_free()
