@@ -47,17 +47,30 @@ class Entry:
 
 
 class Registry:
-    def __init__(self, group: str, *modules: str, package: bool = False):
+    def __init__(self, group: str, *modules: str, package: bool = False, declares: tuple[str, ...] = ()):
         """``group`` is the config key users set (``norm``, ``model.family``); ``modules``
-        hold the options (a package's every submodule when ``package``)."""
+        hold the options (a package's every submodule when ``package``); ``declares`` the
+        keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments)."""
         self.group, self.modules, self.package = group, modules, package
+        self.declares = ("kwargs", *declares)
         self._entries: dict[str, Entry] = {}
         self._loaded = False
 
     def register(self, name: str, **info) -> Callable:
+        for key in info:  # a misspelt one (kwarg=) would be silently unread
+            if key not in self.declares:
+                import difflib
+
+                near = difflib.get_close_matches(key, self.declares, n=1, cutoff=0.6)
+                raise ConfigError(f"{self.group} option {name!r}: register() takes no {key}= (it takes "
+                                  f"{', '.join(k + '=' for k in self.declares)})"
+                                  + (f"; did you mean {near[0]}=?" if near else ""))
+
         def deco(fn: Callable) -> Callable:
             if name in self._entries and self._entries[name].fn is not fn:
-                raise ValueError(f"{self.group} option {name!r} is registered twice")
+                theirs = self._entries[name].fn
+                raise ConfigError(f"{self.group} option {name!r} is registered twice (by {theirs.__module__} and "
+                                  f"{fn.__module__}): give yours another name")
             self._entries[name] = Entry(name, fn, info)
             return fn
 

@@ -12,15 +12,28 @@ from tests.helpers import make_cfg, model_of
 
 
 def test_registry_lists_and_refuses_in_one_line():
-    reg = Registry("thing")
+    reg = Registry("thing", declares=("flag",))
     reg.register("b", flag=True)(lambda: 2)
     reg.register("a")(lambda: 1)
     assert reg.names() == ["a", "b"] and reg.get("a")() == 1 and reg.entry("b").info == {"flag": True}
     with pytest.raises(UnknownOption, match=r"^thing=c is not an option; choose one of: a, b \(an option of your "
                                             r"own registers itself in a Python module named in imports=\["):
         reg.get("c")
-    with pytest.raises(ValueError, match="twice"):
+    with pytest.raises(ConfigError, match=r"^thing option 'a' is registered twice \(by [\w.]+ and [\w.]+\): give yours "
+                                          r"another name$"):
         reg.register("a")(lambda: 3)
+
+
+def test_a_misspelt_registration_keyword_is_refused_with_the_nearest():
+    """kwarg=("cap",) for kwargs=, or check= where the group runs none, would be silently unread."""
+    from stabletrain.layers.attention import ATTENTIONS
+
+    with pytest.raises(ConfigError, match=r"^attention option 'capped': register\(\) takes no kwarg= \(it takes "
+                                          r"kwargs=\); did you mean kwargs=\?$"):
+        ATTENTIONS.register("capped", kwarg=("cap",))
+    with pytest.raises(ConfigError, match=r"register\(\) takes no check= \(it takes kwargs=\)$"):
+        ATTENTIONS.register("capped", check=print)
+    assert "capped" not in ATTENTIONS
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -134,7 +134,7 @@ class TokenWindows(Data):
 
 # name -> ``(data_cfg, model_cfg, seed) -> Data``; info: ``kind`` (vision | text: which model
 # families it fits) and ``check`` (``data_cfg -> None``, raising ConfigError before any work)
-DATASETS = Registry("data", __name__)
+DATASETS = Registry("data", __name__, declares=("kind", "check"))
 
 
 def build_data(data_cfg, model_cfg, seed: int, default: str) -> Data:

@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry
 
-LOSS_TERMS = Registry("regularizer", __name__, package=True)
+LOSS_TERMS = Registry("regularizer", __name__, package=True, declares=("params", "reads_weights"))
 
 LossTerm = Callable[..., Any]  # (model, logits, x, y) -> 0-dim tensor; has a ``name``
 

@@ -20,7 +20,8 @@ from stabletrain.registry import Registry
 #   keys      the ``model.*`` keys it reads; one of the others set away from its default is noted
 #             as changing nothing (none registered: no note)
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
-MODELS = Registry("model.family", "stabletrain.models", package=True)
+MODELS = Registry("model.family", "stabletrain.models", package=True,
+                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau"))
 DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
 
