@@ -147,6 +147,19 @@ def eval_note(data, cfg) -> str | None:
             f"of {bs}, a fixed random part); eval_batches={math.ceil(data.n_val / bs)} scores them all")
 
 
+def components_line(cfg) -> str:
+    """What the blocks are built of and what the loss adds: the start line that says an override
+    of ``norm``, ``attention``, ... took (with the arguments of an option of one's own)."""
+    def chosen(group: str) -> str:
+        kwargs = cfg[group].get("kwargs") or {}
+        given = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        return f"{group}={option_value(cfg[group].name)}" + (f" ({given})" if given else "")
+
+    terms = ", ".join(cfg.regularizer or {}) or "none"
+    return "components: " + ", ".join(chosen(g) for g in ("norm", "attention", "init", "reparam", "deescalate")) \
+        + f"; loss terms: {terms}"
+
+
 def stablenorm_note(cfg) -> str | None:
     """Said where StableNorm with alpha < 0.5 meets AdamW²: a combination that learns slowly
     (measured in docs/methods.md §5), which a user trying one override would take for StableNorm's fault."""
@@ -345,7 +358,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
-    messages = [group_summary] + notes
+    messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:
         messages.append(f"steps={cfg.steps} overrides epochs={cfg.epochs:g}; set steps=null to train by epochs")

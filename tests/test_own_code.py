@@ -413,6 +413,11 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
 
     s = make_schedule(cfg.schedule, 1.0, 100)
     assert [s(k) for k in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    from stabletrain.build import components_line
+
+    # the start line says the options took, with their own arguments
+    assert components_line(cfg) == ("components: norm=gain_own (g0=2.5), attention=softmax, init=const_own "
+                                    "(value=0.125), reparam=none, deescalate=none; loss terms: none")
     with pytest.raises(ConfigError, match=r"^norm.kwargs is for a norm option of your own \(imports=...\); "
                                           r"norm=layernorm takes its settings as norm.\* keys"):
         validate(make_cfg("model=gpt_test", "+norm.kwargs.g0=2.5"))
