@@ -44,7 +44,12 @@ def run(cfg, run_dir: str | Path) -> dict:
             for tmp in remove_stale_temps(run_dir / "checkpoints"):
                 print(f"removed {tmp.name}, left by a checkpoint write that was interrupted", file=sys.stderr)
         with HeldPreemptionWarnings() as held:
-            trainer = build_trainer(cfg, run_dir, info)
+            try:
+                trainer = build_trainer(cfg, run_dir, info)
+            except Exception as e:
+                if info.is_main and not isinstance(e, ConfigError):
+                    record_build_failure(run_dir, e)
+                raise
         trainer.stop_signal = held.signum  # the loop checkpoints after its first step and requeues
 
         def write_config() -> None:
@@ -97,6 +102,16 @@ class HeldPreemptionWarnings:
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+def record_build_failure(run_dir: Path, err: Exception) -> None:
+    """An exception while building (a bug in an option of one's own): the traceback says where,
+    and summary.json says the run failed and why, where the directory holds no earlier run's,
+    so that a sweep's table shows the point as failed, not as unfinished."""
+    done = run_dir / "summary.json"
+    if not done.exists():
+        write_json(done, {"status": "failed", "step": 0,
+                          "reason": f"{type(err).__name__} while building the run: {first_line(err)}"})
 
 
 def refuse_point(run_dir: Path, reason: str) -> None:

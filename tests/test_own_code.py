@@ -125,6 +125,30 @@ def test_a_module_that_fails_on_its_own_import_keeps_its_traceback(tmp_path):
     assert "needs_dep" not in sys.modules  # a later fixed file can be imported again
 
 
+def test_a_bug_in_an_option_of_ones_own_keeps_its_traceback_and_records_the_failure(tmp_path):
+    """The user's code raising while the run is built: raised as Python raises it (the traceback
+    names their line), and summary.json says failed and why, so a sweep's table shows it so."""
+    from stabletrain.run import run
+
+    path = _module(tmp_path, "buggy_norm", """
+        from stabletrain.layers.norm import NORMS
+
+        @NORMS.register("buggy_own")
+        def buggy_own(cfg, dim, *, bias, ln_eps):
+            return 1 / 0
+    """)
+    cfg = make_cfg("model=vit_test", f"imports=[{path}]", "norm.name=buggy_own", "steps=2", "logger=none")
+    with pytest.raises(ZeroDivisionError):
+        run(cfg, tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary == {"status": "failed", "step": 0,
+                       "reason": "ZeroDivisionError while building the run: division by zero"}
+    (tmp_path / "run" / "summary.json").write_text('{"status": "completed", "step": 5}')  # an earlier run's
+    with pytest.raises(ZeroDivisionError):
+        run(cfg, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"  # kept
+
+
 def test_a_family_registered_without_its_kind_is_one_line(tmp_path):
     path = _module(tmp_path, "kindless", """
         from stabletrain.models.registry import MODELS
