@@ -7,7 +7,8 @@ skipped steps, rollbacks and alerts of the runs that had any.
 Prints a markdown table, writes SWEEP_DIR/summary.csv (not into a single run's directory), and
 with --plot draws the final metric against the --x value (categorical when not numeric), one
 line per --series value, diverged runs as crosses, or as triangles on the axis edge where their
-value is off it.
+value is off it. Left out, --x is the one swept key (or the one besides seed) and --series the
+one swept key besides --x.
 Runs are the directories below SWEEP_DIR holding a summary.json.
 """
 
@@ -60,10 +61,20 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         if args.x is None and len(swept) == 1:
             args.x = swept[0]
+        elif args.x is None and len(swept) == 2 and "seed" in swept:  # a value swept over seeds
+            args.x = next(k for k in swept if k != "seed")
         elif args.x is None:
             print(f"error: --plot needs --x KEY, one of the swept keys: {', '.join(swept) or 'none (nothing varies)'}",
                   file=sys.stderr)
             return 2
+        others = [k for k in swept if k not in (args.x, args.series)]
+        if args.series is None and len(others) == 1:
+            # one line through runs that differ in another key would zig-zag between them
+            args.series = others[0]
+            print(f"one line per {args.series} (--series {args.series})", file=sys.stderr)
+        elif args.series is None and others:
+            print(f"note: {', '.join(others)} also vary: points of one --x value differ in them "
+                  f"(--series KEY draws one line per value)", file=sys.stderr)
         print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
     return 0
 

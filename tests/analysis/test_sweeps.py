@@ -214,9 +214,17 @@ def test_the_script_writes_a_csv_for_runs_but_not_into_a_single_run(tmp_path, ca
     capsys.readouterr()
     assert script.main([str(tmp_path), "--metric", "val/acc", "--plot", str(tmp_path / "p.png")]) == 0
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # a value swept over seeds: the value is x, one line per seed (a line through both would zig-zag)
     _fake_run(tmp_path / "d", {"optim": {"lr": 0.3}, "seed": 1}, {"status": "completed", "step": 3})
-    assert script.main([str(tmp_path), "--plot", str(tmp_path / "q.png")]) == 2
-    assert "error: --plot needs --x KEY, one of the swept keys: optim.lr, seed" in capsys.readouterr().err
+    assert script.main([str(tmp_path), "--plot", str(tmp_path / "q.png")]) == 0
+    assert "one line per seed (--series seed)" in capsys.readouterr().err
+    # three keys: which is x is the user's to say; a key left out of the plot is said to vary
+    _fake_run(tmp_path / "e", {"optim": {"lr": 0.3, "weight_decay": 0.1}, "seed": 1}, {"status": "completed"})
+    assert script.main([str(tmp_path), "--plot", str(tmp_path / "r.png")]) == 2
+    assert "error: --plot needs --x KEY, one of the swept keys: optim.lr, optim.weight_decay, seed" in \
+        capsys.readouterr().err
+    assert script.main([str(tmp_path), "--plot", str(tmp_path / "r.png"), "--x", "optim.lr"]) == 0
+    assert "note: optim.weight_decay, seed also vary" in capsys.readouterr().err
 
 
 def test_a_number_given_as_0_and_read_as_0_0_is_no_difference(tmp_path):
