@@ -58,7 +58,8 @@ def normalize_or(x: Tensor, keep: Tensor, norm: Tensor | None = None) -> Tensor:
     be kept by a warm start and give sigma1 = 0 at every later step. ``norm``: ``x``'s norms
     when already known (a sum over ranks)."""
     norm = (x.norm(dim=-1) if norm is None else norm).unsqueeze(-1)
-    return torch.where(norm > _EPS, x / norm.clamp_min(_EPS), keep)
+    # no clamp: where a norm is 0 the quotient is not taken (one kernel fewer in the optimizer step)
+    return torch.where(norm > _EPS, x / norm, keep)
 
 
 def random_unit(*shape: int, device=None, dtype=torch.float32, generator=None) -> Tensor:

@@ -281,8 +281,11 @@ class AdamW2(Optimizer):
         _check_hyperparameters(self.param_groups[-1], f"param group {index}: ")
         if param_group.get("names") or param_group.get("param_names"):  # telemetry keys: one per tensor
             taken = {n for i, g in enumerate(self.param_groups[:-1]) for n in _group_names(g, i)}
-            mine = _group_names(self.param_groups[-1], index)
-            again = [n for i, n in enumerate(mine) if n in taken or n in mine[:i]]
+            again = []
+            for n in _group_names(self.param_groups[-1], index):
+                if n in taken:
+                    again.append(n)
+                taken.add(n)
             if again:
                 raise ValueError(f"AdamW2: param group {index}: name {again[0]!r} is given twice; "
                                  f"names label the telemetry, one tensor each")
