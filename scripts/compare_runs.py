@@ -32,13 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default: the first run's plots/, a sweep's own)")
     args = ap.parse_args(argv)
     runs = [r for d in args.run_dirs for r in sweep_runs(Path(d))]
+    out = Path(args.out or Path(args.run_dirs[0]) / "plots")
+    earlier = (out / "compare.png").exists()
     try:
-        paths = compare_runs(runs, args.out or str(Path(args.run_dirs[0]) / "plots"))
+        paths = compare_runs(runs, out)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in paths:
         print(p)
+    if paths and earlier:  # a second comparison from the same first run lands in the same file
+        print(f"note: replaced the earlier {out / 'compare.png'}; --out DIR keeps a comparison apart", file=sys.stderr)
     return 0 if paths else 1
 
 

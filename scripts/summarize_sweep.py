@@ -9,7 +9,8 @@ with --plot draws the final metric against the --x value (categorical when not n
 line per --series value, diverged runs as crosses, or as triangles on the axis edge where their
 value is off it. Left out, --x is the one swept key (or the one besides seed) and --series the
 one swept key besides --x.
-Runs are the directories below SWEEP_DIR holding a summary.json.
+Runs are the directories below SWEEP_DIR holding a summary.json, the points Hydra started
+(unfinished without one) and the points of the sweep's grid that never started.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         csv_path = args.sweep_dir / "summary.csv"
         sweeps.write_csv(csv_path, columns, table)
-        print(f"\n{len(table)} run{'s' * (len(table) != 1)}; table written to {csv_path}", file=sys.stderr)
+        waiting = sum(row["status"] == "not started" for row in table)
+        count = f"{len(table)} run{'s' * (len(table) != 1)}" + (f" ({waiting} not started)" if waiting else "")
+        print(f"\n{count}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
         swept = sweeps.varying_keys(runs)
         metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")

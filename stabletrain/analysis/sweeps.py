@@ -71,9 +71,11 @@ def resolved_config(run_dir: Path) -> dict:
 
 
 def find_runs(sweep_dir: str | Path) -> list[Run]:
-    """Every run under ``sweep_dir``: the directories with a ``summary.json``, and the sweep
-    points Hydra started (``.hydra/overrides.yaml``) that have none, with status
-    ``unfinished`` (still running, crashed or killed), so that no point drops out of a table."""
+    """Every run under ``sweep_dir``: the directories with a ``summary.json``; the sweep points
+    Hydra started (``.hydra/overrides.yaml``) that have none, with status ``unfinished`` (still
+    running, crashed or killed); and the points of a sweep's grid (``multirun.yaml``) that never
+    started, ``not started``: no point drops out of a table, and an interrupted sweep still
+    shows what it sweeps."""
     root = Path(sweep_dir)
     dirs = {p.parent for p in root.rglob("summary.json")}
     dirs |= {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")}
@@ -84,7 +86,41 @@ def find_runs(sweep_dir: str | Path) -> list[Run]:
         except (OSError, json.JSONDecodeError):  # none yet, or one being written
             summary = {"status": "unfinished"}
         runs.append(Run(d, summary, settings(d)))
+    for multirun in sorted(root.rglob("multirun.yaml")):
+        points = grid(multirun)
+        swept = [k for k in points[0] if len({_same(p[k]) for p in points}) > 1] if points else []
+        started = [r for r in runs if multirun.parent in r.path.parents]
+        for num, point in enumerate(points):
+            if not any(all(_same(r.settings.get(k)) == _same(point[k]) for k in swept) for r in started):
+                runs.append(Run(multirun.parent / str(num), {"status": "not started"}, point))
     return runs
+
+
+def grid(multirun_yaml: Path) -> list[dict]:
+    """The points of the sweep that ``multirun.yaml`` records, in Hydra's job order (the basic
+    sweeper's product of the comma lists, ``range()`` and ``choice()`` sweeps of the command line
+    and of ``hydra.sweeper.params``), each as the settings its run would have. Empty where the
+    grid is not a product of lists (an Optuna search) or the file does not read."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        hydra = (yaml.safe_load(multirun_yaml.read_text()) or {}).get("hydra") or {}
+        given = [f"{k}={v}" for k, v in ((hydra.get("sweeper") or {}).get("params") or {}).items()]
+        given += list((hydra.get("overrides") or {}).get("task") or [])
+        values: dict[str, list[str]] = {}  # a key given twice: the last value, in its first place
+        for o in OverridesParser.create().parse_overrides(given):
+            key = o.get_key_element().lstrip("+~")
+            if not o.is_sweep_override():
+                values[key] = [o.get_value_element_as_str()]
+            elif o.is_discrete_sweep():
+                values[key] = list(o.sweep_string_iterator())
+            else:
+                return []
+    except Exception:  # noqa: BLE001 - a grid is a courtesy: the started runs are the table
+        return []
+    return [{k: _value(v) for k, v in zip(values, combo)} for combo in itertools.product(*values.values())]
 
 
 def _same(v):

@@ -149,7 +149,11 @@ def test_compare_runs_script_overlays_runs(tmp_path):
                           "--out", str(out)], capture_output=True, text=True, timeout=120,
                          check=False)
     assert res.returncode == 0, res.stderr
+    assert "replaced" not in res.stderr
     _check_pngs([out / "compare.png"])
+    again = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(a), "--out", str(out)],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0 and f"replaced the earlier {out / 'compare.png'}" in again.stderr
     qk = P.over_blocks(P.load_run(a), "sigma1", "wq_t_wk_full")
     assert qk[1][-1] == max(P.load_run(a).metrics[f"sigma1/{b}/wq_t_wk_full"][1][-1] for b in BLOCKS)
 

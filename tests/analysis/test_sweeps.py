@@ -41,6 +41,29 @@ def test_a_sweep_point_without_a_summary_is_listed_as_unfinished(tmp_path):
     assert [(r["optim.tau"], r["status"]) for r in table] == [(0.003, "completed"), (0.004, "unfinished")]
 
 
+def test_an_interrupted_sweep_lists_the_points_of_its_grid_that_never_started(tmp_path):
+    """Only point 0 ran: the grid in multirun.yaml still gives the swept columns and every point,
+    in Hydra's job order (the product of params and command-line lists, the last value of a key
+    given twice)."""
+    hydra = {"sweeper": {"params": {"seed": "1,2", "model": "vit_test"}},
+             "overrides": {"task": ["model=vit_mini", "optim.tau=0.002,0.004", "+x=range(1,2)"]}}
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra, "seed": 0}))
+    points = sweeps.grid(tmp_path / "multirun.yaml")
+    assert points == [{"seed": s, "model": "vit_mini", "optim.tau": t, "x": 1} for s in (1, 2) for t in (0.002, 0.004)]
+    d = tmp_path / "0"
+    (d / ".hydra").mkdir(parents=True)
+    given = ["model=vit_mini", "optim.tau=0.002", "+x=1", "seed=1"]
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(given))
+    (d / "summary.json").write_text(json.dumps({"status": "completed", "step": 5}))
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert columns[:2] == ["optim.tau", "seed"]
+    assert [(r["optim.tau"], r["seed"], r["status"], r["run"]) for r in table] == [
+        (0.002, 1, "completed", "0"), (0.002, 2, "not started", "2"),
+        (0.004, 1, "not started", "1"), (0.004, 2, "not started", "3")]
+    (tmp_path / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": ["lr=interval(0,1)"]}}}))
+    assert sweeps.grid(tmp_path / "multirun.yaml") == []  # a search, not a grid: the started runs only
+
+
 def _table(x: str, values, series=("adamw", "adamw2")) -> list[dict]:
     return [{x: v, "optim": s, "status": "diverged" if s == "adamw" and i > len(values) // 2 else "completed",
              "final_val/loss": 2.0 + 0.1 * i + 0.3 * j, "run": f"{j}_{i}"}
