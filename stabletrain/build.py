@@ -151,9 +151,18 @@ def components_line(cfg) -> str:
     """What the blocks are built of and what the loss adds: the start line that says an override
     of ``norm``, ``attention``, ... took (with the arguments of an option of one's own)."""
     def chosen(group: str) -> str:
-        kwargs = cfg[group].get("kwargs") or {}
-        given = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        return f"{group}={option_value(cfg[group].name)}" + (f" ({given})" if given else "")
+        g, name = cfg[group], option_value(cfg[group].name)
+        details = [f"{k}={v}" for k, v in (g.get("kwargs") or {}).items()]
+        # the preset a user typed, where two presets register one name: sigma_qk is sigma on q/k,
+        # block and ffn are where the one de-escalation goes
+        if group == "reparam" and name == "sigma" and option_value(g.get("apply_to")) == "qk":
+            name = "sigma_qk"
+        elif group == "deescalate" and name == "deescalate":
+            name = option_value(g.placement)
+        elif group == "norm":
+            details = ([f"alpha={g.alpha:g}"] if name == "stablenorm" else []) + details
+            details += ["post-norm"] if option_value(g.placement) == "post" else []
+        return f"{group}={name}" + (f" ({', '.join(details)})" if details else "")
 
     terms = ", ".join(cfg.regularizer or {}) or "none"
     return "components: " + ", ".join(chosen(g) for g in ("norm", "attention", "init", "reparam", "deescalate")) \

@@ -663,7 +663,8 @@ def _exists(p: str) -> bool:
 # (``ema``: a weight average added on resume starts from the resumed weights)
 RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
                      "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
-                     "activation_checkpointing", "ema")
+                     "activation_checkpointing", "ema",
+                     "data.num_workers")  # each image's augmentation is seeded by its place in the stream
 
 
 def _plain(config_yaml: str) -> dict:
@@ -679,7 +680,7 @@ def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE,
     a, b = (leaf_values(y) for y in (saved_yaml, mine_yaml))
     same = equivalent or {}
     return sorted(k for k in set(a) | set(b)
-                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change
+                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change and k not in may_change
                   and not {a.get(k), b.get(k)} <= set(same.get(k, ())))
 
 

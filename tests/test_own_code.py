@@ -442,6 +442,11 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
     # the start line says the options took, with their own arguments
     assert components_line(cfg) == ("components: norm=gain_own (g0=2.5), attention=softmax, init=const_own "
                                     "(value=0.125), reparam=none, deescalate=none; loss terms: none")
+    # a preset shows as the option typed, a StableNorm with its alpha, post-norm said
+    cfg = make_cfg("model=gpt_test", "reparam=sigma_qk", "deescalate=ffn", "norm=stablenorm", "norm.placement=post",
+                   "regularizer=[locater,zloss]")
+    assert components_line(cfg) == ("components: norm=stablenorm (alpha=0.25, post-norm), attention=softmax, "
+                                    "init=family, reparam=sigma_qk, deescalate=ffn; loss terms: locater, zloss")
     with pytest.raises(ConfigError, match=r"^norm.kwargs is for a norm option of your own \(imports=...\); "
                                           r"norm=layernorm takes its settings as norm.\* keys"):
         validate(make_cfg("model=gpt_test", "+norm.kwargs.g0=2.5"))

@@ -589,7 +589,7 @@ class Trainer:
             return
         changed = self.ckpt.changed_keys(saved, may_change=("resume", "resume_allow_changes"))
         if self.settings.resume not in (None, "auto"):
-            keys = [k for k in changed if k.split(".")[0] not in RESUME_MAY_CHANGE]
+            keys = [k for k in changed if k.split(".")[0] not in RESUME_MAY_CHANGE and k not in RESUME_MAY_CHANGE]
             if keys:
                 self.notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
                                   f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
