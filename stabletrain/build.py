@@ -22,6 +22,7 @@ regularizer     ``LOSS_TERMS``                             stabletrain.losses.*
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import inspect
 import math
@@ -73,6 +74,8 @@ def validate(cfg) -> None:
         check_own_kwargs(group, entry, cfg[group].get("kwargs"))
     if family.info.get("check"):
         family.info["check"](cfg.model, Components.of(cfg))
+        if cfg.data.img_size is not None and family.info["kind"] == "vision":
+            _check_data_img_size(cfg, family.info["check"])
     data = _data_entry(cfg)
     if data.info["kind"] == "text":
         d = cfg.data
@@ -90,6 +93,19 @@ def validate(cfg) -> None:
         LOSS_TERMS.entry(name)
     build_loss_terms(cfg.regularizer)
     check_parallel(cfg)
+
+
+def _check_data_img_size(cfg, check) -> None:
+    """The family's check of the size the images are resized to (``data.img_size``, which the
+    model is then built at), its message naming the key the user gave."""
+    sized = copy.deepcopy(cfg.model)
+    with open_dict(sized) if OmegaConf.is_config(sized) else contextlib.nullcontext():
+        sized.img_size = cfg.data.img_size
+    try:
+        check(sized, Components.of(cfg))
+    except ConfigError as e:
+        said = str(e).replace(f"model.img_size={cfg.data.img_size}", f"data.img_size={cfg.data.img_size}")
+        raise ConfigError(said) from None
 
 
 def declared_kwargs(group: str, entry) -> tuple[str, ...] | None:
@@ -274,7 +290,8 @@ def fit_model_to_data(cfg, data: Data) -> list[str]:
                          f"{m.vocab_size - data.vocab_size} embedding rows are never used (model.vocab_size="
                          f"{padded} would drop them)")
         return notes
-    wanted = {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": cfg.data.img_size or m.img_size}
+    size = m.img_size if cfg.data.img_size is None else cfg.data.img_size
+    wanted = {"num_classes": data.num_classes, "in_chans": data.in_chans, "img_size": size}
     changed = [f"model.{key}={value} (was {getattr(m, key)})" for key, value in wanted.items()
                if getattr(m, key) != value]
     if changed:

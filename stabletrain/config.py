@@ -496,8 +496,9 @@ def validate(cfg: Any) -> None:
     _need(m.block_size >= 1, f"model.block_size={m.block_size} must be >= 1")
     _need(m.patch_size >= 1, f"model.patch_size={m.patch_size} must be >= 1")
     _need(m.window_size >= 1, f"model.window_size={m.window_size} must be >= 1")
-    img = d.img_size or m.img_size
-    _need(img >= 1, f"model.img_size={img} must be >= 1")
+    _need(d.img_size is None or d.img_size >= 1,
+          f"data.img_size={d.img_size} must be >= 1 (null: the model's, model.img_size={m.img_size})")
+    _need(m.img_size >= 1, f"model.img_size={m.img_size} must be >= 1")
     _need(0 <= m.dropout < 1, f"model.dropout={m.dropout} must be in [0, 1)")
     _need(0 <= m.drop_path < 1, f"model.drop_path={m.drop_path} must be in [0, 1)")
     _need(0 <= cfg.seed <= 2**63 - 1, f"seed={cfg.seed} must be in [0, 2**63 - 1]")

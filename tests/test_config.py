@@ -81,6 +81,15 @@ def test_mixup_needs_an_even_micro_batch(tmp_path, overrides, micro):
     (["model.drop_path=1.0"], "model.drop_path=1.0 must be in [0, 1)"),
     (["model.drop_path=-0.5"], "model.drop_path=-0.5 must be in [0, 1)"),
     (["model=swin_test", "model.window_size=0"], "model.window_size=0 must be >= 1"),
+    (["data.img_size=30"], "data.img_size=30 is not a multiple of model.patch_size=4"),
+    (["data.img_size=0"], "data.img_size=0 must be >= 1 (null: the model's, model.img_size=16)"),
+    (["model=swin_test", "model.img_size=15"], "model.img_size=15 with model.patch_size=2 and model.window_size=4: "
+                                               "the patches do not tile the image"),
+    (["model=swin_test", "model.img_size=24", "model.window_size=5"],
+     "stage 0's 12x12 token grid is not a multiple of the window (timm would drop or pad pixels and tokens, "
+     "attending to the padding); the next size that fits is 40"),
+    (["model=swin_test", "data.img_size=20"], "data.img_size=20 with model.patch_size=2"),
+    (["model=swin_test", "model.img_size=44", "model.window_size=9"], "stage 0's 22x22 token grid is not a multiple"),
     (["seed=9223372036854775808"], "seed=9223372036854775808 must be in [0, 2**63 - 1]"),
     (["seed=-1"], "seed=-1 must be in [0, 2**63 - 1]"),
     (["device=cudaX"], "device=cudaX is not an option"),
@@ -103,7 +112,8 @@ def test_values_that_crashed_or_were_silently_accepted_are_one_line_errors(overr
 @pytest.mark.parametrize("overrides", [
     ["device=cuda:1"], ["device=cuda"], ["grad_clip=inf"], ["divergence.spike_factor=inf"],
     ["seed=9223372036854775807"],
-    ["model.img_size=32", "model.patch_size=4"], ["schedule.gamma=1.0"],
+    ["model.img_size=32", "model.patch_size=4"], ["schedule.gamma=1.0"], ["data.img_size=32"],
+    ["model=swin_test", "model.window_size=16"], ["model=swin_test", "data.img_size=32"], ["model=swin_t"],
 ])
 def test_the_edges_that_mean_something_pass(overrides):
     validate(make_cfg("model=vit_test", "steps=10", *overrides))

@@ -55,6 +55,29 @@ def check_swin(m, components: Components) -> None:
     if len(m.depths) != len(m.stage_heads):
         raise ConfigError(f"model.depths={list(m.depths)} and model.stage_heads={list(m.stage_heads)} must have "
                           f"one entry per stage each")
+    if (why := _untiled(m.img_size, m.patch_size, m.window_size, len(m.depths))) is not None:
+        tile = m.patch_size * m.window_size * 2 ** len(m.depths)  # a multiple of it always fits
+        fits = next(size for size in range(m.img_size + 1, m.img_size + tile + 1)
+                    if _untiled(size, m.patch_size, m.window_size, len(m.depths)) is None)
+        raise ConfigError(f"model.img_size={m.img_size} with model.patch_size={m.patch_size} and "
+                          f"model.window_size={m.window_size}: {why} (timm would drop or pad pixels and tokens, "
+                          f"attending to the padding); the next size that fits is {fits}")
+
+
+def _untiled(img_size: int, patch: int, window: int, stages: int) -> str | None:
+    """Why an image does not tile exactly into Swin's patches, merges and windows: the patches
+    must cover it, each patch merging halves an even grid, and a stage's grid larger than the
+    window must be a multiple of it (a grid no larger is one window). None where it tiles."""
+    if img_size % patch:
+        return "the patches do not tile the image"
+    grid = img_size // patch
+    for stage in range(stages):
+        if grid > window and grid % window:
+            return f"stage {stage}'s {grid}x{grid} token grid is not a multiple of the window"
+        if stage < stages - 1 and grid % 2:
+            return f"stage {stage}'s {grid}x{grid} token grid is odd, and patch merging halves it"
+        grid //= 2
+    return None
 
 
 def swin_flops(model: nn.Module, m) -> float:

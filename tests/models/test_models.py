@@ -112,3 +112,24 @@ def test_gpt_family_init_is_nanogpts():
         assert abs(w.std().item() / 0.02 - 1) < 0.03
     for w in (blk.attn.proj.weight, blk.mlp.fc2.weight):
         assert abs(w.std().item() / (0.02 / (2 * 4) ** 0.5) - 1) < 0.03
+
+
+@pytest.mark.parametrize("img,window,tiles", [(16, 4, True), (16, 16, True), (40, 5, True), (24, 5, False),
+                                              (20, 4, False), (36, 9, True), (12, 3, True), (28, 4, False),
+                                              (18, 4, False), (14, 8, False)])
+def test_swin_sizes_are_refused_exactly_where_timm_would_pad_or_drop(img, window, tiles):
+    """The check against timm's own blocks: an accepted size gives every block a grid that is
+    its window or a multiple of it, halving evenly; a refused one has a block that pads or drops."""
+    from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+
+    from stabletrain.models.swin import _untiled
+
+    m = make_cfg("model=swin_test").model
+    assert (_untiled(img, m.patch_size, window, len(m.depths)) is None) == tiles
+    net = SwinTransformer(img_size=img, patch_size=m.patch_size, embed_dim=m.embed_dim, depths=tuple(m.depths),
+                          num_heads=tuple(m.stage_heads), window_size=window)  # timm takes any size
+    blocks = [b for b in net.modules() if isinstance(b, SwinTransformerBlock)]
+    exact = img % m.patch_size == 0 and all(r % w == 0 for b in blocks
+                                            for r, w in zip(b.input_resolution, b.window_size))
+    exact &= [b.input_resolution[0] for b in blocks] == [img // m.patch_size // 2 ** i for i in range(len(blocks))]
+    assert exact == tiles
