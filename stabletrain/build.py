@@ -33,7 +33,7 @@ from omegaconf import OmegaConf, open_dict
 
 from stabletrain import config as C
 from stabletrain.config import Components
-from stabletrain.data import DATASETS, Data, Shard, resolve_name, task_loss
+from stabletrain.data import DATASETS, OPTION_KEYS, Data, Shard, resolve_name, task_loss
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import seed_all
 from stabletrain.engine.divergence import DivergenceWatch
@@ -55,10 +55,11 @@ from stabletrain.optim.schedule import SCHEDULES
 from stabletrain.registry import import_modules, option_value
 
 
-def validate(cfg) -> None:
+def validate(cfg, data_swept: bool = False) -> None:
     """Every check that runs before any work: the config's ranges, each option against its
     registry, what the model family and the data set allow, the loss terms' parameters.
-    Raises :class:`ConfigError` with one line."""
+    Raises :class:`ConfigError` with one line. ``data_swept``: a sweep point of a sweep over
+    ``data``, whose ``data.path`` / ``data.root`` may be for its other points (noted, not refused)."""
     import_modules(cfg.imports)
     C.validate(cfg)
     family = family_entry(cfg.model.family)
@@ -87,6 +88,15 @@ def validate(cfg) -> None:
         from stabletrain.data.vision import check_randaug
 
         check_randaug(cfg.data.randaug)
+    unread = _unread_data_keys(cfg, data)
+    # the user's files, which this run would not train on
+    if (files := [k for k in unread if k in ("path", "root")]) and not data_swept:
+        key = files[0]
+        readers = [e.name for e in DATASETS.entries() if key in (e.info.get("reads") or ())]
+        picked = f"data=auto picks {data.name} for a {family.name} model" if option_value(cfg.data.name) == "auto" \
+            else f"this run has data={data.name}"
+        raise ConfigError(f"data.{key}={cfg.data[key]} is read by data={'/'.join(readers)} only, and {picked}: "
+                          + (f"add data={readers[0]}" if len(readers) == 1 else "add the one it belongs to"))
     if data.info.get("check"):
         data.info["check"](cfg.data)
     for name in cfg.regularizer or {}:
@@ -272,8 +282,32 @@ def _equivalent_values(cfg) -> dict:
 
 
 def data_from_config(cfg) -> Data:
-    """The data set of ``cfg``, as the trainer gets it."""
-    return _data_entry(cfg).fn(cfg.data, cfg.model, cfg.seed)
+    """The data set of ``cfg``, as the trainer gets it, its ``source`` the option and its files."""
+    entry = _data_entry(cfg)
+    data = entry.fn(cfg.data, cfg.model, cfg.seed)
+    files = next((cfg.data[k] for k in ("path", "root") if k in (entry.info.get("reads") or ())), None)
+    auto = " (data=auto)" if option_value(cfg.data.name) == "auto" else ""
+    data.source = f"{entry.name}{auto}" + (f" at {files}" if files else "") + (
+        f", {cfg.data.tokenizer} tokens" if "tokenizer" in (entry.info.get("reads") or ()) else "")
+    return data
+
+
+def _unread_data_keys(cfg, entry) -> list[str]:
+    """The data keys set away from their defaults that the chosen data set does not read (it
+    declares ``reads``); an option's own yaml sets only what it reads."""
+    reads = entry.info.get("reads")
+    if reads is None:
+        return []
+    return [k for k in OPTION_KEYS if k not in reads and C.differs(cfg.data[k], C.schema_default(f"data.{k}"))]
+
+
+def unread_data_notes(cfg) -> list[str]:
+    """A note for each data key the chosen data set does not read (``data.path`` and ``data.root``
+    only in a sweep over ``data``: :func:`validate` refuses them elsewhere)."""
+    entry = _data_entry(cfg)
+    readers = {k: [e.name for e in DATASETS.entries() if k in (e.info.get("reads") or ())] for k in OPTION_KEYS}
+    return [f"note: data.{k}={C.shown_value(cfg.data[k])} changes nothing: only data={'/'.join(readers[k])} reads it, "
+            f"and this run has data={entry.name}" for k in _unread_data_keys(cfg, entry)]
 
 
 def fit_model_to_data(cfg, data: Data) -> list[str]:
@@ -320,7 +354,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
     seed_all(cfg.seed)
     data = data_from_config(cfg)
-    notes = fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg)) + unread_model_keys(cfg.model)
+    notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg)) + unread_data_notes(cfg)
+             + unread_model_keys(cfg.model))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     notes += unbuilt_components(model, cfg)

@@ -268,6 +268,8 @@ def check_overrides(argv: list[str]) -> None:
     except ConfigError as e:
         _fail(str(e))
     swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
+    # a sweep over data sets may give the path of one of them to all: its other points note it
+    data_swept = any(points[0][i].split("=")[0].lstrip("+~") == "data" for i in swept)
 
     def where(ovs: list[str]) -> str:
         return f" (sweep point {' '.join(ovs[i] for i in swept)}; no point was launched)" if swept else ""
@@ -276,7 +278,7 @@ def check_overrides(argv: list[str]) -> None:
         try:
             cfg = compose_config(ovs)
             check_group_choices(cfg, ovs)
-            validate(cfg)
+            validate(cfg, data_swept=data_swept)
         except ConfigError as e:
             _fail(str(e) + where(ovs))
         except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily

@@ -569,22 +569,22 @@ def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
         if any(r.split("=")[0] in own for r in readers):
             continue
         if not any(str(cfg[r.split("=")[0]].name) == r.split("=")[1] for r in readers) and \
-                _differs(value(key), schema_default(key)):
+                differs(value(key), schema_default(key)):
             groups = dict.fromkeys(r.split("=")[0] for r in readers)
             only = " or ".join(f"{g}={'/'.join(r.split('=')[1] for r in readers if r.startswith(g + '='))}"
                                for g in groups)
             has = ", ".join(f"{g}={cfg[g].name}" for g in groups)
-            out.append(f"note: {key}={_shown(value(key))} changes nothing: only {only} reads it, and this run "
+            out.append(f"note: {key}={shown_value(value(key))} changes nothing: only {only} reads it, and this run "
                        f"has {has}")
     for group, (cls, off, why, own) in OFF.items():
         if _name(cfg[group]) == off:
             for key in (f.name for f in fields(cls) if f.name not in ("name", *own)):
-                if _differs(cfg[group][key], getattr(cls(), key)):
-                    out.append(f"note: {group}.{key}={_shown(cfg[group][key])} changes nothing: {group}={off} "
+                if differs(cfg[group][key], getattr(cls(), key)):
+                    out.append(f"note: {group}.{key}={shown_value(cfg[group][key])} changes nothing: {group}={off} "
                                f"{why} (choose another {group} option)")
     for key, (is_read, why) in READ_WHEN.items():
-        if not is_read(cfg) and _differs(value(key), schema_default(key)):
-            out.append(f"note: {key}={_shown(value(key))} changes nothing: {why}")
+        if not is_read(cfg) and differs(value(key), schema_default(key)):
+            out.append(f"note: {key}={shown_value(value(key))} changes nothing: {why}")
     return out
 
 
@@ -609,7 +609,7 @@ def schema_default(key: str) -> Any:
     return node() if isinstance(node, type) else node
 
 
-def _differs(value: Any, default: Any) -> bool:
+def differs(value: Any, default: Any) -> bool:
     from omegaconf import OmegaConf
 
     if OmegaConf.is_config(value):
@@ -617,7 +617,7 @@ def _differs(value: Any, default: Any) -> bool:
     return value != default
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
     from omegaconf import OmegaConf
 
     value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import RunDirLock, continue_with, task_overrides
+from stabletrain.engine.rundir import RunDirLock, continue_with, sweep_dir, task_overrides
 from stabletrain.metrics import read_json, write_json
 
 
@@ -27,7 +27,7 @@ def run(cfg, run_dir: str | Path) -> dict:
     """
     from stabletrain.build import build_trainer, validate
 
-    validate(cfg)
+    validate(cfg, data_swept=sweep_dir() is not None)  # a point of a sweep over data was checked before launch
     info = D.detect()
     lock = trainer = None
     try:

@@ -85,8 +85,8 @@ def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
                      r"rank\(s\)\)$", r.stderr, re.M), r.stderr
     assert "\nschedule: warmup 60 steps to lr 0.001, then x0.1 at step(s) 30, 50, 80\n" in r.stderr
     # the data, as a run's start lines say it too: how much, and how many passes the run makes
-    assert re.search(r"^data: vision, 1438 training samples \(359 val\), (\d+) steps per epoch, [\d.]+ epochs$",
-                     r.stderr, re.M), r.stderr
+    assert re.search(r"^data: digits \(data=auto\), 1438 training samples \(359 val\), (\d+) steps per epoch, "
+                     r"[\d.]+ epochs$", r.stderr, re.M), r.stderr
     # what the run would warn of, the dry run says too
     assert "the warmup (60 steps) is as long as the run (50 steps) or longer: the learning rate never" in r.stderr
     assert "schedule.milestones at step(s) 50, 80 are past the run's 50 steps" in r.stderr

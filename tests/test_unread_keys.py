@@ -92,3 +92,59 @@ def test_the_run_prints_the_note(tmp_path, capsys):
     train(tmp_path, "model=gpt_test", "steps=1", "batch_size=4", "optim=adamw", "optim.tau=0.01", "logger=none",
           "monitor=off", quiet=False)
     assert "note: optim.tau=0.01 changes nothing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["model=gpt_test", "data.path=/some/train.bin"],
+     "data.path=/some/train.bin is read by data=tokens only, and data=auto picks pytext for a gpt model: "
+     "add data=tokens"),
+    (["model=gpt_test", "data=pytext", "data.path=/some/text.txt"], "and this run has data=pytext: add data=tokens"),
+    (["model=vit_test", "data.root=/some/images"],
+     "data.root=/some/images is read by data=cifar10/cifar100/imagefolder only, and data=auto picks digits for a "
+     "vit model: add the one it belongs to"),
+])
+def test_a_data_path_the_chosen_data_set_does_not_read_is_refused(overrides, error):
+    """Trained past, it would train on the embedded data instead of the user's files."""
+    from stabletrain.build import validate
+    from stabletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(*overrides))
+    assert error in str(e.value) and "\n" not in str(e.value)
+    # a point of a sweep over data sets (data=auto,tokens data.path=...): the path is for the others
+    from stabletrain.build import unread_data_notes
+
+    validate(make_cfg(*overrides), data_swept=True)
+    key = next(o.split("=")[0] for o in overrides if o.startswith(("data.path", "data.root")))
+    assert [n for n in unread_data_notes(make_cfg(*overrides)) if n.startswith(f"note: {key}=")]
+
+
+@pytest.mark.parametrize("overrides,notes", [
+    (["model=vit_test", "data.tokenizer=gpt2"],
+     ["note: data.tokenizer=gpt2 changes nothing: only data=pytext reads it, and this run has data=digits"]),
+    (["model=gpt_test", "data.randaug=rand-m9-mstd0.5", "data=tokens", "data.path=x"], None),  # refused: text
+    (["model=gpt_test", "data=tokens", "data.path=x", "data.val_fraction=0.5", "data.num_workers=2"],
+     ["note: data.val_fraction=0.5 changes nothing: only data=digits/pytext reads it, and this run has data=tokens",
+      "note: data.num_workers=2 changes nothing: only data=cifar10/cifar100/imagefolder reads it, and this run has "
+      "data=tokens"]),
+    (["model=vit_test", "data.val_fraction=0.5"], []),
+    (["model=gpt_test", "data.tokenizer=gpt2"], []),
+])
+def test_a_data_key_the_chosen_data_set_does_not_read_is_noted(overrides, notes):
+    from stabletrain.build import unread_data_notes
+
+    if notes is not None:
+        assert sorted(unread_data_notes(make_cfg(*overrides))) == sorted(notes)
+
+
+@pytest.mark.parametrize("option", group_options("data"))
+def test_no_data_option_sets_a_data_key_it_does_not_read(option):
+    from stabletrain.build import unread_data_notes
+
+    extra = {"tokens": ["data.path=x"], "imagefolder": ["data.root=x"]}.get(option, [])
+    for model in ("model=vit_test", "model=gpt_test"):
+        try:
+            cfg = make_cfg(model, f"data={option}", *extra)
+            assert unread_data_notes(cfg) == [], option
+        except Exception as e:  # noqa: BLE001 - a data set of the other kind is refused, not noted
+            assert "does not fit" in str(e), e

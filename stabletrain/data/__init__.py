@@ -71,6 +71,7 @@ class Data:
     vocab_size: int = 0
     seq_len: int = 0
     n_val: int = 0  # samples or tokens of the validation set
+    source: str = ""  # what the start line names: the option and its files (build.data_from_config)
     extra: dict = field(default_factory=dict)
 
     def steps_per_epoch(self, batch_size: int) -> int:
@@ -133,8 +134,13 @@ class TokenWindows(Data):
 
 
 # name -> ``(data_cfg, model_cfg, seed) -> Data``; info: ``kind`` (vision | text: which model
-# families it fits) and ``check`` (``data_cfg -> None``, raising ConfigError before any work)
-DATASETS = Registry("data", __name__, declares=("kind", "check"))
+# families it fits), ``check`` (``data_cfg -> None``, raising ConfigError before any work) and
+# ``reads``: which of the OPTION_KEYS it reads (undeclared: any), so that a ``data.path`` given
+# to another data set is refused rather than trained past
+DATASETS = Registry("data", __name__, declares=("kind", "check", "reads"))
+# the data keys only some data sets read; the rest (img_size, mixup, ...) every one of a kind does
+OPTION_KEYS = ("path", "root", "tokenizer", "val_fraction", "num_workers", "randaug", "erasing")
+IMAGE_FILES = ("root", "num_workers", "randaug", "erasing")
 
 
 def build_data(data_cfg, model_cfg, seed: int, default: str) -> Data:
@@ -156,7 +162,7 @@ def _exists(key: str, path: str | None, option: str, what: str) -> None:
         raise ConfigError(f"{key}={path} does not exist: point data={option} at {what}")
 
 
-@DATASETS.register("digits", kind="vision")
+@DATASETS.register("digits", kind="vision", reads=("val_fraction",))
 def digits(d, m, seed: int) -> Data:
     from stabletrain.data.embedded import digits_tensors
 
@@ -170,7 +176,7 @@ def _check_imagefolder(d) -> None:
     check_imagefolder(d.root)
 
 
-@DATASETS.register("imagefolder", kind="vision", check=_check_imagefolder)
+@DATASETS.register("imagefolder", kind="vision", check=_check_imagefolder, reads=IMAGE_FILES)
 def imagefolder(d, m, seed: int) -> Data:
     from stabletrain.data.vision import imagefolder_data
 
@@ -183,7 +189,7 @@ def _cifar(name: str):
 
         check_cifar_files(name, d.root)
 
-    @DATASETS.register(name, kind="vision", check=check)
+    @DATASETS.register(name, kind="vision", check=check, reads=IMAGE_FILES)
     def build(d, m, seed: int) -> Data:
         from stabletrain.data.vision import cifar_data
 
@@ -194,7 +200,7 @@ _cifar("cifar10")
 _cifar("cifar100")
 
 
-@DATASETS.register("pytext", kind="text")
+@DATASETS.register("pytext", kind="text", reads=("tokenizer", "val_fraction"))
 def pytext(d, m, seed: int) -> Data:
     """The Python standard library's sources as bytes (or GPT-2 tokens): text on any machine."""
     from stabletrain.data.embedded import pytext_bytes
@@ -211,7 +217,7 @@ def _check_tokens(d) -> None:
     _exists("data.path", d.path, "tokens", "a train.bin (scripts/prepare_tokens.py writes one)")
 
 
-@DATASETS.register("tokens", kind="text", check=_check_tokens)
+@DATASETS.register("tokens", kind="text", check=_check_tokens, reads=("path",))
 def tokens(d, m, seed: int) -> Data:
     from stabletrain.data.token_files import META, load_token_files
 

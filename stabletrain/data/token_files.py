@@ -14,6 +14,7 @@ bins that looks finished.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -42,6 +43,17 @@ SCAN_CHUNK = 16 * 2**20  # tokens per numpy max() when looking for ids beyond th
 SCAN_BYTES = 2 * 2**30  # read whole up to this size; larger files are sampled (see _max_id)
 
 
+def _looks_like_text(path: Path) -> bool:
+    """Whether the file starts as UTF-8 text (a .txt given where a train.bin belongs); token ids
+    stored as uint16 hold zero bytes within the first kilobyte as a rule."""
+    with open(path, "rb") as f:
+        head = f.read(1024)
+    try:  # not final: the kilobyte may end inside a character
+        return b"\0" not in head and bool(codecs.getincrementaldecoder("utf-8")().decode(head, final=False).strip())
+    except UnicodeDecodeError:
+        return False
+
+
 def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     """``(train, val, vocab_size)``: ``path`` and ``val.bin`` beside it, memory-mapped.
 
@@ -55,6 +67,9 @@ def load_token_files(path: str | Path) -> tuple[np.ndarray, np.ndarray, int]:
     if not path.is_file():
         raise ConfigError(f"data.path={path} is not a file: point data=tokens at a train.bin "
                           "(scripts/prepare_tokens.py writes one)")
+    if path.suffix != ".bin" and _looks_like_text(path):
+        raise ConfigError(f"data.path={path} is text, and data=tokens reads token files: write them with "
+                          f"python scripts/prepare_tokens.py --files {path} --out DIR, then data.path=DIR/train.bin")
     val = path.with_name("val.bin")
     if not val.is_file():
         raise ConfigError(f"{val} is missing: data=tokens expects val.bin beside data.path")

@@ -735,7 +735,7 @@ class Trainer:
     def data_line(self) -> str:
         d = self.data
         what = "tokens" if d.kind == "text" else "samples"
-        return (f"data: {d.kind}, {d.n_train} training {what}" + (f" ({d.n_val} val)" if d.n_val else "")
+        return (f"data: {d.source or d.kind}, {d.n_train} training {what}" + (f" ({d.n_val} val)" if d.n_val else "")
                 + f", {self.steps_per_epoch} steps per epoch, {self.total_steps / self.steps_per_epoch:.3g} epochs")
 
     def _start(self, resumed: int | None) -> dict | None:

@@ -52,17 +52,17 @@ def family_entry(name):
 def unread_model_keys(model_cfg) -> list[str]:
     """One note per ``model.*`` key set away from its default that the family does not read
     (``model.dropout=0.1`` on a ViT), naming the families that do."""
-    from stabletrain.config import ModelConfig, _differs, _shown
+    from stabletrain.config import ModelConfig, differs, shown_value
 
     own = MODELS.entry(model_cfg.family).info.get("keys")
     if own is None:
         return []
     out, default = [], ModelConfig()
     for key in (f.name for f in fields(ModelConfig)):
-        if key in own or key in ("name", "family", "kwargs") or not _differs(model_cfg[key], getattr(default, key)):
+        if key in own or key in ("name", "family", "kwargs") or not differs(model_cfg[key], getattr(default, key)):
             continue
         readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
-        out.append(f"note: model.{key}={_shown(model_cfg[key])} changes nothing: only model.family="
+        out.append(f"note: model.{key}={shown_value(model_cfg[key])} changes nothing: only model.family="
                    f"{'/'.join(readers)} reads it, and this run has model.family={model_cfg.family}")
     return out
 

@@ -316,3 +316,18 @@ def test_the_script_says_when_no_document_was_drawn_for_validation(tmp_path, cap
     assert meta["val_documents"] == 0 and meta["val_tokens"] == 10  # block size + 2, cut from train's end
     assert ("note: no document was drawn for validation (--val-fraction 0.0005 of 1 documents): val.bin is the "
             "last 10 tokens of the text, cut from the end of train") in capsys.readouterr().err
+
+
+def test_a_text_file_given_as_token_files_says_how_to_make_them(tmp_path):
+    from stabletrain.data.token_files import load_token_files
+
+    text = tmp_path / "mytext.txt"
+    text.write_text("é" * 600 + " the rest of a book\n")  # the first kilobyte ends inside a character
+    with pytest.raises(ConfigError, match=rf"^data.path={text} is text, and data=tokens reads token files: write "
+                                          rf"them with python scripts/prepare_tokens.py --files {text} --out DIR"):
+        load_token_files(text)
+    prepare_tokens(tmp_path / "tok", [b"some text " * 300], block_size=64)
+    binary = tmp_path / "tok" / "train.txt"  # token ids under another name are not taken for text
+    (tmp_path / "tok" / "train.bin").rename(binary)
+    train_ids, _, vocab = load_token_files(binary)
+    assert vocab == 256 and bytes(train_ids[:10].astype(np.uint8)).startswith(b"some text")
