@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("sweep_dir", type=Path)
     ap.add_argument("--x", help="swept key for the plot's x axis, e.g. optim.tau")
     ap.add_argument("--series", help="swept key drawn as one line per value, e.g. optim")
-    ap.add_argument("--metric", help="column to plot (default: final_val/loss, else final_loss)")
+    ap.add_argument("--metric", help="column to plot (default: final_val/loss, else final_task_loss, else final_loss)")
     ap.add_argument("--plot", type=Path, help="write the plot here (.png, .pdf, .svg)")
     args = ap.parse_args(argv)
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{count}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
         swept = sweeps.varying_keys(runs)
-        metric = args.metric or ("final_val/loss" if "final_val/loss" in columns else "final_loss")
+        metric = args.metric or next(c for c in ("final_val/loss", "final_task_loss", "final_loss") if c in columns)
         if args.metric is not None and metric not in columns and f"final_{metric}" in columns:
             metric = f"final_{metric}"  # --metric val/acc: the final value is what a sweep compares
         for key in (args.x, args.series, metric):

@@ -735,6 +735,15 @@ def _wrapped_legend(ax, handles, labels, room, renderer, ncol, font, kw):
 
 
 @_styled
+def _task_loss(run: Run) -> Series | None:
+    """The loss minimised less the loss terms' share logged beside it, at the steps that have both."""
+    loss, penalty = run.get(N.LOSS), run.get(N.LOSS_PENALTY)
+    if loss is None or penalty is None:
+        return loss
+    shared, at_loss, at_penalty = np.intersect1d(loss[0], penalty[0], return_indices=True)
+    return shared, loss[1][at_loss] - penalty[1][at_penalty]
+
+
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
                  title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
     """Overlay loss, validation metric, scheduled lr, the largest sigma1(W_q^T W_k) and the
@@ -764,8 +773,11 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                           lambda r: r.get(N.metric(N.ENTROPY, entropy_block, N.ENT_MIN)))
     # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
     val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
+    # runs with loss terms (LocAteR's can be 100x the task's) beside runs without: their task losses
+    task = any(r.has(N.LOSS_PENALTY) for r in runs)
     panels = [  # title, y label, log y, series
-        ("training loss", "loss (nats)", True, lambda r: r.get(N.LOSS)),
+        ("training loss" + (" of the task (loss terms left out)" if task else ""), "loss (nats)", True,
+         _task_loss if task else lambda r: r.get(N.LOSS)),
         (f"validation {val.split('/')[1]}", "cross-entropy (nats)" if val == N.VAL_LOSS else "accuracy (fraction)",
          val == N.VAL_LOSS, lambda r: r.get(val)),
         # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png);

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
-FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss"]
+# final_loss is the loss minimised; where a run has loss terms (LocAteR, z-loss), final_task_loss
+# is its task part, the one to compare with runs without them
+FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss", "final_task_loss"]
 # shown only when some run of the sweep has one: what a healthy-looking final loss may hide, and
 # why a point was refused or failed
 EVENTS = ["skipped_steps", "rollbacks", "alerts", "first_alert", "reason"]
@@ -128,8 +130,14 @@ def _same(v):
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
+# how a run was run, not what it trained: a resumed run beside a fresh one differs in none of them
+NOT_SETTINGS = ("resume", "resume_allow_changes", "logger", "ckpt_every", "dist_timeout", "dry_run",
+                "data.num_workers")
+
+
 def varying_keys(runs: list[Run]) -> list[str]:
-    keys = sorted({k for r in runs for k in r.settings})
+    keys = sorted({k for r in runs for k in r.settings
+                   if not any(k == n or k.startswith(n + ".") for n in NOT_SETTINGS)})
     missing = object()
     return [k for k in keys if len({_same(r.settings.get(k, missing)) for r in runs}) > 1]
 
@@ -220,14 +228,14 @@ def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
         row = {k: r.settings.get(k, "") for k in keys}
         row.update(status=s.get("status", "?"), step=s.get("step", ""), total_steps=s.get("total_steps", ""),
                    diverged_at=s.get("diverged_at", s.get("step", "")) if s.get("status") == "diverged" else "",
-                   final_loss=final.get("loss", ""))
+                   final_loss=final.get("loss", ""), final_task_loss=final.get("task_loss", ""))
         row.update(_events(s))
         row.update({f"final_{k}": final.get(k, "") for k in vals})
         row["run"] = r.path.name
         out.append(row)
     out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
     # where it diverged, and the skips, rollbacks and alerts: columns only where some run had them
-    optional = ["diverged_at", *EVENTS]
+    optional = ["diverged_at", "final_task_loss", *EVENTS]
     kept = [k for k in optional if any(row[k] != "" for row in out)]
     for row in out:
         for k in optional:

@@ -163,6 +163,7 @@ class Trainer:
         # the mean loss of the last log interval's healthy steps (nan: none was healthy); None
         # before the first interval is logged, and then the summary has no final loss
         self.last_train_loss: float | None = None
+        self.last_penalty: float | None = None  # the loss terms' share of it, where any is active
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
         self.step_time: float | None = None  # seconds per step, for the progress line's ETA
         self.recent_step_times: collections.deque = collections.deque(maxlen=5)
@@ -399,7 +400,7 @@ class Trainer:
             rec[N.SKIPPED_STEPS] = sum(skipped)
             self.skipped_steps += sum(skipped)
         if k:
-            rec[N.LOSS_PENALTY] = sum(terms) / n
+            rec[N.LOSS_PENALTY] = self.last_penalty = sum(terms) / n
         if k > 1:
             rec.update({N.loss_term(t.name): v / n for t, v in zip(self.loss_terms, terms)})
         samples = n * self.settings.batch_size
@@ -772,6 +773,8 @@ class Trainer:
             m.log(self.step, self.last_vals)  # once: a signal after the evaluation has logged it already
         # resumed from another run's last step: its loss came with that run's records
         self.last_train_loss = logged_value(metrics_file, N.LOSS, self.step)
+        penalty = logged_value(metrics_file, N.LOSS_PENALTY, self.step)
+        self.last_penalty = None if math.isnan(penalty) else penalty
         return None
 
     def _train(self, resumed: int | None) -> tuple[str, str | None]:
@@ -849,7 +852,11 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "reason": reason,
-            "final": {**({"loss": self.last_train_loss} if self.last_train_loss is not None else {}), **last_vals},
+            "final": {**({"loss": self.last_train_loss} if self.last_train_loss is not None else {}),
+                      # what runs with and without loss terms share: the task's loss
+                      **({"task_loss": self.last_train_loss - self.last_penalty}
+                         if self.last_penalty is not None and self.last_train_loss is not None else {}),
+                      **last_vals},
             "params": sum(p.numel() for p in self.model.parameters()),
         }
         if last_vals:

@@ -280,3 +280,11 @@ def test_a_geometric_sweep_is_drawn_on_a_log_axis(values, log):
     fig = sweeps.figure(_table("optim.tau", values, series=("adamw2",)), "optim.tau", None, "final_val/loss")
     assert fig.axes[0].get_xscale() == ("log" if log else "linear")
     plt.close(fig)
+
+
+def test_how_a_run_was_run_is_no_setting_that_tells_runs_apart(tmp_path):
+    """A resumed run (resume=auto) beside a fresh one: labelled by what they trained with."""
+    for name, given in (("a", ["optim.tau=0.002", "resume=auto", "logger=none"]), ("b", ["optim.tau=0.004"])):
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(given))
+    assert sweeps.labels([tmp_path / "a", tmp_path / "b"]) == ["optim.tau=0.002", "optim.tau=0.004"]

@@ -32,8 +32,8 @@ def test_validation_shows_only_on_the_line_of_its_step(tmp_path, capsys):
 def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
     """The loss shown is what is minimised; with a loss term it reads as task + penalty, so the
     task part compares with val/loss and with a run without the term."""
-    train(tmp_path, "model=gpt_test", "steps=2", "logger=none", "monitor=off", "batch_size=8", "eval_every=10",
-          "regularizer=zloss", "regularizer.zloss.coef=0.5", quiet=False)
+    summary = train(tmp_path, "model=gpt_test", "steps=2", "logger=none", "monitor=off", "batch_size=8",
+                    "eval_every=10", "regularizer=zloss", "regularizer.zloss.coef=0.5", quiet=False)
     line = _lines(capsys.readouterr().err)[-1]
     loss, task, penalty = map(float, re.search(r"\| loss ([\d.]+) \(task ([\d.]+) \+ penalty ([\d.]+)\) \|",
                                                line).groups())
@@ -41,6 +41,16 @@ def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
     # each shown to 4 significant digits: their sum is off by at most half a unit of each last digit
     assert 0 < penalty < loss and task + penalty == pytest.approx(loss, abs=0.011), line
     assert (loss, penalty) == (pytest.approx(rec["loss"], rel=1e-3), pytest.approx(rec["loss/penalty"], rel=1e-3))
+    # the summary's task loss is what a sweep table and compare_runs set beside runs without terms
+    final = summary["final"]
+    assert final["loss"] == rec["loss"] and final["task_loss"] == pytest.approx(rec["loss"] - rec["loss/penalty"])
+    from stabletrain.analysis import sweeps
+    from stabletrain.analysis.plots import _task_loss, load_run
+
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert "final_task_loss" in columns and table[0]["final_task_loss"] == final["task_loss"]
+    steps, task_losses = _task_loss(load_run(tmp_path))
+    assert task_losses[-1] == pytest.approx(final["task_loss"]) and steps[-1] == 2
 
 
 def _etas_with_slow_steps(tmp_path, capsys, monkeypatch, slow: range, seconds: float, steps: int) -> dict:
