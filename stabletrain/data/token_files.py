@@ -271,6 +271,9 @@ def _append(f, arrays: list[np.ndarray]) -> int:
     return sum(len(a) for a in arrays)
 
 
+VAL_WINDOWS = 100  # windows' worth of text val.bin gets at least, up to a tenth of the text
+
+
 def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | None = None,
                    tokenizer: str = "byte", val_fraction: float = 0.0005, block_size: int = 1024,
                    eot: bool = True, seed: int = 0, sources: list | None = None, extra: dict | None = None,
@@ -281,10 +284,11 @@ def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | 
     set's own split); else each document goes there with probability ``val_fraction`` (seeded;
     nanoGPT's OpenWebText split is a random 0.0005 of the documents too). ``eot=False``
     concatenates documents as they are (WikiText's rows are the lines of one text), so they are
-    no units to draw from: val.bin is then the last ``val_fraction`` of the stream. Either way
-    val.bin gets at least ``block_size + 2`` tokens (what ``data=tokens`` needs for one window),
-    topped up from the end of train. ``extra`` is added to meta.json as it is once the
-    documents have been read.
+    no units to draw from: val.bin is then the last ``val_fraction`` of the stream. Without
+    ``val_docs``, val.bin gets at least :data:`VAL_WINDOWS` windows of ``block_size`` tokens or a
+    tenth of the text, whichever is less; always at least ``block_size + 2`` (what
+    ``data=tokens`` needs for one window); topped up from the end of train. ``extra`` is added
+    to meta.json as it is once the documents have been read.
     """
     from tqdm import tqdm
 
@@ -317,9 +321,13 @@ def prepare_tokens(out_dir: str | Path, docs: Iterable, *, val_docs: Iterable | 
                 n_docs["val"] += len(batch)
                 bar.update(len(batch))
             bar.total = bar.n  # ``total`` counted files that turned out not to be text
-        want = min_tokens
+        want, stream = min_tokens, n["train"] + n["val"]
         if val_docs is None and not eot:
-            want = max(want, math.ceil(val_fraction * (n["train"] + n["val"])))
+            want = max(want, math.ceil(val_fraction * stream))
+        if val_docs is None:
+            # a small text: val gets up to a tenth of it, as far as VAL_WINDOWS windows, so that
+            # val/loss is not the score of one window (0.0005 of a 400k-token book is 200 tokens)
+            want = max(want, min(math.ceil(0.1 * stream), VAL_WINDOWS * block_size))
         move = min(max(0, want - n["val"]), n["train"])
         if move:  # the end of train tops val up
             n["train"] -= move

@@ -43,10 +43,11 @@ def test_byte_tokens_are_the_exact_bytes_with_separators(tmp_path):
     tr, va, m = bins(tmp_path / "out")
     stream = b"".join(d + b"\xff" for d in docs)
     assert bytes(np.concatenate([tr, va]).astype(np.uint8)) == stream
-    assert tr.dtype == np.uint16 and len(va) == 10  # no document drawn: one window (8 + 2) from the end
+    tenth = math.ceil(len(stream) / 10)  # no document drawn: a tenth of a small text, from its end
+    assert tr.dtype == np.uint16 and len(va) == tenth > 10
     assert m == meta and m["tokenizer"] == "byte" and m["vocab_size"] == 256 and m["dtype"] == "uint16"
     assert m["eot"] == 255 and m["train_tokens"] == len(tr) and m["val_tokens"] == len(va)
-    assert m["train_documents"] == 3 and m["val_tail_tokens"] == 10 and m["sources"] == [str(tmp_path.resolve())]
+    assert m["train_documents"] == 3 and m["val_tail_tokens"] == tenth and m["sources"] == [str(tmp_path.resolve())]
     assert m["skipped_files"] == [str(tmp_path / "__pycache__" / "a.pyc")]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
@@ -66,10 +67,16 @@ def test_val_is_whole_documents_drawn_at_random(tmp_path):
     assert split(0)[1] == [train_docs, val_docs] and split(1)[1][1] != val_docs  # seeded
 
 
-def test_val_gets_at_least_one_window(tmp_path):
+def test_val_gets_a_tenth_of_a_small_text_and_at_least_one_window(tmp_path):
     prepare_tokens(tmp_path, [b"x" * 199], val_fraction=0.0005, block_size=16)
     tr, va, _ = bins(tmp_path)
-    assert len(va) == 18 and len(tr) == 200 - 18  # block_size + 2: data=tokens needs len > block_size + 1
+    assert len(va) == 20 and len(tr) == 200 - 20  # a tenth, not 0.0005 of it
+    prepare_tokens(tmp_path / "short", [b"x" * 99], val_fraction=0.0005, block_size=16)
+    tr, va, _ = bins(tmp_path / "short")
+    assert len(va) == 18 and len(tr) == 100 - 18  # block_size + 2: data=tokens needs len > block_size + 1
+    prepare_tokens(tmp_path / "long", [b"x" * 99_999], val_fraction=0.0005, block_size=16)
+    tr, va, _ = bins(tmp_path / "long")
+    assert len(va) == 100 * 16  # a hundred windows are enough
     with pytest.raises(ConfigError, match="train would hold 12 tokens, fewer than 18"):
         prepare_tokens(tmp_path / "small", [b"x" * 29], block_size=16)
 
@@ -264,13 +271,13 @@ def test_inputs_are_checked(tmp_path):
 
 def test_a_val_bin_shorter_than_a_window_names_the_file_and_the_fix(tmp_path):
     """Files prepared for a shorter context: the error names val.bin and the --block-size that fits."""
-    prepare_tokens(tmp_path, [b"x" * 3000], val_fraction=0.0, block_size=8)  # val.bin: 10 tokens
-    cfg = make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}", "model.block_size=32")
+    prepare_tokens(tmp_path, [b"x" * 3000], val_fraction=0.0, block_size=8)  # val.bin: a tenth, 301 tokens
+    cfg = make_cfg("model=gpt_test", "data=tokens", f"data.path={tmp_path / 'train.bin'}", "model.block_size=512")
     with pytest.raises(ConfigError) as e:
         data_from_config(cfg)
-    assert str(e.value) == (f"{tmp_path / 'val.bin'}: 10 tokens, too few for a window of model.block_size=32 (+1): "
-                            f"lower model.block_size, or write the files again with scripts/prepare_tokens.py "
-                            f"--block-size 32")
+    assert str(e.value) == (f"{tmp_path / 'val.bin'}: 301 tokens, too few for a window of model.block_size=512 "
+                            f"(+1): lower model.block_size, or write the files again with scripts/prepare_tokens.py "
+                            f"--block-size 512")
     with pytest.raises(ConfigError, match="the embedded text's validation part: .* raise data.val_fraction"):
         data_from_config(make_cfg("model=gpt_test", "model.block_size=5000000"))
 
@@ -313,9 +320,9 @@ def test_the_script_says_when_no_document_was_drawn_for_validation(tmp_path, cap
     text.write_text("a single document " * 200)
     assert main(["--out", str(tmp_path / "out"), "--files", str(text), "--block-size", "8", "--quiet"]) == 0
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["val_documents"] == 0 and meta["val_tokens"] == 10  # block size + 2, cut from train's end
+    assert meta["val_documents"] == 0 and meta["val_tokens"] == 361  # a tenth, cut from train's end
     assert ("note: no document was drawn for validation (--val-fraction 0.0005 of 1 documents): val.bin is the "
-            "last 10 tokens of the text, cut from the end of train") in capsys.readouterr().err
+            "last 361 tokens of the text, cut from the end of train") in capsys.readouterr().err
 
 
 def test_a_text_file_given_as_token_files_says_how_to_make_them(tmp_path):
