@@ -119,8 +119,13 @@ def explain(err: Exception, overrides: list[str]) -> str:
         if len(term) > 2 and term[0] == "regularizer" and term[1] in group_options("regularizer", overrides):
             if rest is not None and term[1] in (rest.regularizer or {}):
                 return f"unknown key '{bad}': {_nearest_term_key(rest, term[1], term[2])}"
+            chosen = next((o for o in overrides if o.split("=")[0].lstrip("+~") == "regularizer"), None)
+            # a sweep point without the term, of a sweep with and without it: that point cannot take it
+            swept = (f"; in a sweep with and without it, the points without it ({chosen}) cannot take its "
+                     f"parameters: sweep them under regularizer={term[1]} (a coefficient of 0 turns its part off), "
+                     f"or launch those points as a command of their own") if chosen else ""
             return (f"{bad} sets a parameter of the {term[1]} loss term, which is not active: add "
-                    f"regularizer={term[1]} (several: regularizer=[{term[1]},...])")
+                    f"regularizer={term[1]} (several: regularizer=[{term[1]},...]){swept}")
         if len(term) > 2 and term[1] == "kwargs" and term[0] in KWARGS_GROUPS:
 
             group = term[0]

@@ -16,6 +16,10 @@ from tests.helpers import cli, make_cfg, model_of
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
     (["regularizer.locater.scale_coef=100"], "the locater loss term, which is not active: add regularizer=locater"),
+    (["-m", "regularizer=none,locater", "regularizer.locater.scale_coef=10"],
+     "in a sweep with and without it, the points without it (regularizer=none) cannot take its parameters: sweep "
+     "them under regularizer=locater (a coefficient of 0 turns its part off), or launch those points as a command "
+     "of their own (sweep point regularizer=none; no point was launched)"),
     # a misspelt parameter of an active term (chosen here, or by a recipe) is a misspelling
     (["regularizer=[locater,zloss]", "regularizer.zloss.coeff=1"],
      "unknown key 'regularizer.zloss.coeff': did you mean regularizer.zloss.coef?"),

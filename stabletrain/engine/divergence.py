@@ -49,7 +49,7 @@ class DivergenceWatch:
         if self.over >= self.window:
             self.onset = step - self.over + 1
             return (f"loss {loss:.4g} stayed above {self.factor:g}x its running mean {self.ema:.4g} "
-                    f"for {self.window} steps (step {step})")
+                    f"for {self.window} steps, from step {self.onset} to step {step}")
         if not spiking:  # the running level tracks healthy steps only
             self.ema = loss if self.ema is None else self.decay * self.ema + (1 - self.decay) * loss
             self.seen += 1

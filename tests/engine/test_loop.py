@@ -128,7 +128,8 @@ def test_divergence_watch_spike_window():
     assert w.update(10, 5.0) is None and w.update(11, 5.0) is None
     assert w.update(12, 1.0) is None  # recovered: the window restarts
     assert w.update(13, 5.0) is None and w.update(14, 5.0) is None
-    assert "stayed above" in w.update(15, 5.0)
+    assert w.update(15, 5.0) == "loss 5 stayed above 2x its running mean 1 for 3 steps, from step 13 to step 15"
+    assert w.onset == 13
     assert "non-finite" in w.update(16, math.nan)
 
 
