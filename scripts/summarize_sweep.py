@@ -78,7 +78,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.series is None and others:
             print(f"note: {', '.join(others)} also vary: points of one --x value differ in them "
                   f"(--series KEY draws one line per value)", file=sys.stderr)
-        print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric)}", file=sys.stderr)
+        where = args.sweep_dir.resolve()
+        ended = sum(row["status"] in ("completed", "diverged") for row in table)
+        title = f"{where.parent.name}/{where.name}: {len(table)} runs" + (
+            f", {len(table) - ended} not finished" if ended < len(table) else "")
+        print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric, title)}", file=sys.stderr)
     return 0
 
 

@@ -287,12 +287,15 @@ def _place(v: float | None, healthy: list[float]) -> int:
     return 1 if v > hi + span else -1 if v < lo - span else 0
 
 
-def figure(table: list[dict], x: str, series: str | None, metric: str):
+def figure(table: list[dict], x: str, series: str | None, metric: str, title: str | None = None):
     """``metric`` against ``x``, one line per value of ``series``. A diverged run is a cross in
     its series' colour at its value, or, where that value is off the chart or not finite, a
     triangle on the axis edge with the value (``nan``, ``no value``) written by it: never a
     point at a value the run did not reach. The y limits are matplotlib's. The x ticks are
-    the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical."""
+    the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical: points
+    without a line between them (the categories have no order), each series a little apart.
+    Each series is drawn thinner than the one before, on top of it, so that two that coincide
+    both show."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,15 +325,19 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
     fig, ax = plt.subplots(figsize=(6, 4))
     edge = ax.get_xaxis_transform()  # x in data, y in axes coordinates: 1 is the top of the frame
     kinds = set()
-    for name, rs in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
+    for i, (name, rs) in enumerate(sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))):
         rs = sorted(rs, key=lambda r: _sort_key(r.get(x)))
-        ok = points(rs, False)
-        line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o-", label=f"{series}={name}" if series else None)[0]
+        shift = (i - (len(groups) - 1) / 2) * 0.1 if categories is not None else 0.0
+        ok = [(a + shift, b) for a, b in points(rs, False)]
+        line = ax.plot([a for a, _ in ok], [b for _, b in ok], "o" if categories is not None else "o-",
+                       lw=max(0.8, 2.4 - 0.5 * i), markersize=max(3.0, 7.0 - 1.2 * i),
+                       label=f"{series}={name}" if series else None)[0]
         color = line.get_color()
         for r in rs:
             a, b = at(r.get(x)), number(r.get(metric))
             if r["status"] != "diverged" or a is None:
                 continue
+            a += shift
             where = _place(b, healthy)
             if where == 0:
                 ax.plot([a], [b], "x", color=color, markersize=10, mew=2)
@@ -355,6 +362,8 @@ def figure(table: list[dict], x: str, series: str | None, metric: str):
         log_scale(ax, "x")
     ax.set_xlabel(x)
     ax.set_ylabel(metric.replace("final_", "final "))
+    if title:
+        ax.set_title(title)
     if series or kinds:
         ax.legend()
     ax.grid(alpha=0.3)
@@ -384,11 +393,11 @@ def log_spaced(xs: list[float]) -> bool:
     return unevenness([math.log(v) for v in xs]) < unevenness(xs)
 
 
-def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str) -> Path:
+def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str, title: str | None = None) -> Path:
     """:func:`figure` written to ``path`` (.png, .pdf, .svg)."""
     import matplotlib.pyplot as plt
 
-    fig = figure(table, x, series, metric)
+    fig = figure(table, x, series, metric, title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
