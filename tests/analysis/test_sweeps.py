@@ -288,3 +288,18 @@ def test_how_a_run_was_run_is_no_setting_that_tells_runs_apart(tmp_path):
         (tmp_path / name / ".hydra").mkdir(parents=True)
         (tmp_path / name / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(given))
     assert sweeps.labels([tmp_path / "a", tmp_path / "b"]) == ["optim.tau=0.002", "optim.tau=0.004"]
+
+
+def test_a_categorical_sweep_plot_draws_points_a_little_apart_and_coinciding_series_both_show():
+    import matplotlib.pyplot as plt
+
+    table = [{"attention": a, "reparam": r, "status": "completed", "final_val/acc": 0.5, "run": f"{a}{r}"}
+             for a in ("qknorm", "softmax") for r in ("none", "sigma")]
+    fig = sweeps.figure(table, "attention", "reparam", "final_val/acc", title="sweep: 4 runs")
+    ax = fig.axes[0]
+    lines = [ln for ln in ax.get_lines() if ln.get_label().startswith("reparam=")]
+    assert [ln.get_linestyle() for ln in lines] == ["None", "None"]  # no order between categories
+    assert [list(ln.get_xdata()) for ln in lines] == [[-0.05, 0.95], [0.05, 1.05]]
+    assert lines[0].get_markersize() > lines[1].get_markersize()  # the later one inside the earlier
+    assert ax.get_title() == "sweep: 4 runs"
+    plt.close(fig)
