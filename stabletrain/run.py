@@ -37,6 +37,8 @@ def run(cfg, run_dir: str | Path) -> dict:
             trainer = build_trainer(cfg, run_dir, info)
             if info.is_main:
                 print(dry_run_report(trainer), file=sys.stderr)
+                if run_dir.is_dir() and not any(run_dir.iterdir()):  # made for the run it did not start
+                    run_dir.rmdir()
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
             # one run per directory; its lock also makes the temp files of earlier, killed writes stale

@@ -96,6 +96,7 @@ def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
     assert "schedule.milestones at step(s) 50, 80 are past the run's 50 steps" in r.stderr
     assert not (run / "metrics.jsonl").exists() and not (run / "config.yaml").exists()
     assert not (run / ".hydra").exists()  # Hydra's record neither: over a run's, it replaced its overrides
+    assert not run.exists()  # nor an empty directory
 
 
 def test_gpt_refuses_non_causal_deescalation():
