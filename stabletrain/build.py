@@ -151,6 +151,19 @@ def _chosen_options(cfg) -> dict:
             "deescalate": (DEESCALATIONS, cfg.deescalate.name)}
 
 
+def probe_note(monitor_cfg, total_steps: int) -> str | None:
+    """Said where the probe pass, which measures attention entropy and raises its alerts, runs
+    fewer than three times after step 0: a collapse early in a short run is then seen at its end."""
+    every = monitor_cfg.probe_every
+    if not monitor_cfg.alerts or total_steps >= 3 * every:
+        return None
+    at = [str(s) for s in (0, *range(every, total_steps + 1, every))] + ([str(total_steps)] if total_steps % every
+                                                                          else [])
+    return (f"note: the probe pass (attention entropy and its alerts) runs every monitor.probe_every={every} steps: "
+            f"at steps {', '.join(at[:-1])} and {at[-1]} of this {total_steps}-step run; monitor.probe_every="
+            f"{max(1, total_steps // 10)} watches it ten times")
+
+
 def ema_note(ema_cfg, total_steps: int) -> str:
     """The start line of the weight average: its horizon, and a warning where it outlasts the run
     (``val_ema/*`` would then score mostly the initial weights)."""
@@ -419,6 +432,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
+        notes += [sparse] if (sparse := probe_note(cfg.monitor, total)) else []
     messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:

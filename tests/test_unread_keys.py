@@ -148,3 +148,17 @@ def test_no_data_option_sets_a_data_key_it_does_not_read(option):
             assert unread_data_notes(cfg) == [], option
         except Exception as e:  # noqa: BLE001 - a data set of the other kind is refused, not noted
             assert "does not fit" in str(e), e
+
+
+def test_a_short_run_is_told_when_its_probe_pass_runs():
+    """The entropy alerts come from the probe pass: in a 200-step run at the default cadence it
+    ran at steps 0 and 200 only, so a collapse at step 50 was reported at the end."""
+    from stabletrain.build import probe_note
+
+    cfg = make_cfg("model=gpt_test")
+    assert probe_note(cfg.monitor, 200) == (
+        "note: the probe pass (attention entropy and its alerts) runs every monitor.probe_every=200 steps: at steps 0 "
+        "and 200 of this 200-step run; monitor.probe_every=20 watches it ten times")
+    assert "at steps 0, 200, 400 and 450 of" in probe_note(cfg.monitor, 450)
+    assert probe_note(cfg.monitor, 600) is None  # the default run: four probes
+    assert probe_note(make_cfg("model=gpt_test", "monitor.alerts=false").monitor, 200) is None
