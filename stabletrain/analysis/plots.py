@@ -253,9 +253,13 @@ def _title(run: Run, what: str) -> str:
         if run.diverged_step is not None:
             status += f" at step {run.diverged_step}"
         # each rollback (summary.json), not each restored step: three may restore the same one
-        rollbacks = len(run.summary.get("rollbacks") or []) or len(run.restored_at)
+        records = run.get(N.rollback("restored_step"))
+        kept = 0 if records is None else len(records[0])  # one record per rollback, at the step it restored
+        rollbacks = len(run.summary.get("rollbacks") or []) or kept
         if rollbacks:
-            status += f", {rollbacks} rollback(s) (orange: restored step)"
+            # a rollback's record goes with the history a later rollback to an earlier step drops
+            gone = f"; {rollbacks - kept} in a history a later rollback dropped" if rollbacks > kept else ""
+            status += f", {rollbacks} rollback(s) (orange: restored step{gone})"
         # summary.json counts every skipped step; the records only those of the history a
         # rollback kept (it drops the records after the step it restores)
         series = run.get(N.SKIPPED_STEPS)

@@ -532,3 +532,18 @@ def test_a_bound_far_below_the_entropy_is_said_and_the_uniform_line_lies_beneath
     assert any(t.get_text().startswith("bound below ") for t in bound_ax.texts)
     uniform = next(ln for ln in mean_ax.get_lines() if ln.get_label() == "uniform over each query's keys")
     assert all(uniform.get_zorder() < ln.get_zorder() for ln in mean_ax.get_lines() if ln is not uniform)
+
+
+def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(tmp_path):
+    import numpy as np
+
+    """Two rollbacks, the second to an earlier step: the first one's record went with the history
+    it dropped, so one orange line is drawn, and the title says why there are not two."""
+    restored = (np.array([0.0]), np.array([0.0]))
+    run = P.Run("r", tmp_path, {"rollback/restored_step": restored},
+                {"status": "completed", "rollbacks": [{"restored_step": 10}, {"restored_step": 0}]})
+    assert "2 rollback(s) (orange: restored step; 1 in a history a later rollback dropped)" in P._title(run, "x")
+    twice = (np.array([4.0, 4.0]), np.array([4.0, 4.0]))  # two rollbacks to one step: both records kept
+    run = P.Run("r", tmp_path, {"rollback/restored_step": twice},
+                {"status": "completed", "rollbacks": [{"restored_step": 4}, {"restored_step": 4}]})
+    assert "2 rollback(s) (orange: restored step)]" in P._title(run, "x")
