@@ -535,10 +535,10 @@ def test_a_bound_far_below_the_entropy_is_said_and_the_uniform_line_lies_beneath
 
 
 def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(tmp_path):
-    import numpy as np
-
     """Two rollbacks, the second to an earlier step: the first one's record went with the history
     it dropped, so one orange line is drawn, and the title says why there are not two."""
+    import numpy as np
+
     restored = (np.array([0.0]), np.array([0.0]))
     run = P.Run("r", tmp_path, {"rollback/restored_step": restored},
                 {"status": "completed", "rollbacks": [{"restored_step": 10}, {"restored_step": 0}]})
