@@ -40,9 +40,10 @@ def distinct_labels(values) -> list[str]:
 
 
 class LogTickLabels(mticker.Formatter):
-    """Major and minor formatter of a log axis. Decades are labelled; minor ticks only when
-    fewer than two decades are in view (else the axis would have no numbers), the roundest
-    first, each at least 1/:data:`MAX_LABELS` of the axis from any other label. Both sets are
+    """Major and minor formatter of a log axis. Decades are labelled; minor ticks where fewer
+    than two decades are in view (else the axis would have no numbers), or beyond the first and
+    last labelled decade, the roundest first, each at least 1/:data:`MAX_LABELS` of the axis
+    from any other label. Both sets are
     labelled together, so no minor label repeats a major one. Plain text: mathtext tick
     labels are slow to lay out.
 
@@ -62,11 +63,13 @@ class LogTickLabels(mticker.Formatter):
             return [float(v) for v in locs if lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)]
 
         shown = in_view(self.axis.get_majorticklocs())
-        if len(shown) < 2:
-            gap = math.log10(hi / lo) / MAX_LABELS
-            for v in sorted(in_view(self.axis.get_minorticklocs()), key=_roundness):
-                if all(abs(math.log10(v / s)) >= gap for s in shown):
-                    shown.append(v)
+        gap = math.log10(hi / lo) / MAX_LABELS
+        # fewer than two decades: minor labels anywhere; else only beyond the outer decades, where
+        # a curve running 0.1 .. 0.5 above the top label would otherwise have no number by it
+        outer = (lambda v: True) if len(shown) < 2 else (lambda v: v < min(shown) or v > max(shown))
+        for v in sorted(in_view(self.axis.get_minorticklocs()), key=_roundness):
+            if outer(v) and all(abs(math.log10(v / s)) >= gap for s in shown):
+                shown.append(v)
         shown.sort()
         text = dict(zip(shown, distinct_labels(shown)))
         out = []

@@ -248,6 +248,19 @@ def test_log_axis_labels_are_distinct_and_true(lo, hi):
         assert math.isclose(float(t.replace("\N{MINUS SIGN}", "-")), y, rel_tol=1e-6), (y, t)
 
 
+def test_a_curve_beyond_the_last_labelled_decade_has_a_number_by_it():
+    """||dL/dx|| from 0.5 down to 0.006: labels 0.01 and 0.1 only left its first point above the
+    top label with no number by it."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    P._line(ax, (np.arange(5.0), np.array([0.5, 0.006, 0.012, 0.027, 0.009])), logy=True)
+    shown = [y for y, _ in _visible_y_labels(ax)]
+    plt.close(fig)
+    assert 0.01 in shown and 0.1 in shown and max(shown) > 0.1 and min(shown) >= 0.01 * 0.5
+
+
 def test_logits_figure_is_drawn_from_its_monitors(tmp_path, capsys):
     run = tmp_path / "logits_run"
     run.mkdir()
@@ -529,7 +542,9 @@ def test_a_bound_far_below_the_entropy_is_said_and_the_uniform_line_lies_beneath
     monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
     P.plot_entropy(P.load_run(run_dir), BLOCKS, tmp_path / "plots")
     mean_ax, _, bound_ax = figures["entropy.png"].axes[:3]
-    assert any(t.get_text().startswith("bound below ") for t in bound_ax.texts)
+    # in its legend entry: a note inside the axes lay over the collapsed curves near 0
+    assert not bound_ax.texts and any(t.get_text().startswith("bound (min over heads), below ")
+                                      for t in bound_ax.get_legend().get_texts())
     uniform = next(ln for ln in mean_ax.get_lines() if ln.get_label() == "uniform over each query's keys")
     assert all(uniform.get_zorder() < ln.get_zorder() for ln in mean_ax.get_lines() if ln is not uniform)
 
