@@ -281,11 +281,26 @@ def _title(run: Run, what: str) -> str:
     return f"{run.name}{status}: {what}"
 
 
+def _suptitle(fig, text: str, fontsize: float | None = None) -> None:
+    """The figure's title, wrapped at the figure's width: a run's status, rollbacks and skipped
+    steps made a title longer than a three-panel figure, cut at both sides."""
+    import textwrap
+
+    size = fontsize or plt.rcParams["figure.titlesize"]
+    size = size if isinstance(size, (int, float)) else 12.0
+    chars = max(40, int(fig.get_figwidth() * 72 / (0.55 * size)))  # a character is about 0.55 em wide
+    if len(text) > chars:  # never inside $...$: mathtext is one piece
+        parts = re.split(r"(\$[^$]*\$)", text)
+        glued = "".join(p.replace(" ", "\0") if p.startswith("$") else p for p in parts)
+        text = "\n".join(textwrap.wrap(glued, chars, break_long_words=False)).replace("\0", " ")
+    fig.suptitle(text, **({"fontsize": fontsize} if fontsize else {}))
+
+
 def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     """Hide the grid's unused panels, title the figure, lay it out and save it."""
     for ax in list(axes.flat)[used:]:
         ax.set_visible(False)
-    fig.suptitle(title)
+    _suptitle(fig, title)
     fig.tight_layout()
     return _save(fig, out_dir, name)
 
@@ -415,7 +430,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     ax.set_title("training loss (context)")
     ax.set_xlabel("step")
     n = len({q.quantity for q in present})
-    fig.suptitle(_title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged)"), fontsize=12)
+    _suptitle(fig, _title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged)"), fontsize=12)
     fig.tight_layout()
     return _save(fig, out_dir, f"dynamics_{block}.png")
 
@@ -474,7 +489,7 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         ax.set_xlabel("step")
         ax.set_ylabel("entropy (nats)")
         ax.legend(handles=handles, loc="best")
-    fig.suptitle(_title(run, "attention entropy"))
+    _suptitle(fig, _title(run, "attention entropy"))
     fig.tight_layout()
     return _save(fig, out_dir, "entropy.png")
 
@@ -608,7 +623,7 @@ def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
     a1.set_ylabel("token similarity")
     a1.set_title("similarity per block over training")
     _depth_legend_or_bar(fig, a1, layers)
-    fig.suptitle(_title(run, r"token similarity $\|PX\|_F^2 / \|X\|_F^2$ (1 = all tokens equal)"))
+    _suptitle(fig, _title(run, r"token similarity $\|PX\|_F^2 / \|X\|_F^2$ (1 = all tokens equal)"))
     fig.tight_layout()
     return _save(fig, out_dir, "token_similarity.png")
 
@@ -641,7 +656,7 @@ def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
     _depth_legend_or_bar(fig, axes[-1], layers)
-    fig.suptitle(_title(run, r"QK eigenspectrum, $W_{QK} = W_q^{h\top} W_k^h$ summed over heads"))
+    _suptitle(fig, _title(run, r"QK eigenspectrum, $W_{QK} = W_q^{h\top} W_k^h$ summed over heads"))
     fig.tight_layout()
     return _save(fig, out_dir, "qk_spectrum.png")
 
@@ -676,7 +691,7 @@ def plot_logits(run: Run, out_dir: Path) -> Path | None:
         ax.set_title(r"output log-partition $\log Z$ (mean over outputs)")
         ax.set_xlabel("step")
         ax.set_ylabel("log Z")
-    fig.suptitle(_title(run, "logit growth"))
+    _suptitle(fig, _title(run, "logit growth"))
     fig.tight_layout()
     return _save(fig, out_dir, "logits.png")
 
@@ -840,7 +855,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         parents = {r.path.resolve().parent for r in runs}
         title = (f"{len(runs)} runs in {parents.pop()}" if len(parents) == 1 and len(runs) > 1
                  else runs[0].name if len(runs) == 1 else f"{len(runs)} runs")
-    fig.suptitle(title)
+    _suptitle(fig, title)
     fig.tight_layout()
     # the free sixth panel holds the one legend: five copies of it would cover the curves
     slot = axes.flat[5]

@@ -203,9 +203,25 @@ def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch)
         assert marks == {(x, "tab:orange") for x in orange} | {(x, "0.6") for x in grey}
         assert ("rollback(s)" in figures[-1]._suptitle.get_text()) == bool(orange)
         # the title counts every skipped step (summary.json), the dropped history's too
-        title = figures[-1]._suptitle.get_text()
+        title = figures[-1]._suptitle.get_text().replace("\n", " ")  # wrapped at the figure's width
         assert title.endswith("1 non-finite step(s) skipped (all in histories rollbacks dropped)]: training curves"
                               if name == "rb" else "1 non-finite step(s) skipped (grey)]: training curves"), title
+
+
+def test_a_long_figure_title_is_wrapped_within_the_figure_and_never_inside_mathtext():
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(6, 3))
+    text = "run [diverged at step 60, 2 rollback(s), 22 non-finite step(s) skipped]: " + \
+        r"token similarity $\|PX\|_F^2 / \|X\|_F^2$ (1 = all tokens equal)"
+    P._suptitle(fig, text)
+    lines = fig._suptitle.get_text().split("\n")
+    assert len(lines) > 1 and " ".join(lines) == text
+    assert all(line.count("$") % 2 == 0 for line in lines)
+    fig.canvas.draw()  # mathtext parses, and the title fits the figure
+    box = fig._suptitle.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width
+    plt.close(fig)
 
 
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
