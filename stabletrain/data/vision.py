@@ -251,8 +251,10 @@ class _ReadableImages(Dataset):
 
     def __init__(self, folder, transform):
         self.root, self.samples, self.classes, self.transform = folder.root, folder.samples, folder.classes, transform
-        # files replaced so far, counted in shared memory so that loader workers' finds reach the
-        # trainer (each process counts a file once)
+        # the files found unreadable and how many, in shared memory: what one loader worker finds,
+        # the others and the trainer know, so a bad file is read, warned about and counted once in
+        # the run, not once per worker and per epoch
+        self.bad = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
         self.replaced = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
@@ -260,13 +262,15 @@ class _ReadableImages(Dataset):
 
     def __getitem__(self, index: int):
         for k in range(len(self.samples)):
-            path, label = self.samples[(index + k) % len(self.samples)]
-            known = path in _unreadable
+            i = (index + k) % len(self.samples)
+            if self.bad[i]:
+                continue
+            path, label = self.samples[i]
             img = _read_image(path)
             if img is not None:
                 return self.transform(img), label
-            if not known:
-                self.replaced += 1
+            self.bad[i] = True
+            self.replaced += 1
         raise ConfigError(f"none of the {len(self.samples)} image files in {self.root}/ can be read")
 
 

@@ -313,15 +313,18 @@ def test_a_run_over_unreadable_images_completes(tmp_path, no_bad_images_yet):
     assert s["status"] == "completed"
 
 
-def test_workers_warn_too(tmp_path, capfd, no_bad_images_yet):
-
+def test_workers_warn_too_once_a_file_in_the_run(tmp_path, capfd, no_bad_images_yet):
+    """Each worker kept its own list of bad files: a bad file was warned about by every worker
+    that met it, again in every epoch's other worker."""
     bad = spoil(image_folder(tmp_path))
-    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}", "data.num_workers=1"))
-    (x, _), = next(d.train_iter(0, Shard(8)))
-    assert x.shape == (8, 3, 16, 16)
+    d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}", "data.num_workers=2"))
+    stream = d.train_iter(0, Shard(4))
+    for _ in range(6):  # three epochs of 8 images in batches of 4, from two workers
+        (x, _), = next(stream)
+        assert x.shape == (4, 3, 16, 16)
     err = capfd.readouterr().err
-    assert all(f"warning: cannot read image {f} " in err for f in bad)
-    assert d.bad_samples() == len(bad)  # counted in the worker, seen here (shared memory)
+    assert all(err.count(f"warning: cannot read image {f} ") == 1 for f in bad), err
+    assert d.bad_samples() == len(bad)  # counted in the workers, seen here (shared memory)
 
 
 def test_a_run_logs_how_many_images_it_replaced(tmp_path, no_bad_images_yet):
@@ -347,3 +350,12 @@ def test_loader_workers_are_capped_at_the_cpus_this_process_has(tmp_path, monkey
     d = data_from_config(make_cfg("model=vit_test", "data=imagefolder", f"data.root={tmp_path}"))
     assert d.workers == 2
     assert data_from_config(folder_cfg(tmp_path)).workers == 0
+
+
+def test_the_data_line_names_the_folder_and_the_size_images_are_trained_at(tmp_path):
+    image_folder(tmp_path)
+    d = data_from_config(folder_cfg(tmp_path))
+    assert d.source == (f"imagefolder at {tmp_path}, images resized to 16 px (model.img_size; data.img_size sets "
+                        f"another)")
+    d = data_from_config(folder_cfg(tmp_path, "data.img_size=32"))
+    assert d.source == f"imagefolder at {tmp_path}, images resized to 32 px"
