@@ -879,7 +879,10 @@ class Trainer:
                     raise
             if not quiet:
                 at = summary.get("diverged_at", self.step)
-                where = f"at step {at}" + (f" (stopped at step {self.step})" if at != self.step else "")
+                # the losses are read once per logging interval (no host sync per step): the steps
+                # up to its end ran, and their skips count
+                where = f"at step {at}" + (f" (stopped at step {self.step}, where the logging interval that "
+                                           f"saw it ended)" if at != self.step else "")
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
                 alerts = self.monitor.alerts if self.monitor is not None else []
                 if alerts:  # a completed run may have collapsed on the way: said where it ends

@@ -77,6 +77,16 @@ def test_persistent_nan_stops_without_rollback(tmp_path):
     assert s["status"] == "diverged" and s["diverged_at"] == 3
 
 
+def test_a_divergence_seen_at_the_end_of_a_logging_interval_says_why_it_stopped_later(tmp_path, capsys):
+    """Losses are read once per interval: the run went on to the interval's end (step 6) after
+    its step-3 divergence, and said only 'diverged at step 3 (stopped at step 6)'."""
+    s = train(tmp_path, *GPT, "steps=8", "debug.nan_at_step=3", "divergence.max_skips=1", "logger.log_every=6",
+              quiet=False)
+    assert (s["status"], s["diverged_at"], s["step"]) == ("diverged", 3, 6)
+    assert "diverged at step 3 (stopped at step 6, where the logging interval that saw it ended): " \
+        in capsys.readouterr().err
+
+
 def _skipping(data, at: int, skip: int):
     """``data.train_iter`` that jumps ``skip`` positions at step ``at``, as a rollback does."""
     orig = data.train_iter
