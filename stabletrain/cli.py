@@ -254,10 +254,19 @@ def compose_config(overrides: list[str]):
 
 
 def check_overrides(argv: list[str]) -> None:
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    printing = len(_without_cfg_flag(argv)) < len(argv)
+    if multirun and printing:
+        _fail("--cfg prints the config of one run, and -m launches a sweep: drop -m to print one point's config")
     argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --help, --info, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
+    if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
+                                          for a in overrides):
+        # Hydra uses a launcher for -m only: a single run trains here, on the login node
+        _fail(f"{next(a for a in overrides if a.startswith('hydra/launcher='))} launches the points of a sweep: add -m "
+              f"(a single run is a one-point sweep), or drop it to train here")
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

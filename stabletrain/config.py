@@ -665,7 +665,8 @@ def _exists(p: str) -> bool:
 RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
                      "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
                      "activation_checkpointing", "ema",
-                     "data.num_workers")  # each image's augmentation is seeded by its place in the stream
+                     "data.num_workers",  # each image's augmentation is seeded by its place in the stream
+                     "micro_batch_size")  # the same batch in other pieces: the fix an out-of-memory suggests
 
 
 def _plain(config_yaml: str) -> dict:

@@ -15,6 +15,10 @@ from tests.helpers import cli, make_cfg, model_of
     (["optim.betas=0.9"], "optim.betas takes a list: write it in brackets, optim.betas=[x,y,...]"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
+    # Hydra launches sweeps only: without -m the run trained on the login node, without a word
+    (["hydra/launcher=slurm", "optim.lr=1"], "hydra/launcher=slurm launches the points of a sweep: add -m (a single "
+                                             "run is a one-point sweep), or drop it to train here"),
+    (["-m", "--cfg", "job", "optim.lr=1,2"], "--cfg prints the config of one run, and -m launches a sweep"),
     (["regularizer.locater.scale_coef=100"], "the locater loss term, which is not active: add regularizer=locater"),
     (["-m", "regularizer=none,locater", "regularizer.locater.scale_coef=10"],
      "in a sweep with and without it, the points without it (regularizer=none) cannot take its parameters: sweep "

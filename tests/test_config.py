@@ -138,7 +138,7 @@ def test_a_null_tau_is_the_model_familys_and_config_yaml_records_it(tmp_path, ov
     assert OmegaConf.to_container(cfg, resolve=True)["optim"]["tau"] == tau  # what run.py writes to config.yaml
 
 
-def test_resume_may_change_the_loader_workers_but_not_the_data():
+def test_resume_may_change_the_loader_workers_and_micro_batch_but_not_the_data():
     """data.num_workers changes no sample (each image's draws are seeded by its place in the
     stream): a resume on a machine with fewer cores is no change; the other data keys are."""
     from omegaconf import OmegaConf
@@ -149,4 +149,7 @@ def test_resume_may_change_the_loader_workers_but_not_the_data():
         return OmegaConf.to_yaml(make_cfg("model=vit_test", *(f"data.{k}={v}" for k, v in data.items())))
 
     assert changed_keys(yaml(num_workers=8), yaml(num_workers=0)) == []
+    # the batch in other pieces (what an out-of-memory error suggests) is the same run
+    with_micro = OmegaConf.to_yaml(make_cfg("model=vit_test", "micro_batch_size=8"))
+    assert changed_keys(yaml(), with_micro) == []
     assert changed_keys(yaml(num_workers=8, img_size=32), yaml(num_workers=0)) == ["data.img_size"]

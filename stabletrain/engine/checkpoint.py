@@ -403,16 +403,16 @@ class Checkpointer:
         if theirs is not None and theirs != self.optim_name:
             raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "
                               f"optimizer's state does not carry over; resume with optim={theirs} or start a new run")
-        if auto and not allow_changes and ck.get("config") and self.config_yaml:
-            changed = self.changed_keys(ck["config"])
-            if changed:
-                raise ConfigError(self._changes_refused(path, ck, changed))
-        if bool(ck.get("dcp")) != self.sharded:
+        if bool(ck.get("dcp")) != self.sharded:  # before the changed keys: resume_allow_changes cannot help
             def par(sharded):
                 return "fsdp" if sharded else "ddp"
 
             raise ConfigError(f"{path} was written with parallel={par(ck.get('dcp'))}, this run uses "
                               f"parallel={par(self.sharded)}: resume it with the parallel it was written with")
+        if auto and not allow_changes and ck.get("config") and self.config_yaml:
+            changed = self.changed_keys(ck["config"])
+            if changed:
+                raise ConfigError(self._changes_refused(path, ck, changed))
 
     # --- restoring ------------------------------------------------------------------------
 

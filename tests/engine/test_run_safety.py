@@ -127,6 +127,20 @@ def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, allow):
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_a_checkpoint_of_another_parallel_says_so_first(tmp_path):
+    """An FSDP checkpoint resumed under DDP: the changed-keys refusal offered resume_allow_changes,
+    which then met this refusal."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    ck = tmp_path / "checkpoints/last.pt"
+    state = torch.load(ck, weights_only=False)
+    state["dcp"], state["config"] = "last_dcp", state["config"].replace("parallel: ddp", "parallel: fsdp")
+    assert "parallel: fsdp" in state["config"]
+    torch.save(state, ck)
+    with pytest.raises(ConfigError, match=r"last.pt was written with parallel=fsdp, this run uses parallel=ddp: "
+                                          r"resume it with the parallel it was written with$"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto")
+
+
 def test_the_optimizer_of_a_checkpoint_without_its_name_comes_from_its_config(tmp_path):
     train(tmp_path, *GPT, "steps=2", "optim=adamw2")
     ck = tmp_path / "checkpoints/last.pt"
