@@ -13,7 +13,7 @@ import torch
 
 from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, optim_name_of
 from stabletrain.engine import distributed as D
-from stabletrain.engine.rundir import command, continue_with, own_dir_key, sweep_dir
+from stabletrain.engine.rundir import command, continue_with, launcher_of_this_job, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import previous_name, read_json
 
@@ -294,12 +294,12 @@ class Checkpointer:
         """The command that continues the run that wrote ``ck`` in this directory: its own
         overrides (saved in the checkpoint; None for a checkpoint without them), or a sweep
         point's sweep command."""
-        if self.info.world > 1:  # the launcher's part of the command is the user's
-            return None
         if sweep_dir() is not None:
             return continue_with(self.run_dir)
         theirs = ck.get("overrides")
-        return None if theirs is None else command(theirs, "hydra.run.dir", self.run_dir)
+        if theirs is None or ("launcher" not in ck and self.info.world > 1):  # written before launchers were saved
+            return None
+        return command(theirs, "hydra.run.dir", self.run_dir, launcher=ck.get("launcher"))
 
     def _changes_refused(self, path: Path, ck: dict, changed: list[str]) -> str:
         """Why resume=auto refuses ``changed`` keys, with their values there and here, and what to
@@ -328,6 +328,7 @@ class Checkpointer:
         """Everything but the model, the optimizer and the weight average."""
         return {"step": step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
                 "config": self.config_yaml, "overrides": self.overrides, "optim_name": self.optim_name,
+                "launcher": launcher_of_this_job(),  # how the command that continues it starts
                 "survival": survival,
                 "monitor": self.monitor.state_dict() if self.monitor is not None else {}}
 

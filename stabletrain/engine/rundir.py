@@ -71,13 +71,30 @@ def interpreter() -> str:
     return sys.executable or "python"
 
 
-def command(overrides, dir_key: str, dir_value, *, multirun: bool = False) -> str:
+def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launcher: str | None = None) -> str:
     """``python train.py OVERRIDES resume=auto DIR_KEY=DIR``, quoted for a POSIX shell: this
-    interpreter, and train.py as the user named it."""
+    interpreter, and train.py as the user named it; ``launcher`` (``torchrun ...``) in place
+    of the interpreter."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
-    args = [interpreter(), script, *(["-m"] if multirun else []), *kept, "resume=auto", f"{dir_key}={dir_value}"]
-    return " ".join(shlex.quote(a) for a in args)
+    args = [script, *(["-m"] if multirun else []), *kept, "resume=auto", f"{dir_key}={dir_value}"]
+    return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
+
+
+def launcher_of_this_job() -> str | None:
+    """How a command starts this job again: ``torchrun --standalone --nproc_per_node=N`` on one
+    node, with a placeholder for the rendezvous of several; ``srun <its options> python``.
+    None for a single process."""
+    from stabletrain.topology import detect
+
+    info, env = detect(), os.environ
+    if info.world == 1:
+        return None
+    if "TORCHELASTIC_RUN_ID" in env or "LOCAL_WORLD_SIZE" in env:
+        local = int(env.get("LOCAL_WORLD_SIZE", info.world))
+        return (f"torchrun --standalone --nproc_per_node={local}" if local == info.world else
+                f"torchrun --nnodes={info.world // local} --nproc_per_node={local} <its rendezvous options>")
+    return f"srun <its options> {shlex.quote(interpreter())}"
 
 
 def _sweep_overrides(sweep: Path) -> list[str] | None:
@@ -94,16 +111,15 @@ def _sweep_overrides(sweep: Path) -> list[str] | None:
 def continue_with(run_dir: str | Path, overrides=None) -> str:
     """The command that continues the run in ``run_dir``, started with ``overrides``. A sweep
     point is continued by running its sweep again into the same directory: finished points stay
-    as they are, the others go on. Under torchrun or srun the launcher's own part is the user's."""
-    from stabletrain.topology import detect
-
+    as they are, the others go on. Under torchrun or srun it starts with the launcher, its
+    options beyond the process count left to the user (:func:`launcher_of_this_job`)."""
     sweep = sweep_dir()
     if sweep is not None:
         ov = _sweep_overrides(sweep)
         return (command(ov, "hydra.sweep.dir", sweep, multirun=True) if ov is not None
                 else f"the sweep's command plus resume=auto hydra.sweep.dir={sweep}")
-    if overrides is not None and detect().world == 1:
-        return command(overrides, "hydra.run.dir", run_dir)
+    if overrides is not None:
+        return command(overrides, "hydra.run.dir", run_dir, launcher=launcher_of_this_job())
     return f"the run's command plus resume=auto hydra.run.dir={run_dir}"
 
 

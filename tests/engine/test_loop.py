@@ -274,6 +274,29 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
     assert interpreter() == "python"
 
 
+@pytest.mark.parametrize("env,launcher", [
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+     "torchrun --standalone --nproc_per_node=2"),
+    ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "x"},
+     "torchrun --nnodes=2 --nproc_per_node=8 <its rendezvous options>"),
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0"}, "srun <its options> "),
+    ({}, None),
+])
+def test_the_command_that_continues_a_distributed_run_starts_with_its_launcher(monkeypatch, env, launcher):
+    """Under torchrun the hint was 'the run's command plus resume=auto ...', its overrides left out."""
+    from stabletrain.engine.rundir import continue_with, launcher_of_this_job
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    got = launcher_of_this_job()
+    assert got == launcher if launcher is None or not launcher.startswith("srun") else got.startswith(launcher)
+    hint = continue_with("/runs/a", ("model=gpt_test", "parallel=fsdp"))
+    assert hint.endswith("train.py model=gpt_test parallel=fsdp resume=auto hydra.run.dir=/runs/a")
+    assert launcher is None or hint.startswith(launcher)
+
+
 def test_the_runs_overrides_keep_the_hydra_ones_its_config_needs():
     """An option of the user's own is found through hydra.searchpath: a command that continues
     the run without it would fail; where the run lives is the continuing command's own."""
