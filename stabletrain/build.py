@@ -380,7 +380,9 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     if cfg.activation_checkpointing:
         from stabletrain.engine.sharding import apply_activation_checkpointing
 
-        apply_activation_checkpointing(blocks)
+        n = apply_activation_checkpointing(blocks)
+        notes.append(f"activation checkpointing: {n} block(s) recompute their activations in the backward pass"
+                     if n else "activation_checkpointing=true changes nothing: the model has no transformer blocks")
     shard = _shard(cfg, info)
     autocast = autocast_for(device, bf16)
     sharded = cfg.parallel == "fsdp"
@@ -497,9 +499,15 @@ def _monitor_sharding():
 def _shard(cfg, info: D.DistInfo) -> Shard:
     world = info.world
     micro = cfg.micro_batch_size or cfg.batch_size // world
-    if cfg.batch_size % (micro * world):
-        raise ConfigError(f"batch_size={cfg.batch_size} is not a multiple of micro_batch_size={micro} "
-                          f"x world size {world}")
+    if micro == 0 or cfg.batch_size % (micro * world):
+        # the nearest batch sizes that split evenly, as a fix to copy
+        unit = cfg.micro_batch_size * world if cfg.micro_batch_size else world
+        lower, upper = cfg.batch_size // unit * unit, -(-cfg.batch_size // unit) * unit
+        sizes = " or ".join(f"batch_size={b}" for b in dict.fromkeys((lower, upper)) if b > 0)
+        split = (f"micro_batch_size={micro}" if cfg.micro_batch_size else
+                 f"its {world} rank(s)")
+        raise ConfigError(f"batch_size={cfg.batch_size} does not split evenly over {split}"
+                          + (f" x {world} rank(s)" if cfg.micro_batch_size else "") + f": use {sizes}")
     if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
         raise ConfigError(f"mixup/cutmix pair the samples of a micro-batch: micro-batch {micro} must be even "
                           f"(set batch_size or micro_batch_size so that each rank's micro-batch is even)")

@@ -153,3 +153,20 @@ def test_resume_may_change_the_loader_workers_and_micro_batch_but_not_the_data()
     with_micro = OmegaConf.to_yaml(make_cfg("model=vit_test", "micro_batch_size=8"))
     assert changed_keys(yaml(), with_micro) == []
     assert changed_keys(yaml(num_workers=8, img_size=32), yaml(num_workers=0)) == ["data.img_size"]
+
+
+@pytest.mark.parametrize("overrides,world,error", [
+    (["batch_size=15"], 2,
+     "batch_size=15 does not split evenly over its 2 rank(s): use batch_size=14 or batch_size=16"),
+    (["batch_size=16", "micro_batch_size=3"], 2,
+     "batch_size=16 does not split evenly over micro_batch_size=3 x 2 rank(s): use batch_size=12 or batch_size=18"),
+    (["batch_size=1"], 2, "batch_size=1 does not split evenly over its 2 rank(s): use batch_size=2"),
+])
+def test_a_batch_that_does_not_split_names_the_sizes_that_do(overrides, world, error):
+    """It named micro_batch_size=7, a value derived, not given, and no size that works."""
+    from stabletrain.build import _shard
+    from stabletrain.topology import DistInfo
+
+    with pytest.raises(ConfigError) as e:
+        _shard(make_cfg("model=gpt_test", *overrides), DistInfo(0, world, 0))
+    assert str(e.value) == error

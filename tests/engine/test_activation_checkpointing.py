@@ -110,3 +110,12 @@ def test_training_with_activation_checkpointing_logs_the_same_losses(tmp_path):
     assert a.keys() == b.keys() and len(a) == 3
     for s in a:
         assert b[s] == pytest.approx(a[s], rel=1e-6), s
+
+
+def test_a_run_says_how_many_blocks_it_checkpoints(tmp_path):
+    """The option took effect invisibly: no start line, not even in a dry run, said so."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, "model=gpt_test", "activation_checkpointing=true"), tmp_path)
+    assert "activation checkpointing: 2 block(s) recompute their activations in the backward pass" in t.notes
+    assert all(getattr(b, "activation_checkpointed", False) for _, b in transformer_blocks(t.model))
