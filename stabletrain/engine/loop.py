@@ -33,7 +33,7 @@ from torch import nn
 
 from stabletrain.config import RESUME_MAY_CHANGE
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of
+from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.rundir import continue_with, sweep_dir
@@ -534,6 +534,11 @@ class Trainer:
             # this run's checkpoint: the history after it is abandoned, so no rollback may restore
             # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
             # rollback killed before its clean-up left)
+            later = [s for s, _ in ring_checkpoints(self.run_dir) if s > self.step]
+            if later:
+                self.notes.append(f"resume={path.name} goes back to step {self.step}: this run's history after it "
+                                  f"(to step {max(later)} at least) is abandoned, its records dropped and its "
+                                  f"{len(later)} later checkpoint(s) removed")
             self.ckpt.drop_after(self.step)
         else:  # another run's checkpoint: what this directory holds is no history of it
             self.resumed_elsewhere = path

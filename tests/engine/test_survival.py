@@ -371,14 +371,18 @@ def test_checkpoints_written_during_a_spike_stay_out_of_the_ring(tmp_path):
     assert rb["trigger_step"] == 9 and rb["restored_step"] == 8, rb
 
 
-def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_path):
+def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_path, capsys):
     """resume=<step_000004.pt> after a run reached step 12: the ring's later checkpoints are
-    dropped and last.pt holds step 4, so neither a rollback nor resume=auto returns to them."""
+    dropped and last.pt holds step 4, so neither a rollback nor resume=auto returns to them;
+    the run says so (it said only 'resumed from step 4')."""
     args = [*GPT, "steps=12", "ckpt_every=4", "optim=adamw"]
     train(tmp_path, *args)
     ck = tmp_path / "checkpoints"
-    s = train(tmp_path, *args, "steps=6", f"resume={ck / 'step_000004.pt'}")
+    capsys.readouterr()
+    s = train(tmp_path, *args, "steps=6", f"resume={ck / 'step_000004.pt'}", quiet=False)
     assert s["status"] == "completed"
+    assert ("resume=step_000004.pt goes back to step 4: this run's history after it (to step 12 at least) is "
+            "abandoned, its records dropped and its 2 later checkpoint(s) removed") in capsys.readouterr().err
     assert sorted(p.name for p in ck.glob("step_*.pt")) == ["step_000004.pt", "step_000006.pt"]  # 8, 12 gone
     assert _load(ck / "last.pt")["step"] == 6
     assert max(r["step"] for r in _records(tmp_path)) == 6
