@@ -427,6 +427,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     if ema is not None:
         notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
+    notes += [wd] if (wd := schedule.describe_weight_decay()) else []
     mixup, criterion = task_loss(data, cfg.data)
     monitor = None
     if option_value(cfg.monitor.name) != "off":

@@ -182,6 +182,13 @@ class OptimizerSchedule:
     def warmup_steps(self) -> int:
         return self.lr_at.warmup_steps
 
+    def describe_weight_decay(self) -> str | None:
+        """The start line of a scheduled weight decay (the groups' line shows its first value)."""
+        if self.wd_end is None:
+            return None
+        return (f"weight decay: {self.wd_start:g} at step 0, a half cosine to {self.wd_end:g} at step "
+                f"{self.lr_at.total_steps} (optim.weight_decay_end), in the groups that decay")
+
     def __call__(self, optimizer: Optimizer, step: int, scale: float = 1.0) -> float:
         """``scale``: a factor on the scheduled rate (a rollback's ``lr_scale_on_rollback``)."""
         lr = self.lr_at(step) * scale

@@ -51,3 +51,14 @@ def test_the_loop_follows_the_schedule(tmp_path):
     assert torch.isfinite(torch.tensor(seen)).all()
     assert train(tmp_path / "r", "experiment=sigma_vit_l", "model=vit_test", "steps=2", "batch_size=2",
                  "eval_every=100", "eval_batches=1")["status"] == "completed"
+
+
+def test_a_scheduled_weight_decay_has_a_start_line(tmp_path):
+    """The groups' line shows wd 0 at step 0; a recipe's schedule to 1e-5 was said nowhere."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET
+
+    t = build_trainer(make_cfg(*QUIET, "model=vit_test", "steps=300", "optim.weight_decay=0",
+                               "optim.weight_decay_end=1e-5"), tmp_path)
+    assert ("weight decay: 0 at step 0, a half cosine to 1e-05 at step 300 (optim.weight_decay_end), in the groups "
+            "that decay") in t.notes
