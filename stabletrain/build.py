@@ -151,6 +151,30 @@ def _chosen_options(cfg) -> dict:
             "deescalate": (DEESCALATIONS, cfg.deescalate.name)}
 
 
+def short_bound_note(optim_cfg, total_steps: int) -> str | None:
+    """Said where AdamW²'s bound leaves a weight matrix little room to grow in the run: each
+    update's spectral norm is at most tau x sigma1(W), so sigma1 grows by at most (1 + tau)^steps,
+    and a short run from a small init stays near chance (vit_test, 100 steps: 1.5x)."""
+    if option_value(optim_cfg.name) != "adamw2" or optim_cfg.tau is None:
+        return None
+    growth = (1 + optim_cfg.tau) ** total_steps
+    if growth >= 3:
+        return None
+    return (f"note: optim=adamw2 bounds each update to tau={optim_cfg.tau:g} x sigma1(W), so in these {total_steps} "
+            f"steps a weight matrix's sigma1 can grow {growth:.2g}x at most: a short run from a small init learns "
+            f"little (more steps, a larger optim.tau, or optim=adamw for a smoke test)")
+
+
+def batch_over_data_note(data: Data, batch_size: int) -> str | None:
+    """Said where one batch holds more than the training set: every step repeats it."""
+    per = batch_size * (data.seq_len if data.kind == "text" else 1)
+    if per <= data.n_train:
+        return None
+    what = "tokens" if data.kind == "text" else "samples"
+    return (f"note: a batch ({per} {what}) holds {per / data.n_train:.3g}x the {data.n_train} training {what}: "
+            f"each step sees them repeated (a smaller batch_size, or more data)")
+
+
 def probe_note(monitor_cfg, total_steps: int) -> str | None:
     """Said where the probe pass, which measures attention entropy and raises its alerts, runs
     fewer than three times after step 0: a collapse early in a short run is then seen at its end."""
@@ -414,6 +438,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                           steps_per_epoch=spe)
     notes += [lr_at.describe(), *lr_at.warnings()] + ([part] if (part := eval_note(data, cfg)) else [])
     notes += [slow] if (slow := stablenorm_note(cfg)) else []
+    notes += [n for n in (short_bound_note(cfg.optim, total), batch_over_data_note(data, cfg.batch_size)) if n]
     if cfg.monitor.rollback_on_alert and cfg.ckpt_every > cfg.monitor.probe_every:
         # an alert fires at a probe: the newest ring checkpoint before it may be ckpt_every back
         notes.append(f"note: monitor.rollback_on_alert with ckpt_every={cfg.ckpt_every} > monitor.probe_every="

@@ -162,3 +162,25 @@ def test_a_short_run_is_told_when_its_probe_pass_runs():
     assert "at steps 0, 200, 400 and 450 of" in probe_note(cfg.monitor, 450)
     assert probe_note(cfg.monitor, 600) is None  # the default run: four probes
     assert probe_note(make_cfg("model=gpt_test", "monitor.alerts=false").monitor, 200) is None
+
+
+def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted():
+    """vit_test, 100 steps of AdamW² at tau 0.004, ended below chance: sigma1 could grow 1.5x."""
+    from stabletrain.build import batch_over_data_note, short_bound_note
+    from stabletrain.data import Data
+
+    optim = make_cfg("model=vit_test", "optim.tau=0.004").optim
+    assert short_bound_note(optim, 100) == (
+        "note: optim=adamw2 bounds each update to tau=0.004 x sigma1(W), so in these 100 steps a weight matrix's "
+        "sigma1 can grow 1.5x at most: a short run from a small init learns little (more steps, a larger optim.tau, "
+        "or optim=adamw for a smoke test)")
+    assert f"{1.004 ** 100:.2g}" == "1.5" and short_bound_note(optim, 600) is None  # the default run: 11x
+    assert short_bound_note(make_cfg("model=vit_test", "optim=adamw").optim, 100) is None
+    images = Data("vision", 1438)
+    assert batch_over_data_note(images, 4096) == ("note: a batch (4096 samples) holds 2.85x the 1438 training "
+                                                  "samples: each step sees them repeated (a smaller batch_size, or "
+                                                  "more data)")
+    assert batch_over_data_note(images, 1438) is None
+    assert batch_over_data_note(Data("text", 1000, seq_len=64), 16) == (
+        "note: a batch (1024 tokens) holds 1.02x the 1000 training tokens: each step sees them repeated (a smaller "
+        "batch_size, or more data)")
