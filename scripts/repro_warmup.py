@@ -2,7 +2,7 @@
 collapses at a high learning rate, AdamW² at the same rate trains like AdamW with warmup.
 
     python scripts/repro_warmup.py --out runs/repro            # on a GPU: a few minutes
-    python scripts/repro_warmup.py --steps 20 --lrs 1e-2 --out /tmp/r   # smoke run
+    python scripts/repro_warmup.py --steps 20 --warmup 5 --lrs 1e-2 --out /tmp/r   # smoke run
 
 Runs a byte-level GPT on the Python standard library's sources for each learning rate with
 (a) AdamW, no warmup, (b) AdamW with linear warmup, (c) AdamW² (tau 0.01, the GPT value of
@@ -26,7 +26,9 @@ from stabletrain.metrics import read_records  # noqa: E402
 from stabletrain.monitor import names as N  # noqa: E402
 from stabletrain.run import run  # noqa: E402
 
-MODEL = ["model=gpt_mini", "model.depth=6", "model.embed_dim=256", "model.num_heads=4", "model.block_size=256"]
+# gpt_mini made 6 x 256, named so in the runs' start lines and config.yaml
+MODEL = ["model=gpt_mini", "model.name=gpt_6x256", "model.depth=6", "model.embed_dim=256", "model.num_heads=4",
+         "model.block_size=256"]
 VARIANTS = {
     "adamw_nowarmup": ["optim=adamw", "warmup=0"],
     "adamw_warmup": ["optim=adamw"],  # warmup filled in from --warmup

@@ -16,8 +16,8 @@ no completed/diverged ``summary.json`` (an interrupted point resumes from its ``
 those that ran with other settings (``--extra``, the preset), whose old run moves to
 ``lr<lr>.previous/``.
 
-The fixes (``{warmup}`` is the preset's warmup). Every fix other than the two warmup
-baselines runs on AdamW **without** warmup, the setting that breaks at high learning rates,
+The fixes (``{warmup}`` is the preset's warmup). Every row but the warmup baseline
+(``adamw_warmup``) runs **without** warmup, the setting that breaks at high learning rates,
 so that each row shows what that one fix buys over the ``adamw`` row:
 
     adamw_warmup   optim=adamw warmup={warmup}
