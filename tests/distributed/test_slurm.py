@@ -76,7 +76,9 @@ def test_slurm_launcher_writes_one_array_job_of_ddp_tasks(sweep):
     assert flags["array"] == "0-1%2"  # one job per sweep point
     assert (flags["partition"], flags["account"], flags["qos"]) == ("gpu", "proj", "low")
     assert (flags["nodes"], flags["gpus-per-node"], flags["ntasks-per-node"]) == ("2", "4", "4")  # a rank per GPU
-    assert flags["time"] == "1440" and flags["mem"] == "480GB" and flags["cpus-per-task"] == "10"
+    # memory per GPU, so that a 1-GPU job does not ask for a whole node's (480GB before)
+    assert flags["time"] == "1440" and flags["mem-per-gpu"] == "60G" and "mem" not in flags
+    assert flags["cpus-per-task"] == "10"
     assert re.fullmatch(r"USR[12]@120", flags["signal"]) and "requeue" in flags
     assert re.search(r"^srun .* -m submitit\.core\._submit .*\.submitit/%j$", script, re.M)
     for point in (0, 1):
