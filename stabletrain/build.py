@@ -326,6 +326,8 @@ def data_from_config(cfg) -> Data:
     auto = " (data=auto)" if option_value(cfg.data.name) == "auto" else ""
     data.source = f"{entry.name}{auto}" + (f" at {files}" if files else "") + (
         f", {cfg.data.tokenizer} tokens" if "tokenizer" in (entry.info.get("reads") or ()) else "")
+    if data.extra.get("val_classes"):
+        data.source += f" ({data.extra['val_classes']})"
     if data.kind == "vision" and files:  # image files of any size: which size they are trained at
         size = cfg.model.img_size if cfg.data.img_size is None else cfg.data.img_size
         data.source += f", images resized to {size} px" + (" (model.img_size; data.img_size sets another)"

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import numpy as np
@@ -183,12 +184,12 @@ def loader_workers(requested: int) -> int:
 
 
 def check_imagefolder(root: str | None) -> None:
-    """ConfigError (one line) unless ``root`` has train/ and val/ with the same class folders,
-    each holding an image.
+    """ConfigError (one line) unless ``root`` has train/ and val/ class folders, each of train's
+    holding an image, val's a subset of train's, and val an image somewhere.
 
-    ImageFolder numbers each split's classes by their sorted folder names, so a class missing
-    from one split shifts the other's labels without any error. Cheap: it lists the class
-    folders and stops at the first image in each.
+    val is labelled by train's classes by name (:func:`imagefolder_data`): a class val lacks is
+    fine, one train lacks the model cannot predict. Cheap: it lists the class folders and stops
+    at the first image in each.
     """
     if not root:
         raise ConfigError("data=imagefolder needs data.root=DIR, the folder holding train/<class>/ and val/<class>/")
@@ -201,16 +202,19 @@ def check_imagefolder(root: str | None) -> None:
         classes[split] = sorted(e.name for e in os.scandir(folder) if e.is_dir())
         if not classes[split]:
             raise ConfigError(f"{folder}/ has no class folders: expected {folder}/<class>/<image files>")
-    if classes["train"] != classes["val"]:
-        only = {k: sorted(set(classes[k]) - set(classes[o])) for k, o in (("train", "val"), ("val", "train"))}
-        diff = "; ".join(f"only in {k}/: {_some(v)}" for k, v in only.items() if v)
-        raise ConfigError(f"data.root={root}: train/ and val/ have different class folders ({diff}), so val's labels "
-                          "would not be train's: give both the same class folders")
-    for split in ("train", "val"):
-        for c in classes[split]:
-            if not _holds_an_image(Path(root) / split / c):
-                raise ConfigError(f"{Path(root) / split / c}/ holds no image files ({' '.join(_image_exts())}): "
-                                  f"every folder in {split}/ is a class; add its images or remove the folder")
+    # val's labels are train's, by class name: val may lack a class (a small data set's split),
+    # but a class train lacks is one the model cannot predict
+    unknown = sorted(set(classes["val"]) - set(classes["train"]))
+    if unknown:
+        raise ConfigError(f"data.root={root}: val/ has class folders train/ lacks ({_some(unknown)}), which the "
+                          f"model cannot learn: add them to train/ or remove them from val/")
+    for c in classes["train"]:
+        if not _holds_an_image(Path(root) / "train" / c):
+            raise ConfigError(f"{Path(root) / 'train' / c}/ holds no image files ({' '.join(_image_exts())}): "
+                              f"every folder in train/ is a class; add its images or remove the folder")
+    if not any(_holds_an_image(Path(root) / "val" / c) for c in classes["val"]):
+        raise ConfigError(f"{Path(root) / 'val'}/ holds no image files ({' '.join(_image_exts())}) in its class "
+                          f"folders: add some to score the model on")
 
 
 def _some(names: list[str], n: int = 5) -> str:
@@ -299,9 +303,20 @@ def imagefolder_data(d, img_size: int, seed: int) -> ImageData:
     check_imagefolder(d.root)
     root = Path(d.root)
     train_tf, val_tf = image_transforms(d, img_size)
-    train_set = _ReadableImages(ImageFolder(str(root / "train")), train_tf)
-    val_set = _ReadableImages(ImageFolder(str(root / "val")), val_tf)
-    return ImageData(d, seed, train_set, val_set, len(train_set.classes))
+    train_folder = ImageFolder(str(root / "train"))
+    train_set = _ReadableImages(train_folder, train_tf)
+    # val labelled by train's classes, by folder name: val may lack a class, or hold an empty
+    # folder of one, without every later label shifting (ImageFolder numbers each split's own)
+    present = {e.name for e in os.scandir(root / "val") if e.is_dir()}
+    val_folder = SimpleNamespace(root=str(root / "val"), classes=train_folder.classes, samples=ImageFolder.make_dataset(
+        str(root / "val"), {c: i for c, i in train_folder.class_to_idx.items() if c in present},
+        extensions=_image_exts(), allow_empty=True))
+    val_set = _ReadableImages(val_folder, val_tf)
+    data = ImageData(d, seed, train_set, val_set, len(train_set.classes))
+    scored = len({label for _, label in val_set.samples})
+    if scored < len(train_set.classes):
+        data.extra["val_classes"] = f"val/ has images of {scored} of the {len(train_set.classes)} classes"
+    return data
 
 
 def _cifar_class(name: str):

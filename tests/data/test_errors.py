@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,12 +223,29 @@ def test_images_in_subfolders_of_a_class_count(tmp_path):
     check_imagefolder(str(tmp_path))  # ImageFolder walks class folders recursively, and so does the check
 
 
-def test_train_and_val_with_other_classes_are_refused(tmp_path):
+def test_a_val_class_train_lacks_is_refused(tmp_path):
     image_folder(tmp_path, classes=("ant", "bee", "cat"))
-    shutil.rmtree(tmp_path / "val" / "ant")  # val's bee would get ant's label 0
     (tmp_path / "val" / "cat").rename(tmp_path / "val" / "dog")
-    with pytest.raises(ConfigError, match=rf"data.root={tmp_path}: train/ and val/ have different class folders "
-                                          r"\(only in train/: ant, cat; only in val/: dog\), so val's labels"):
+    with pytest.raises(ConfigError, match=rf"data.root={tmp_path}: val/ has class folders train/ lacks \(dog\), "
+                                          r"which the model cannot learn: add them to train/ or remove them from val/"):
+        data_from_config(folder_cfg(tmp_path))
+
+
+def test_val_lacking_a_class_is_labelled_by_trains_class_names(tmp_path):
+    """ImageFolder numbers each split's own folders: without ant, val's bee would get ant's label 0.
+    Refused before; a small split may well lack a class, or hold an empty folder of one."""
+    image_folder(tmp_path, classes=("ant", "bee", "cat"))
+    shutil.rmtree(tmp_path / "val" / "ant")
+    for f in (tmp_path / "val" / "cat").iterdir():  # an empty folder of a class
+        f.unlink()
+    d = data_from_config(folder_cfg(tmp_path))
+    assert d.num_classes == 3 and d.n_val == 2
+    assert [(Path(p).parent.name, y) for p, y in d.val_set.samples] == [("bee", 1), ("bee", 1)]
+    assert d.source.startswith(f"imagefolder at {tmp_path} (val/ has images of 1 of the 3 classes)")
+    _, y = next(d.val_batches(2, 1))
+    assert y.tolist() == [1, 1]
+    shutil.rmtree(tmp_path / "val" / "bee")
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'val'}/ holds no image files .* in its class folders"):
         data_from_config(folder_cfg(tmp_path))
 
 
