@@ -832,6 +832,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 missing.append(i)
             if run.diverged_step is not None:
                 ax.axvline(run.diverged_step, color=styles[i]["color"], ls=":", lw=1)
+            for step in run.restored_at:  # where a rollback took the run back to: its curve goes on from there
+                ax.axvline(step, color=styles[i]["color"], ls="--", lw=1)
             if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
                 steps = sorted({a["step"] for a in run.alerts})
                 ax.plot(steps, [1.0] * len(steps), "v", color=styles[i]["color"], markersize=8, ls="",
@@ -864,6 +866,9 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     if any(r.diverged_step is not None for r in runs):
         handles.append(Line2D([], [], color="gray", ls=":", lw=1))
         labelled.append("dotted: where the run of that colour diverged")
+    if any(r.restored_at for r in runs):
+        handles.append(Line2D([], [], color="gray", ls="--", lw=1))
+        labelled.append("dashed: the step a rollback of the run of that colour restored")
     if any(r.alerts for r in runs):
         handles.append(Line2D([], [], color="gray", marker="v", ls=""))
         labelled.append("triangle on the entropy panel: a health alert of the run of that colour")

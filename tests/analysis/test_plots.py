@@ -386,6 +386,22 @@ def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
         "min over blocks and heads of attention entropy")}
 
 
+def test_compare_runs_marks_the_steps_rollbacks_restored(tmp_path, monkeypatch):
+    """plot_dynamics marked them and compare_runs did not: a curve's jump back read as a glitch."""
+    run = _write_run(tmp_path / "rb", crash=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 40, "rollback/restored_step": 40}) + "\n")
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([run, _write_run(tmp_path / "plain", crash=False)], tmp_path / "cmp", labels=["rb", "plain"])
+    loss_ax = next(ax for ax in figures[0].axes if ax.get_title().startswith("training loss"))
+    dashed = [ln for ln in loss_ax.get_lines() if ln.get_linestyle() == "--" and set(ln.get_xdata()) == {40}]
+    assert len(dashed) == 1  # the one run's rollback, in its colour
+    legend = [t.get_text().replace("\n", " ") for ax in figures[0].axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()]  # wrapped to the legend's panel
+    assert "dashed: the step a rollback of the run of that colour restored" in legend
+
+
 def test_repro_warmup_figure_draws_what_its_table_reports(tmp_path, monkeypatch):
     """The figure's sigma1 and entropy panels are the table's columns against step."""
     import runpy
