@@ -675,14 +675,19 @@ def _plain(config_yaml: str) -> dict:
     return OmegaConf.to_container(OmegaConf.create(config_yaml)) if config_yaml else {}
 
 
-def changed_keys(saved_yaml: str, mine_yaml: str, may_change=RESUME_MAY_CHANGE,
+def may_change(key: str, allowed=RESUME_MAY_CHANGE) -> bool:
+    """Whether a resume may change dotted ``key``: its top-level key, or the key itself, is in ``allowed``."""
+    return key in allowed or re.split(r"[.\[]", key)[0] in allowed
+
+
+def changed_keys(saved_yaml: str, mine_yaml: str, allowed=RESUME_MAY_CHANGE,
                  equivalent: dict | None = None) -> list[str]:
-    """The dotted keys whose values differ between two resolved configs (their yaml), outside
-    the top-level keys ``may_change``; two values of one ``equivalent[key]`` do not differ."""
+    """The dotted keys whose values differ between two resolved configs (their yaml), but those
+    :func:`may_change` under ``allowed``; two values of one ``equivalent[key]`` do not differ."""
     a, b = (leaf_values(y) for y in (saved_yaml, mine_yaml))
     same = equivalent or {}
     return sorted(k for k in set(a) | set(b)
-                  if a.get(k) != b.get(k) and re.split(r"[.\[]", k)[0] not in may_change and k not in may_change
+                  if a.get(k) != b.get(k) and not may_change(k, allowed)
                   and not {a.get(k), b.get(k)} <= set(same.get(k, ())))
 
 

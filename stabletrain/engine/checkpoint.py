@@ -276,9 +276,9 @@ class Checkpointer:
         # stored in each checkpoint: an optimizer's state does not carry over to another optimizer
         self.optim_name = optim_name_of(config_yaml) or type(optimizer).__name__
 
-    def changed_keys(self, saved_yaml: str, may_change=RESUME_MAY_CHANGE) -> list[str]:
-        """The keys a checkpoint's config sets otherwise than this run's, outside ``may_change``."""
-        return changed_keys(saved_yaml, self.config_yaml, may_change, self.equivalent)
+    def changed_keys(self, saved_yaml: str, allowed=RESUME_MAY_CHANGE) -> list[str]:
+        """The keys a checkpoint's config sets otherwise than this run's, but those ``allowed`` to change."""
+        return changed_keys(saved_yaml, self.config_yaml, allowed, self.equivalent)
 
     def fits(self, ck: dict) -> bool:
         """Whether ``ck``'s weights have this model's names and shapes (a sharded checkpoint's are
@@ -395,7 +395,7 @@ class Checkpointer:
         """Refuse, in one line, to resume a checkpoint into a run it does not fit: another config
         (a requeued job), another optimizer, changed keys (``resume=auto`` unless
         ``allow_changes``), another ``parallel``."""
-        changed = self.changed_keys(ck["config"], may_change=("resume",)) if requeued else []
+        changed = self.changed_keys(ck["config"], allowed=("resume",)) if requeued else []
         if changed:
             raise ConfigError(f"{path} was written by a run with another {', '.join(changed[:8])}"
                               f"{' ...' if len(changed) > 8 else ''}; pass resume=auto resume_allow_changes=true "

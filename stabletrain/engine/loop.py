@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.config import RESUME_MAY_CHANGE
+from stabletrain.config import may_change
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch
@@ -593,9 +593,9 @@ class Trainer:
         saved, mine = ck.get("config"), self.ckpt.config_yaml
         if not (saved and mine):
             return
-        changed = self.ckpt.changed_keys(saved, may_change=("resume", "resume_allow_changes"))
+        changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes"))
         if self.settings.resume not in (None, "auto"):
-            keys = [k for k in changed if k.split(".")[0] not in RESUME_MAY_CHANGE and k not in RESUME_MAY_CHANGE]
+            keys = [k for k in changed if not may_change(k)]
             if keys:
                 self.notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
                                   f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
