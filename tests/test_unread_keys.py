@@ -172,8 +172,8 @@ def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted()
     optim = make_cfg("model=vit_test", "optim.tau=0.004").optim
     assert short_bound_note(optim, 100) == (
         "note: optim=adamw2 bounds each update to tau=0.004 x sigma1(W), so in these 100 steps a weight matrix's "
-        "sigma1 can grow 1.5x at most: a short run from a small init learns little (more steps, a larger optim.tau, "
-        "or optim=adamw for a smoke test)")
+        "sigma1 can grow 1.5x at most: where the loss falls slowly, that is the likely limit (more steps, a larger "
+        "optim.tau, or optim=adamw)")
     assert f"{1.004 ** 100:.2g}" == "1.5" and short_bound_note(optim, 600) is None  # the default run: 11x
     assert short_bound_note(make_cfg("model=vit_test", "optim=adamw").optim, 100) is None
     images = Data("vision", 1438)
