@@ -105,8 +105,8 @@ FIFTEEN: tuple[Quantity, ...] = (
     Quantity(NORM, NORM2_GAMMA, r"$\|\gamma_2\|_2$"),
     Quantity(NORM, NORM2_BETA, r"$\|\beta_2\|_2$"),
     Quantity(SIGMA1, W2_W1, r"$\sigma_1(W_2 W_1)$"),
-    Quantity(NORM, ACT_X, r"$\|x\|_2$"),
-    Quantity(NORM, ACT_GRAD_X, r"$\|\partial L/\partial x\|_2$"),
+    Quantity(NORM, ACT_X, r"$\|x\|_2$, $x$ the block's input"),
+    Quantity(NORM, ACT_GRAD_X, r"$\|\partial L/\partial x\|_2$, at the block's input"),
 )
 
 
