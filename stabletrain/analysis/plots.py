@@ -642,10 +642,12 @@ def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     if not layers:
         _skip("qk_spectrum.png", "no qk_spectrum/<block>/eig_* metrics")
         return None
-    panels = [(N.EIG_MEAN_TRACE, "eigenvalue mean (x d)", r"tr($W_{QK}$)", False),
-              (N.EIG_SCALE_TR2, "eigenvalue scale", r"tr($W_{QK}^2$)", False),
-              (N.EIG_SCALE_FRO2, "scale, as LocAteR penalises it", r"tr($W_{QK}^\top W_{QK}$)", True),
-              (N.EIG_VAR_D2, "eigenvalue spread (x d²)", r"$d\,$tr($W_{QK}^2$) $-$ tr($W_{QK})^2$", False)]
+    panels = [(N.EIG_MEAN_TRACE, r"eigenvalue mean x d: $\sum_i \lambda_i$", r"tr($W_{QK}$)", False),
+              # W_QK is not symmetric: its eigenvalues may be complex, and the sum of their squares negative
+              (N.EIG_SCALE_TR2, r"$\sum_i \lambda_i^2$ (complex $\lambda$: may be < 0)", r"tr($W_{QK}^2$)", False),
+              (N.EIG_SCALE_FRO2, "Frobenius scale, as LocAteR penalises it", r"tr($W_{QK}^\top W_{QK}$)", True),
+              (N.EIG_VAR_D2, "eigenvalue variance x d² (may be < 0 too)",
+               r"$d\,$tr($W_{QK}^2$) $-$ tr($W_{QK})^2$", False)]
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.9))
     colors = _depth_colors(len(layers))
     for ax, (q, title, ylabel, logy) in zip(axes, panels):
