@@ -232,18 +232,6 @@ def _holds_an_image(folder: Path) -> bool:
     return any(f.lower().endswith(exts) for _, _, files in os.walk(folder, followlinks=True) for f in files)
 
 
-_unreadable: set[str] = set()  # image files this process could not read; each is warned about once
-
-
-def bad_image_count() -> int:
-    """How many image files this process could not read and replaced (see :class:`_ReadableImages`).
-
-    Only what this process read itself: with ``data.num_workers > 0`` the images are read in
-    DataLoader worker processes, whose counts stay there (their warnings still reach stderr).
-    """
-    return len(_unreadable)
-
-
 class _ReadableImages(Dataset):
     """An ImageFolder's ``(transformed image, label)`` pairs, where a file that cannot be read
     (corrupt, truncated, empty) is replaced by the next one in the folder that can.
@@ -279,16 +267,14 @@ class _ReadableImages(Dataset):
 
 
 def _read_image(path: str):
-    """The RGB image at ``path``, or None (and a warning, once) if PIL cannot read it."""
+    """The RGB image at ``path``, or None and a warning if PIL cannot read it (the caller flags
+    the file, so that no process reads it again)."""
     from PIL import Image, UnidentifiedImageError
 
-    if path in _unreadable:
-        return None
     try:
         with open(path, "rb") as f:
             return Image.open(f).convert("RGB")
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # what PIL raises for bad files
-        _unreadable.add(path)
         why = ("PIL cannot identify it as an image" if isinstance(e, UnidentifiedImageError)
                else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
         print(f"warning: cannot read image {path} ({why}); the next readable image takes its place", file=sys.stderr)

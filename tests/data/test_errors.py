@@ -258,13 +258,6 @@ def test_a_long_class_difference_stays_short():
 # --- unreadable images -------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_bad_images_yet(monkeypatch):
-    from stabletrain.data import vision
-
-    monkeypatch.setattr(vision, "_unreadable", set(), raising=False)
-
-
 def spoil(root) -> list:
     """A truncated JPEG, an empty file and a file that is no image at all, in train/."""
     bad = [root / "train" / "ant" / "1.jpg", root / "train" / "bee" / "0.jpg", root / "train" / "bee" / "3.jpg"]
@@ -274,9 +267,7 @@ def spoil(root) -> list:
     return bad
 
 
-def test_unreadable_images_are_replaced_with_one_warning_each(tmp_path, capsys, no_bad_images_yet):
-    from stabletrain.data.vision import bad_image_count
-
+def test_unreadable_images_are_replaced_with_one_warning_each(tmp_path, capsys):
     bad = spoil(image_folder(tmp_path))
     d = data_from_config(folder_cfg(tmp_path))
     stream = d.train_iter(0, Shard(8))
@@ -289,10 +280,10 @@ def test_unreadable_images_are_replaced_with_one_warning_each(tmp_path, capsys, 
     unknown = "PIL cannot identify it as an image"
     assert sorted(warnings) == sorted(f"warning: cannot read image {f} ({why}); the next readable image takes its place"
                                       for f, why in zip(bad, ("OSError: Truncated File Read", unknown, unknown)))
-    assert bad_image_count() == 3
+    assert d.bad_samples() == 3
 
 
-def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(tmp_path, no_bad_images_yet):
+def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(tmp_path):
     from stabletrain.data.vision import _ReadableImages
 
     image_folder(tmp_path)
@@ -315,7 +306,7 @@ def test_a_replacement_is_the_next_readable_image_and_leaves_other_draws_alone(t
     assert torch.equal(x1, x2)  # and the replacement is the same on every run
 
 
-def test_a_folder_of_unreadable_images_is_one_line(tmp_path, no_bad_images_yet):
+def test_a_folder_of_unreadable_images_is_one_line(tmp_path):
     image_folder(tmp_path)
     for f in (tmp_path / "val").rglob("*.jpg"):
         f.write_bytes(b"")
@@ -324,14 +315,14 @@ def test_a_folder_of_unreadable_images_is_one_line(tmp_path, no_bad_images_yet):
         next(d.val_batches(4, 1))
 
 
-def test_a_run_over_unreadable_images_completes(tmp_path, no_bad_images_yet):
+def test_a_run_over_unreadable_images_completes(tmp_path):
     spoil(image_folder(tmp_path / "data"))
     s = train(tmp_path / "run", "model=vit_test", "data=imagefolder", f"data.root={tmp_path / 'data'}",
               "data.num_workers=0", "steps=3", "batch_size=4", "eval_every=3", "eval_batches=1")
     assert s["status"] == "completed"
 
 
-def test_workers_warn_too_once_a_file_in_the_run(tmp_path, capfd, no_bad_images_yet):
+def test_workers_warn_too_once_a_file_in_the_run(tmp_path, capfd):
     """Each worker kept its own list of bad files: a bad file was warned about by every worker
     that met it, again in every epoch's other worker."""
     bad = spoil(image_folder(tmp_path))
@@ -345,7 +336,7 @@ def test_workers_warn_too_once_a_file_in_the_run(tmp_path, capfd, no_bad_images_
     assert d.bad_samples() == len(bad)  # counted in the workers, seen here (shared memory)
 
 
-def test_a_run_logs_how_many_images_it_replaced(tmp_path, no_bad_images_yet):
+def test_a_run_logs_how_many_images_it_replaced(tmp_path):
     import json
 
     bad = spoil(image_folder(tmp_path / "images"))
