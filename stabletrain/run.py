@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import RunDirLock, continue_with, sweep_dir, task_overrides
-from stabletrain.metrics import read_json, write_json
+from stabletrain.engine.rundir import RunDirLock, continue_with, figures_command, sweep_dir, task_overrides
+from stabletrain.metrics import read_json, say, write_json
 
 
 def run(cfg, run_dir: str | Path) -> dict:
@@ -51,6 +51,8 @@ def run(cfg, run_dir: str | Path) -> dict:
             except Exception as e:
                 if info.is_main and not isinstance(e, ConfigError):
                     record_build_failure(run_dir, e)
+                elif lock is not None and sweep_dir() is None:  # a refused sweep point keeps its summary.json
+                    lock.release_and_remove_unused()
                 raise
         trainer.stop_signal = held.signum  # the loop checkpoints after its first step and requeues
 
@@ -204,6 +206,10 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
     except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
         fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
         return None
+    if not sweep and summary.get("status") in ("completed", "diverged") and D.detect().is_main:
+        figures = figures_command(run_dir)
+        if figures is not None:  # the run's last line: where its record is, and how to see it
+            say(f"draw its figures (into its plots/) with: {figures}")
     if summary.get("status") == "interrupted" and not D.may_be_requeued():
         # the shell's code for a process ended by that signal: a sweep stops, scripts see it
         sys.exit(128 + int(summary.get("signal", signal.SIGINT)))

@@ -130,6 +130,23 @@ def test_config_yaml_records_what_the_data_built_and_says_what_it_replaced(tmp_p
     assert "from the data (data=auto): model.num_classes=10 (was 1000), model.in_chans=1 (was 3)" in r.stderr
 
 
+def test_a_finished_run_ends_with_the_command_that_draws_its_figures(tmp_path):
+    """Its last line, run as printed (from the working directory), draws the run's figures."""
+    import shlex
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    r = cli("model=gpt_test", "steps=2", "logger=none", "monitor=off", f"hydra.run.dir={tmp_path / 'run'}",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    prefix = "draw its figures (into its plots/) with: "
+    assert last.startswith(prefix) and last.endswith(f"{ROOT / 'scripts/plot_dynamics.py'} run"), last
+    drawn = subprocess.run(shlex.split(last[len(prefix):]), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert drawn.returncode == 0 and (tmp_path / "run/plots/training.png").is_file(), drawn.stderr[-2000:]
+
+
 def test_a_device_that_is_not_there_is_named_as_written(monkeypatch):
     import torch
 

@@ -81,6 +81,23 @@ def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launc
     return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
 
 
+def figures_command(run_dir: str | Path) -> str | None:
+    """The command that draws a run's figures (scripts/plot_dynamics.py of this checkout), its
+    paths relative to the working directory where they lie under it; None where the scripts are
+    not beside the package (installed from a wheel)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "plot_dynamics.py"
+    if not script.is_file():
+        return None
+
+    def short(p: Path) -> str:
+        p = Path(p).absolute()
+        return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(p)
+
+    python = interpreter()
+    python = short(Path(python)) if os.path.isabs(python) else python  # a venv's, from its checkout
+    return " ".join(shlex.quote(a) for a in (python, short(script), short(Path(run_dir))))
+
+
 def launcher_of_this_job() -> str | None:
     """How a command starts this job again: ``torchrun --standalone --nproc_per_node=N`` on one
     node, with a placeholder for the rendezvous of several; ``srun <its options> python``.
@@ -167,5 +184,19 @@ class RunDirLock:
 
     def release(self) -> None:
         if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # names no process that has ended
             os.close(self.fd)  # closing the descriptor releases the flock
             self.fd = None
+
+    def unused(self) -> bool:
+        """Whether the run directory holds nothing but Hydra's ``.hydra/`` and this lock: a run
+        refused while it was built leaves no directory to mistake for one that ran."""
+        return all(p.name in (".hydra", ".lock") for p in self.path.parent.iterdir())
+
+    def release_and_remove_unused(self) -> None:
+        """Release; then remove the run directory where :meth:`unused` (held, so no other run is in it)."""
+        run_dir = self.path.parent
+        unused = self.fd is not None and self.unused()
+        self.release()
+        if unused:
+            shutil.rmtree(run_dir, ignore_errors=True)

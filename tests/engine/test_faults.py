@@ -201,7 +201,9 @@ def test_a_second_run_in_a_locked_directory_is_refused_naming_the_pid(tmp_path):
         assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "metrics.jsonl").exists()
     finally:
         lock.release()
+    assert (tmp_path / ".lock").read_text() == ""  # names no process once released
     assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # released: the next run may
+    assert (tmp_path / ".lock").read_text() == ""
 
 
 def test_the_lock_of_another_process_refuses_train_py(tmp_path):

@@ -97,4 +97,9 @@ def test_the_run_checks_before_it_trains(tmp_path, monkeypatch):
     monkeypatch.setattr(M, "available_bytes", lambda: 1000)
     with pytest.raises(ConfigError, match="a training step needs at least"):
         train(tmp_path, "model=vit_test", "steps=1")
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not tmp_path.exists()  # refused while built: no directory left to mistake for a run's
+    (tmp_path / ".hydra").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("the user's")
+    with pytest.raises(ConfigError, match="a training step needs at least"):
+        train(tmp_path, "model=vit_test", "steps=1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".hydra", ".lock", "notes.txt"]  # not only the run's: kept
