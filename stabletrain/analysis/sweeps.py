@@ -144,9 +144,19 @@ def varying_keys(runs: list[Run]) -> list[str]:
 
 def _unread(run: Run, key: str) -> bool:
     """Whether ``run`` chose none of the options that read ``key`` (optim.tau on an AdamW run): a
-    label naming it would read as a setting that run had. Unknown choices count as read."""
-    from stabletrain.config import READ_BY
+    label naming it would read as a setting that run had; or where another key of the run leaves it
+    unread (divergence.lr_scale_on_rollback on a run that stops at a divergence). Unknown choices
+    count as read."""
+    from omegaconf import OmegaConf
 
+    from stabletrain.config import READ_BY, READ_WHEN
+
+    if key in READ_WHEN:
+        try:
+            nested = yaml.safe_load((run.path / "config.yaml").read_text())
+            return not READ_WHEN[key][0](OmegaConf.create(nested))
+        except Exception:  # noqa: BLE001 - no config.yaml, or one of another version: said as read
+            return False
     readers = READ_BY.get(key)
     if not readers:
         return False

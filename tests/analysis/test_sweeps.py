@@ -143,6 +143,21 @@ def test_labels_name_runs_by_the_settings_that_differ(tmp_path):
     assert sweeps.labels([bare, dirs[0]]) == ["optim.tau=0.004", "optim.tau=0.01"]
 
 
+def test_a_label_leaves_out_a_key_another_key_of_its_run_leaves_unread(tmp_path):
+    """divergence.lr_scale_on_rollback differs, but the run that stops at a divergence never read it."""
+    dirs = []
+    for name, action, scale in (("stops", "stop", 1.0), ("rolls", "rollback", 0.5)):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        over = [f"divergence.action={action}"] + ([f"divergence.lr_scale_on_rollback={scale}"] if scale != 1 else [])
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(over))
+        (d / "config.yaml").write_text(yaml.safe_dump({"divergence": {"enabled": True, "action": action,
+                                                                      "lr_scale_on_rollback": scale}}))
+        dirs.append(d)
+    assert sweeps.labels(dirs) == ["divergence.action=stop",
+                                   "divergence.action=rollback, divergence.lr_scale_on_rollback=0.5"]
+
+
 def _lr_table(diverged: dict) -> list[dict]:
     """Two series over five rates; ``diverged`` maps (series, rate) to the run's final metric."""
     rows = []
