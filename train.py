@@ -17,6 +17,7 @@ from hydra.types import RunMode
 from stabletrain.cli import check_overrides
 from stabletrain.config import register
 from stabletrain.engine.distributed import detect
+from stabletrain.engine.rundir import KeptHydraRecord
 from stabletrain.errors import fail
 from stabletrain.run import main_guarded
 
@@ -56,4 +57,5 @@ if __name__ == "__main__":
     if any(a.lower() in ("dry_run=true", "+dry_run=true") for a in args) and not any(
             a.lstrip("+~").startswith("hydra.output_subdir=") for a in args):
         sys.argv.append("hydra.output_subdir=null")  # a dry run writes nothing: not Hydra's record either
-    main()
+    with KeptHydraRecord(sys.argv[1:]):  # a refused attempt leaves the run's own record
+        main()

@@ -145,6 +145,36 @@ def own_dir_key() -> str:
     return "hydra.sweep.dir" if sweep_dir() is not None else "hydra.run.dir"
 
 
+class KeptHydraRecord:
+    """Hydra writes ``.hydra/`` (the overrides and config of this attempt) before the run checks
+    them; an attempt refused in an existing run directory (a resume that would change the run)
+    must not leave its overrides as the run's, which the sweep table and run labels read. Entered
+    around Hydra's main with the process's arguments: on exit code 2 (a refusal), the directory's
+    earlier ``.hydra/`` is put back."""
+
+    def __init__(self, argv: list[str]):
+        given = [a.split("=", 1)[1].strip("'\"") for a in argv if a.lstrip("+~").startswith("hydra.run.dir=")]
+        record = Path(given[-1]) / ".hydra" if given and "${" not in given[-1] else None
+        multirun = any(a in ("-m", "--multirun") for a in argv)
+        self.record = record if record is not None and record.is_dir() and not multirun else None
+        self.files: dict[str, bytes] = {}
+
+    def __enter__(self) -> KeptHydraRecord:
+        if self.record is not None:
+            self.files = {p.name: p.read_bytes() for p in self.record.iterdir() if p.is_file()}
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if self.record is None or kind is not SystemExit or exc.code != 2:
+            return
+        for p in self.record.iterdir() if self.record.is_dir() else ():
+            if p.is_file() and p.name not in self.files:
+                p.unlink()
+        self.record.mkdir(parents=True, exist_ok=True)
+        for name, data in self.files.items():
+            (self.record / name).write_bytes(data)
+
+
 class RunDirLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"

@@ -267,7 +267,10 @@ def test_a_refused_resume_names_the_command_that_started_the_run(tmp_path):
     run = tmp_path / "run"
     own = ["model=gpt_test", "batch_size=8", "steps=3", "logger=none", "monitor=off"]
     assert cli(*own, f"hydra.run.dir={run}").returncode == 0
+    record = {p.name: p.read_text() for p in (run / ".hydra").iterdir()}
     r = cli("model=gpt_test", "logger=none", "resume=auto", f"hydra.run.dir={run}")
+    # the refused attempt's overrides are not left as the run's (the sweep table labels runs by them)
+    assert {p.name: p.read_text() for p in (run / ".hydra").iterdir()} == record
     line = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and line.startswith("error: resume=auto would change the resumed run's batch_size "
                                                  "(8 there, 64 here)"), line
