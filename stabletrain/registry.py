@@ -47,12 +47,15 @@ class Entry:
 
 
 class Registry:
-    def __init__(self, group: str, *modules: str, package: bool = False, declares: tuple[str, ...] = ()):
+    def __init__(self, group: str, *modules: str, package: bool = False, declares: tuple[str, ...] = (),
+                 requires: dict[str, str] | None = None):
         """``group`` is the config key users set (``norm``, ``model.family``); ``modules``
         hold the options (a package's every submodule when ``package``); ``declares`` the
-        keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments)."""
+        keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments);
+        ``requires`` those of them it must give, each with what it is."""
         self.group, self.modules, self.package = group, modules, package
         self.declares = ("kwargs", *declares)
+        self.requires = dict(requires or {})
         self._entries: dict[str, Entry] = {}
         self._loaded = False
 
@@ -65,6 +68,9 @@ class Registry:
                 raise ConfigError(f"{self.group} option {name!r}: register() takes no {key}= (it takes "
                                   f"{', '.join(k + '=' for k in self.declares)})"
                                   + (f"; did you mean {near[0]}=?" if near else ""))
+        for key, what in self.requires.items():
+            if key not in info:
+                raise ConfigError(f"{self.group} option {name!r}: register() needs {key}= ({what})")
 
         def deco(fn: Callable) -> Callable:
             if name in self._entries and self._entries[name].fn is not fn:

@@ -36,6 +36,19 @@ def test_a_misspelt_registration_keyword_is_refused_with_the_nearest():
     assert "capped" not in ATTENTIONS
 
 
+def test_a_registration_without_what_its_group_needs_is_refused_naming_it():
+    """A loss term without its parameter dataclass failed later as KeyError: 'params'."""
+    from stabletrain.data import DATASETS
+    from stabletrain.losses import LOSS_TERMS
+
+    with pytest.raises(ConfigError, match=r"^regularizer option 'bare': register\(\) needs params= \(the dataclass "
+                                          r"of the term's parameters; an empty @dataclass for none\)$"):
+        LOSS_TERMS.register("bare")
+    with pytest.raises(ConfigError, match=r"^data option 'mine': register\(\) needs kind= \(vision or text"):
+        DATASETS.register("mine", check=print)
+    assert "bare" not in LOSS_TERMS and "mine" not in DATASETS
+
+
 @pytest.mark.parametrize("override,needle", [
     ("norm.name=bogus", "norm=bogus is not an option; choose one of: layernorm, none, rmsnorm, stablenorm"),
     ("attention.name=bogus", "attention=bogus is not an option; choose one of: qknorm, softmax, stable"),

@@ -35,7 +35,8 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry
 
-LOSS_TERMS = Registry("regularizer", __name__, package=True, declares=("params", "reads_weights"))
+LOSS_TERMS = Registry("regularizer", __name__, package=True, declares=("params", "reads_weights"),
+                      requires={"params": "the dataclass of the term's parameters; an empty @dataclass for none"})
 
 LossTerm = Callable[..., Any]  # (model, logits, x, y) -> 0-dim tensor; has a ``name``
 
