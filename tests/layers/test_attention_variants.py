@@ -230,3 +230,17 @@ def test_explicit_causal_masks_align_as_sdpa_does(t, s):
     assert torch.equal(_key_mask(p.shape, None, True, "cpu"), keep)
     logits = 0.5 * q @ k.transpose(-1, -2)
     assert logit_max(logits, None, True) == logits.masked_fill(~keep, float("-inf")).amax()
+
+
+@pytest.mark.parametrize("model,n", [("vit_test", (16 // 4) ** 2 + 1), ("gpt_test", 32), ("swin_test", 4 * 4)])
+def test_a_built_models_stableatten_scale_counts_its_tokens_per_attention(model, n):
+    """N is what the family passes: a ViT's patches plus the class token, a GPT's block, a Swin
+    window's area; scale = 1.618 log2(N) d_h^(-2 alpha) in every block."""
+    from tests.helpers import model_of
+
+    cfg = make_cfg(model, attention=dict(name="stable"), norm=dict(name="stablenorm", alpha=0.25))
+    attns = [m for m in model_of(cfg).modules() if hasattr(m, "q_norm") and hasattr(m, "scale")]
+    assert attns
+    for a in attns:
+        head_dim = a.q_norm.weight.numel()
+        assert a.scale == pytest.approx(1.618 * math.log2(n) * head_dim ** -0.5, rel=1e-12), (model, a.scale)

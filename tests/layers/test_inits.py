@@ -117,3 +117,11 @@ def test_init_family_is_a_no_op_and_unknown_names_are_refused():
     assert torch.equal(model.weight, w)
     with pytest.raises(ConfigError, match="init"):
         apply_init(model, InitConfig(name="kaiming"))
+
+
+def test_the_init_gain_reaches_each_matrix_through_apply_init():
+    """StableInit std = gain / (sqrt(n_in) + sqrt(n_out)), with the configured gain, not 1."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(300, 200))
+    apply_init(net, InitConfig(name="stable", gain=0.5))
+    assert net[0].weight.std().item() == pytest.approx(0.5 / (math.sqrt(300) + math.sqrt(200)), rel=0.02)

@@ -127,6 +127,15 @@ def test_gamma_init_svd_matches_initial_sigma1_and_keeps_the_weight():
         torch.testing.assert_close(lin.weight, w, rtol=1e-5, atol=1e-6)
 
 
+def test_gamma_init_one_starts_every_gamma_at_exactly_one():
+    """The default (000: gamma initialised to 1): W_hat = W / sigma(W), whatever W's scale."""
+    assert ReparamConfig().gamma_init == "one"
+    model = _mlp()
+    apply_reparam(model, ReparamConfig(name="sigma"))
+    gammas = [g for _, g in gamma_parameters(model)]
+    assert len(gammas) == 2 and all(g.item() == 1.0 for g in gammas)
+
+
 @pytest.mark.parametrize("apply_to,split,groups", [
     ("all", "joint", [(0, 3)]),
     ("all", "qk_v", [(0, 2), (2, 3)]),

@@ -85,3 +85,9 @@ def _records(run_dir):
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_log_z_of_bf16_logits_is_computed_in_fp32():
+    """Summed in fp32, not rounded to bf16 first: equal to the float64 value at fp32 precision."""
+    x = (torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
+    torch.testing.assert_close(log_z(x), torch.logsumexp(x.double(), -1).float(), rtol=1e-6, atol=1e-6)

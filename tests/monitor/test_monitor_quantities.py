@@ -320,3 +320,12 @@ def test_block_metric_names_follow_the_contract():
                           | {f"entropy/blocks.3/head{h}" for h in range(H)}
                           | {f"entropy/blocks.3/bound_head{h}" for h in range(H)})
     assert probe["entropy/blocks.3/bound_min"] <= probe["entropy/blocks.3/min"]
+
+
+def test_head_entropy_leaves_out_rows_with_no_allowed_key():
+    """Uniform rows over T keys score log T; a row whose every key is masked is not a zero in the mean."""
+    t = 5
+    mask = torch.ones(1, 1, t, t, dtype=torch.bool)
+    mask[..., 0, :] = False
+    probs = torch.full((1, 1, t, t), 1.0 / t).masked_fill(~mask, 0.0)
+    assert Q.head_entropy(probs, mask=mask)[0].item() == pytest.approx(math.log(t), rel=1e-6)  # fp32 sums

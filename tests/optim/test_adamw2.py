@@ -861,3 +861,24 @@ def test_grad_scale_is_refused():
     opt.grad_scale = torch.tensor(2.0)
     with pytest.raises(RuntimeError, match="grad_scale must be None"):
         opt.step()
+
+
+def test_matches_algorithm_1_where_some_tensors_are_bound_and_others_not():
+    """At lr 0.005 the bound binds some matrices (sigma1(W) about 1.6 to 2.5) and not others: a bound
+    tested against tau alone, not tau x sigma1(W), decides some of them otherwise."""
+    fractions = run_pair(steps=10, lr=0.005, tau=0.01)
+    assert any(0 < f < 1 for f in fractions), fractions
+
+
+def test_a_tiny_weight_decay_decays_at_the_bounded_rate():
+    """W(1 - lr_eff wd) - lr_eff U, as Algorithm 1: the decay uses the bounded rate, not lr."""
+    run_pair(steps=10, lr=0.05, tau=0.01, wd=5e-7)
+
+
+def test_the_optimizers_own_defaults_are_the_documented_ones():
+    """The config's defaults are tested elsewhere; AdamW2 built in Python must agree with them."""
+    from stabletrain.config import OptimConfig
+
+    d, c = AdamW2([nn.Parameter(torch.zeros(2, 2))]).defaults, OptimConfig()
+    assert (d["power_iters"], d["warm_start"], d["eps_inside_sqrt"]) == (c.power_iters, c.warm_start, c.eps_inside_sqrt)
+    assert d["power_iters"] == 3
