@@ -43,6 +43,8 @@ def follower_argv(argv: list[str]) -> list[str]:
 
 
 if __name__ == "__main__":
+    # -m after an override (train.py model=x -m lr=1,2) ends Hydra's argparse at the overrides after it
+    sys.argv[1:] = sorted(sys.argv[1:], key=lambda a: a not in ("-m", "--multirun"))
     args = sys.argv[1:]
     info = detect()
     if info.enabled and any(a in ("-m", "--multirun") for a in args):

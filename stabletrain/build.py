@@ -26,6 +26,7 @@ import copy
 import difflib
 import inspect
 import math
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -55,21 +56,29 @@ from stabletrain.optim.schedule import SCHEDULES
 from stabletrain.registry import import_modules, option_value
 
 
-def validate(cfg, data_swept: bool = False) -> None:
+class Everything:
+    """``swept`` of a sweep point at run time: the sweep was checked, point by point, before launch."""
+
+    def __contains__(self, _group: str) -> bool:
+        return True
+
+
+def validate(cfg, swept: Container[str] = ()) -> None:
     """Every check that runs before any work: the config's ranges, each option against its
     registry, what the model family and the data set allow, the loss terms' parameters.
-    Raises :class:`ConfigError` with one line. ``data_swept``: a sweep point of a sweep over
-    ``data``, whose ``data.path`` / ``data.root`` may be for its other points (noted, not refused)."""
+    Raises :class:`ConfigError` with one line. ``swept``: the groups whose option the sweep of
+    this point varies; settings for their other options (``data.path`` of data=tokens,
+    ``norm.kwargs`` of one's own norm) are noted at this point, not refused."""
     import_modules(cfg.imports)
     C.validate(cfg)
     family = family_entry(cfg.model.family)
-    if cfg.model.kwargs and is_builtin(family):
+    if cfg.model.kwargs and is_builtin(family) and "model" not in swept:
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
     check_own_kwargs("model", family, cfg.model.kwargs)
     for group, (registry, name) in _chosen_options(cfg).items():
         entry = registry.entry(name)
-        if cfg[group].get("kwargs") and is_builtin(entry):
+        if cfg[group].get("kwargs") and is_builtin(entry) and group not in swept:
             raise ConfigError(f"{group}.kwargs is for a {group} option of your own (imports=...); {group}={entry.name} "
                               f"takes its settings as {group}.* keys (`python train.py --cfg job` lists them)")
         check_own_kwargs(group, entry, cfg[group].get("kwargs"))
@@ -90,7 +99,7 @@ def validate(cfg, data_swept: bool = False) -> None:
         check_randaug(cfg.data.randaug)
     unread = _unread_data_keys(cfg, data)
     # the user's files, which this run would not train on
-    if (files := [k for k in unread if k in ("path", "root")]) and not data_swept:
+    if (files := [k for k in unread if k in ("path", "root")]) and "data" not in swept:
         key = files[0]
         readers = [e.name for e in DATASETS.entries() if key in (e.info.get("reads") or ())]
         picked = f"data=auto picks {data.name} for a {family.name} model" if option_value(cfg.data.name) == "auto" \
@@ -151,6 +160,17 @@ def _chosen_options(cfg) -> dict:
             "deescalate": (DEESCALATIONS, cfg.deescalate.name)}
 
 
+def unread_kwargs_notes(cfg) -> list[str]:
+    """A note for each ``<group>.kwargs`` given to a stabletrain option, which reads none (in a
+    sweep over the group's options: :func:`validate` refuses them elsewhere)."""
+    chosen = {"model": (family_entry(cfg.model.family), "model.family"),
+              **{g: (r.entry(n), g) for g, (r, n) in _chosen_options(cfg).items()}}
+    return [f"note: {group}.kwargs.{k}={C.shown_value(v)} changes nothing: {key}={entry.name} is stabletrain's own "
+            f"and reads no {group}.kwargs (they are for an option of your own)"
+            for group, (entry, key) in chosen.items() if is_builtin(entry)
+            for k, v in (cfg[group].get("kwargs") or {}).items()]
+
+
 def short_bound_note(optim_cfg, total_steps: int) -> str | None:
     """Said where AdamW²'s bound leaves a weight matrix little room to grow in the run: each
     update's spectral norm is at most tau x sigma1(W), so sigma1 grows by at most (1 + tau)^steps,
@@ -162,7 +182,7 @@ def short_bound_note(optim_cfg, total_steps: int) -> str | None:
     if growth >= 3:
         return None
     return (f"note: optim=adamw2 bounds each update to tau={optim_cfg.tau:g} x sigma1(W), so in these {total_steps} "
-            f"steps a weight matrix's sigma1 can grow {growth:.2g}x at most: where the loss falls slowly, that is the "
+            f"steps a weight matrix's sigma1 can grow {growth:.3g}x at most: where the loss falls slowly, that is the "
             f"likely limit (more steps, a larger optim.tau, or optim=adamw)")
 
 
@@ -216,7 +236,9 @@ def components_line(cfg) -> str:
     of ``norm``, ``attention``, ... took (with the arguments of an option of one's own)."""
     def chosen(group: str) -> str:
         g, name = cfg[group], option_value(cfg[group].name)
-        details = [f"{k}={v}" for k, v in (g.get("kwargs") or {}).items()]
+        registry = _chosen_options(cfg)[group][0]
+        # a stabletrain option reads no kwargs (a sweep's, for its own option: noted apart)
+        details = [] if is_builtin(registry.entry(name)) else [f"{k}={v}" for k, v in (g.get("kwargs") or {}).items()]
         # the preset a user typed, where two presets register one name: sigma_qk is sigma on q/k,
         # block and ffn are where the one de-escalation goes
         if group == "reparam" and name == "sigma" and option_value(g.get("apply_to")) == "qk":
@@ -401,7 +423,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     seed_all(cfg.seed)
     data = data_from_config(cfg)
     notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg)) + unread_data_notes(cfg)
-             + unread_model_keys(cfg.model))
+             + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     notes += unbuilt_components(model, cfg)

@@ -111,6 +111,9 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if yaml and key:  # a yaml of the user's own sets a key the schema lacks
         hint = _nearest_key(key) or "not in the config schema (`python train.py --cfg job` prints every key)"
         return f"{yaml.group(1)}.yaml sets unknown key '{key}': {hint}"
+    if (have := re.match(r"Could not append to config\. An item is already at '([\w.]+)'", first)) is not None:
+        return (f"+{have.group(1)} adds a key that is there already (set by its option's yaml): drop the '+' to set "
+                f"it, or write '++{have.group(1)}=...', which sets it either way")
     if "not in struct" in text or "is not in struct" in first or "Could not override" in text:
         keys = sorted((ov.split("=")[0] for ov in overrides), key=len, reverse=True)  # model.nope before model
         bad = next((k for k in keys if k.lstrip("+~") in text), None)
@@ -282,8 +285,10 @@ def check_overrides(argv: list[str]) -> None:
     except ConfigError as e:
         _fail(str(e))
     swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
-    # a sweep over data sets may give the path of one of them to all: its other points note it
-    data_swept = any(points[0][i].split("=")[0].lstrip("+~") == "data" for i in swept)
+    # the groups whose option a sweep varies (data=auto,tokens; norm.name=a,b): a setting given to
+    # all points for one of its options (data.path, norm.kwargs.X) is noted at the others
+    swept_groups = {k.removesuffix(".name").removesuffix(".family") for i in swept
+                    if "." not in (k := points[0][i].split("=")[0].lstrip("+~")) or k.endswith((".name", ".family"))}
 
     def where(ovs: list[str]) -> str:
         return f" (sweep point {' '.join(ovs[i] for i in swept)}; no point was launched)" if swept else ""
@@ -292,11 +297,14 @@ def check_overrides(argv: list[str]) -> None:
         try:
             cfg = compose_config(ovs)
             check_group_choices(cfg, ovs)
-            validate(cfg, data_swept=data_swept)
+            validate(cfg, swept=swept_groups)
         except ConfigError as e:
             _fail(str(e) + where(ovs))
         except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily
-            _fail(explain(e, ovs) + where(ovs))
+            line = explain(e, ovs)
+            if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
+                line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
+            _fail(line + where(ovs))
 
 
 def _added_key_hint(name: str, ov: str) -> str:

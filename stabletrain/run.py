@@ -25,9 +25,9 @@ def run(cfg, run_dir: str | Path) -> dict:
     In a DDP job every rank calls this; rank 0's ``run_dir`` is the run's, whatever the
     others were given, and only rank 0 writes into it.
     """
-    from stabletrain.build import build_trainer, validate
+    from stabletrain.build import Everything, build_trainer, validate
 
-    validate(cfg, data_swept=sweep_dir() is not None)  # a point of a sweep over data was checked before launch
+    validate(cfg, swept=Everything() if sweep_dir() is not None else ())  # a sweep was checked before launch
     info = D.detect()
     lock = trainer = None
     try:

@@ -466,3 +466,43 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
                                           r"value\); did you mean init.kwargs.value\?$"):
         validate(make_cfg(*bad))
     validate(make_cfg(*own, "+schedule.kwargs.anything=1"))  # undeclared: the schedule reads what it likes
+
+
+def test_a_sweep_over_ones_own_norm_and_a_builtin_may_share_its_arguments(tmp_path):
+    """``-m norm=layernorm,gain_own ++norm.kwargs.g0=2.5``: the argument is for one point's norm;
+    the other notes it (a single run is refused: above), and its start line shows no argument."""
+    path = _module(tmp_path, "gain_norm", """
+        import torch
+        from stabletrain.layers.norm import NORMS
+
+        class GainNorm(torch.nn.Module):
+            def __init__(self, dim, g0):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
+
+            def forward(self, x):
+                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
+
+        @NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))
+        def gain_own(cfg, dim, **kw):
+            return GainNorm(dim, cfg.kwargs["g0"])
+    """)
+    (tmp_path / "configs/norm").mkdir(parents=True)
+    (tmp_path / "configs/norm/gain_own.yaml").write_text("name: gain_own\nkwargs:\n  g0: 1.0\n")
+    common = [f"imports=[{path}]", f"hydra.searchpath=[file://{tmp_path / 'configs'}]", "model=gpt_test", "steps=1",
+              "logger=none", "monitor=off"]
+    r = cli(*common, "-m", "norm=layernorm,gain_own", "norm.kwargs.g0=2.5", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert r.returncode == 2 and ("add it with a '+', +norm.kwargs.g0=VALUE ('++norm.kwargs.g0=VALUE' where the yaml "
+                                  "of some swept options sets it and others' not)") in r.stderr, r.stderr[-2000:]
+    # -m after an override, as typed: Hydra's argparse would stop at it
+    r = cli(*common, "-m", "norm=layernorm,gain_own", "++norm.kwargs.g0=2.5", f"hydra.sweep.dir={tmp_path / 's'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [json.loads((tmp_path / f"s/{i}/summary.json").read_text())["status"] for i in (0, 1)] == ["completed"] * 2
+    assert ("note: norm.kwargs.g0=2.5 changes nothing: norm=layernorm is stabletrain's own and reads no norm.kwargs"
+            in r.stderr)
+    assert "components: norm=layernorm, " in r.stderr and "components: norm=gain_own (g0=2.5), " in r.stderr
+    # '+' where the option's yaml has the key already: what to write instead, not Hydra's "Could not append"
+    r = cli(*common, "norm=gain_own", "+norm.kwargs.g0=2.5", f"hydra.run.dir={tmp_path / 'r'}")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: +norm.kwargs.g0 adds a key that is there already (set by its option's yaml): drop the '+' to set it, "
+        "or write '++norm.kwargs.g0=...', which sets it either way"), r.stderr[-2000:]
