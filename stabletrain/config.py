@@ -686,9 +686,17 @@ def changed_keys(saved_yaml: str, mine_yaml: str, allowed=RESUME_MAY_CHANGE,
     :func:`may_change` under ``allowed``; two values of one ``equivalent[key]`` do not differ."""
     a, b = (leaf_values(y) for y in (saved_yaml, mine_yaml))
     same = equivalent or {}
+    imports_same = _imported(a) == _imported(b)  # ./mine.py and mine.py, in any order: one module
     return sorted(k for k in set(a) | set(b)
                   if a.get(k) != b.get(k) and not may_change(k, allowed)
+                  and not (imports_same and k.startswith("imports["))
                   and not {a.get(k), b.get(k)} <= set(same.get(k, ())))
+
+
+def _imported(leaves: dict) -> set[str]:
+    """The modules an ``imports`` list names: a path as the file it resolves to from here."""
+    names = (str(v) for k, v in leaves.items() if k.startswith("imports["))
+    return {os.path.realpath(os.path.expanduser(n)) if n.endswith(".py") or "/" in n else n for n in names}
 
 
 def leaf_values(config_yaml: str) -> dict:

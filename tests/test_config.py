@@ -155,6 +155,23 @@ def test_resume_may_change_the_loader_workers_and_micro_batch_but_not_the_data()
     assert changed_keys(yaml(num_workers=8, img_size=32), yaml(num_workers=0)) == ["data.img_size"]
 
 
+def test_resume_reads_imports_as_the_modules_they_name(tmp_path, monkeypatch):
+    """./mine.py, mine.py and its absolute path are one file, in any order; another module is a change."""
+    from stabletrain.config import changed_keys
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("mine.py", "other.py"):
+        (tmp_path / name).write_text("")
+
+    def yaml(*imports):
+        return "imports:\n" + "".join(f"- {i}\n" for i in imports) if imports else "imports: []\n"
+
+    assert changed_keys(yaml("mine.py", "other.py"), yaml(str(tmp_path / "other.py"), "./mine.py")) == []
+    assert changed_keys(yaml("mine.py"), yaml("mine.py", "other.py")) == ["imports[1]"]
+    assert changed_keys(yaml("mine.py"), yaml("other.py")) == ["imports[0]"]
+    assert changed_keys(yaml("pkg.mod"), yaml("pkg.mod")) == []
+
+
 @pytest.mark.parametrize("overrides,world,error", [
     (["batch_size=15"], 2,
      "batch_size=15 does not split evenly over its 2 rank(s): use batch_size=14 or batch_size=16"),
