@@ -76,8 +76,12 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         raise ConfigError(f"model.kwargs is for a model family of your own (imports=...); model.family={family.name} "
                           f"takes its arguments as model.* keys (`python train.py --cfg job` lists them)")
     check_own_kwargs("model", family, cfg.model.kwargs)
+    if not is_builtin(family):
+        MODELS.check_callable(family.name)
     for group, (registry, name) in _chosen_options(cfg).items():
         entry = registry.entry(name)
+        if not is_builtin(entry):
+            registry.check_callable(name)
         if cfg[group].get("kwargs") and is_builtin(entry) and group not in swept:
             raise ConfigError(f"{group}.kwargs is for a {group} option of your own (imports=...); {group}={entry.name} "
                               f"takes its settings as {group}.* keys (`python train.py --cfg job` lists them)")
@@ -87,6 +91,8 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         if cfg.data.img_size is not None and family.info["kind"] == "vision":
             _check_data_img_size(cfg, family.info["check"])
     data = _data_entry(cfg)
+    if not is_builtin(data):
+        DATASETS.check_callable(data.name)
     if data.info["kind"] == "text":
         d = cfg.data
         extra = [k for k in ("mixup", "cutmix", "erasing") if getattr(d, k) > 0] + (["randaug"] if d.randaug else [])

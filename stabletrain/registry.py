@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -48,12 +49,14 @@ class Entry:
 
 class Registry:
     def __init__(self, group: str, *modules: str, package: bool = False, declares: tuple[str, ...] = (),
-                 requires: dict[str, str] | None = None):
+                 requires: dict[str, str] | None = None, call: str | None = None):
         """``group`` is the config key users set (``norm``, ``model.family``); ``modules``
         hold the options (a package's every submodule when ``package``); ``declares`` the
         keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments);
-        ``requires`` those of them it must give, each with what it is."""
-        self.group, self.modules, self.package = group, modules, package
+        ``requires`` those of them it must give, each with what it is; ``call`` how an option is
+        called, ``(cfg, dim, *, bias, ln_eps)``: one of one's own that cannot be is refused
+        before the run (:meth:`check_callable`), not met as a TypeError while building."""
+        self.group, self.modules, self.package, self.call = group, modules, package, call
         self.declares = ("kwargs", *declares)
         self.requires = dict(requires or {})
         self._entries: dict[str, Entry] = {}
@@ -111,6 +114,23 @@ class Registry:
             raise UnknownOption(f"{self.group}={key} is not an option; choose one of: {', '.join(self.names())} "
                                 f"({hint})")
         return self._entries[key]
+
+    def check_callable(self, name: Any) -> None:
+        """Refuse option ``name`` where its function cannot take the arguments :attr:`call` names."""
+        if self.call is None:
+            return
+        fn = self.entry(name).fn
+        names = [a.strip() for a in self.call.strip("()").split(",")]
+        star = names.index("*") if "*" in names else len(names)
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin): called as it is
+            return
+        try:
+            sig.bind(*names[:star], **{k: k for k in names[star + 1:]})
+        except TypeError as e:
+            raise ConfigError(f"{self.group}={option_value(name)}: {fn.__module__}.{fn.__qualname__}{sig} must take "
+                              f"what a {self.group} option is called with, {self.call} ({e})") from None
 
     def get(self, name: Any) -> Callable:
         return self.entry(name).fn

@@ -36,6 +36,41 @@ def test_a_misspelt_registration_keyword_is_refused_with_the_nearest():
     assert "capped" not in ATTENTIONS
 
 
+def test_every_option_can_be_called_as_its_registry_says_and_one_that_cannot_is_refused():
+    """``call`` is what the code passes and what docs/architecture.md tells an author: every
+    stabletrain option takes it; a norm of one's own written as (cfg, dim) is refused before the
+    run, not met as a TypeError while building."""
+    from stabletrain.data import DATASETS
+    from stabletrain.layers.attention import ATTENTIONS
+    from stabletrain.layers.deescalate import DEESCALATIONS
+    from stabletrain.layers.init import INITS
+    from stabletrain.layers.norm import NORMS
+    from stabletrain.layers.reparam import REPARAMS
+    from stabletrain.models.registry import MODELS
+    from stabletrain.optim import OPTIMIZERS
+    from stabletrain.optim.schedule import SCHEDULES
+
+    registries = (DATASETS, ATTENTIONS, DEESCALATIONS, INITS, NORMS, REPARAMS, MODELS, OPTIMIZERS, SCHEDULES)
+    for registry in registries:
+        assert registry.call and registry.entries()
+        for entry in registry.entries():
+            registry.check_callable(entry.name)
+
+    def two(cfg, dim):
+        return None
+
+    NORMS.register("two_args_own")(two)
+    try:
+        with pytest.raises(ConfigError, match=r"^norm=two_args_own: .*two\(cfg, dim\) must take what a norm option "
+                                              r"is called with, \(cfg, dim, \*, bias, ln_eps\) \(got an unexpected "
+                                              r"keyword argument 'bias'\)$"):
+            NORMS.check_callable("two_args_own")
+        with pytest.raises(ConfigError, match="^norm=two_args_own: "):
+            validate(make_cfg("model=gpt_test", "norm.name=two_args_own"))
+    finally:
+        NORMS._entries.pop("two_args_own")
+
+
 def test_a_registration_without_what_its_group_needs_is_refused_naming_it():
     """A loss term without its parameter dataclass failed later as KeyError: 'params'."""
     from stabletrain.data import DATASETS

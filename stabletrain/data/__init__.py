@@ -138,7 +138,7 @@ class TokenWindows(Data):
 # ``reads``: which of the OPTION_KEYS it reads (undeclared: any), so that a ``data.path`` given
 # to another data set is refused rather than trained past
 DATASETS = Registry("data", __name__, declares=("kind", "check", "reads"),
-                    requires={"kind": "vision or text: the model families it fits"})
+                    requires={"kind": "vision or text: the model families it fits"}, call="(data_cfg, model_cfg, seed)")
 # the data keys only some data sets read; the rest (img_size, mixup, ...) every one of a kind does
 OPTION_KEYS = ("path", "root", "tokenizer", "val_fraction", "num_workers", "randaug", "erasing")
 IMAGE_FILES = ("root", "num_workers", "randaug", "erasing")

@@ -33,7 +33,7 @@ from stabletrain.layers.norm import StableNorm, mode_eps
 from stabletrain.registry import Registry, option_value
 
 
-ATTENTIONS = Registry("attention", __name__)
+ATTENTIONS = Registry("attention", __name__, call="(attn_cfg, norm_cfg, head_dim, seq_len)")
 
 
 def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:

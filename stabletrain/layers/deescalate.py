@@ -73,7 +73,7 @@ class Deescalate(nn.Module):
 
 
 # name -> ``(cfg, model_causal) -> (placement, module | None)``; info ``active=False`` for none
-DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active",))
+DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active",), call="(cfg, model_causal)")
 
 
 def make_deescalate(cfg, model_causal: bool) -> tuple[str, nn.Module | None]:

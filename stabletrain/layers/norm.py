@@ -61,7 +61,7 @@ def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     return EPS_BY_MODE[eps_mode] if eps is None else eps
 
 
-NORMS = Registry("norm", __name__, declares=("layer", "norm_gain"))
+NORMS = Registry("norm", __name__, declares=("layer", "norm_gain"), call="(cfg, dim, *, bias, ln_eps)")
 
 
 def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5, **_factory_kwargs) -> nn.Module:

@@ -196,7 +196,7 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
 
 # name -> ``(model, cfg) -> step hook | None``: installs the reparametrisation in place and
 # returns what the trainer calls after every optimizer step
-REPARAMS = Registry("reparam", __name__)
+REPARAMS = Registry("reparam", __name__, call="(model, cfg)")
 
 
 @REPARAMS.register("none")

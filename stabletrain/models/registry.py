@@ -21,7 +21,8 @@ from stabletrain.registry import Registry
 #             as changing nothing (none registered: no note)
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
 MODELS = Registry("model.family", "stabletrain.models", package=True,
-                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau"))
+                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau"),
+                  call="(model_cfg, components)")
 DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
 
