@@ -35,8 +35,9 @@ def run(cfg, run_dir: str | Path) -> dict:
         run_dir = Path(D.broadcast_object(str(Path(run_dir).absolute()), info))
         if cfg.dry_run:  # builds everything, takes no lock and writes nothing into the run directory
             trainer = build_trainer(cfg, run_dir, info)
+            found = trainer.resume_source()  # a resume the run would refuse is refused here too
             if info.is_main:
-                print(dry_run_report(trainer), file=sys.stderr)
+                print(dry_run_report(trainer, found), file=sys.stderr)
                 if run_dir.is_dir() and not any(run_dir.iterdir()):  # made for the run it did not start
                     run_dir.rmdir()
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
@@ -131,13 +132,14 @@ def refuse_point(run_dir: Path, reason: str) -> None:
     write_json(run_dir / "summary.json", {"status": "refused", "reason": reason})
 
 
-def dry_run_report(trainer) -> str:
-    """What ``dry_run=true`` prints: the parameters per module, the optimizer's groups, the data
-    and the length of the run."""
+def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:
+    """What ``dry_run=true`` prints: the parameters per module, the optimizer's groups, the data,
+    the length of the run and the checkpoint it would resume (``resumed``: path and payload)."""
     from stabletrain.optim.param_groups import parameter_table
 
     t = trainer
-    lines = [parameter_table(t.model), t.headline(), t.data_line(), *t.notes,
+    resume = [f"resume: would continue from step {resumed[1]['step']} of {resumed[0]}"] if resumed else []
+    lines = [parameter_table(t.model), t.headline(), t.data_line(), *t.notes, *resume,
              "dry run: nothing trained, nothing written"]
     return "\n".join(lines)
 

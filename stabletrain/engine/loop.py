@@ -497,6 +497,37 @@ class Trainer:
         Under SLURM or submitit a run resumes by itself when its run dir holds a checkpoint
         of the same config: that is how a requeued job continues (docs/distributed.md).
         """
+        found = self.resume_source()
+        if found is None:
+            return None
+        path, ck = found
+        note = self.ckpt.restore(path, ck)
+        if note:
+            self.notes.append(note)
+        self.load_survival_state(ck.get("survival"))
+        self.step = self.saved_step = ck["step"]
+        self._resume_notes(path, ck)
+        if path.absolute().parent == self.ckpt.dir.absolute():
+            # this run's checkpoint: the history after it is abandoned, so no rollback may restore
+            # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
+            # rollback killed before its clean-up left)
+            later = [s for s, _ in ring_checkpoints(self.run_dir) if s > self.step]
+            if later:
+                self.notes.append(f"resume={path.name} goes back to step {self.step}: this run's history after it "
+                                  f"(to step {max(later)} at least) is abandoned, its records dropped and its "
+                                  f"{len(later)} later checkpoint(s) removed")
+            self.ckpt.drop_after(self.step)
+        else:  # another run's checkpoint: what this directory holds is no history of it
+            self.resumed_elsewhere = path
+            self._set_aside_earlier_run()
+        if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
+            self.save()
+        return self.step
+
+    def resume_source(self) -> tuple[Path, dict] | None:
+        """The checkpoint ``resume`` names (or a requeued job's own), loaded and checked against
+        this run, refused in one line where it does not fit; None where there is none. Nothing is
+        restored or cut: a dry run asks this too."""
         r = self.settings.resume
         requeued = r is None and D.may_be_requeued()
         if r is None and not requeued:
@@ -524,28 +555,7 @@ class Trainer:
         # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
         self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
                                   allow_changes=self.settings.resume_allow_changes)
-        note = self.ckpt.restore(path, ck)
-        if note:
-            self.notes.append(note)
-        self.load_survival_state(ck.get("survival"))
-        self.step = self.saved_step = ck["step"]
-        self._resume_notes(path, ck)
-        if path.absolute().parent == self.ckpt.dir.absolute():
-            # this run's checkpoint: the history after it is abandoned, so no rollback may restore
-            # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
-            # rollback killed before its clean-up left)
-            later = [s for s, _ in ring_checkpoints(self.run_dir) if s > self.step]
-            if later:
-                self.notes.append(f"resume={path.name} goes back to step {self.step}: this run's history after it "
-                                  f"(to step {max(later)} at least) is abandoned, its records dropped and its "
-                                  f"{len(later)} later checkpoint(s) removed")
-            self.ckpt.drop_after(self.step)
-        else:  # another run's checkpoint: what this directory holds is no history of it
-            self.resumed_elsewhere = path
-            self._set_aside_earlier_run()
-        if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
-            self.save()
-        return self.step
+        return path, ck
 
     def _own_earlier_attempt(self, path: Path) -> tuple[Path, dict] | None:
         """Under a scheduler that requeues, the run dir's last.pt when this same config (its

@@ -298,3 +298,15 @@ def test_a_model_that_does_not_fit_names_the_first_mismatch(tmp_path):
         torch.nn.Linear(2, 3).load_state_dict(torch.nn.Linear(2, 4).state_dict())
     assert mismatch(e.value).startswith("size mismatch for weight: copying a param with shape torch.Size([4, 2])")
     assert mismatch(ValueError("one line")) == "one line"
+
+
+def test_a_dry_run_with_resume_says_what_it_would_continue_or_refuses_as_the_run_would(tmp_path, capsys):
+    own = ["model=gpt_test", "logger=none", "monitor=off"]
+    assert train(tmp_path, *own, "steps=3")["status"] == "completed"
+    capsys.readouterr()
+    assert train(tmp_path, *own, "steps=6", "resume=auto", "dry_run=true")["status"] == "dry_run"
+    err = capsys.readouterr().err
+    assert f"resume: would continue from step 3 of {tmp_path / 'checkpoints/last.pt'}\n" in err, err
+    with pytest.raises(ConfigError, match=r"^resume=auto would change the resumed run's optim.lr \(0.001 there, 0.01"):
+        train(tmp_path, *own, "steps=6", "optim.lr=0.01", "resume=auto", "dry_run=true")
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 3  # nothing written
