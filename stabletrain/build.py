@@ -114,7 +114,12 @@ def validate(cfg, swept: Container[str] = ()) -> None:
                           + (f"add data={readers[0]}" if len(readers) == 1 else "add the one it belongs to"))
     if data.info.get("check"):
         data.info["check"](cfg.data)
-    for name in cfg.regularizer or {}:
+    for name, given in (cfg.regularizer or {}).items():
+        if name == "name" or not (given is None or hasattr(given, "items")):
+            # a yaml written as the other groups' (name: mine, coef: ...): this group maps terms to parameters
+            raise ConfigError(f"regularizer.{name}={given} is no loss term's parameters: a loss term's yaml holds "
+                              f"them under the term's name, as configs/regularizer/zloss.yaml does "
+                              f"(zloss: {{coef: 1.0e-4}}), not as name: and keys of their own")
         LOSS_TERMS.entry(name)
     build_loss_terms(cfg.regularizer)
     check_parallel(cfg)

@@ -40,6 +40,20 @@ def test_parameters_are_checked_in_one_line():
         build_loss_terms({"nope": {}})
 
 
+
+def test_a_loss_term_yaml_written_as_the_other_groups_is_refused_saying_how_it_is_written():
+    """name: zloss / coef: 1e-4 made "regularizer=name is not an option", a term never typed."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.build import validate
+
+    cfg = make_cfg("model=gpt_test")
+    cfg.regularizer = OmegaConf.create({"name": "zloss", "coef": 1e-4})
+    with pytest.raises(ConfigError, match=r"^regularizer.name=zloss is no loss term's parameters: a loss term's yaml "
+                                          r"holds them under the term's name, as configs/regularizer/zloss.yaml does"):
+        validate(cfg)
+
+
 def test_composes_alone_and_with_locater():
     cfg = make_cfg("model=gpt_test", "regularizer=zloss", "regularizer.zloss.coef=1e-3")
     assert dict(cfg.regularizer) == {"zloss": {"coef": 1e-3}}
