@@ -263,6 +263,8 @@ def check_overrides(argv: list[str]) -> None:
         _fail("--cfg prints the config of one run, and -m launches a sweep: drop -m to print one point's config")
     argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
+        if "--help" in argv or "-h" in argv:
+            print_own_options([a for a in argv if not a.startswith("-")])
         return  # --help, --info, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
     if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
@@ -305,6 +307,18 @@ def check_overrides(argv: list[str]) -> None:
             if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
                 line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
             _fail(line + where(ovs))
+
+
+def print_own_options(overrides: list[str]) -> None:
+    """Hydra's --help lists the groups' options in configs/ only: the searchpath's are said first."""
+    own = config_dirs(overrides)[1:]
+    found = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for d in own if d.is_dir()
+             for g in sorted(d.iterdir()) if g.is_dir()}
+    if found:
+        print(f"Options of your own (hydra.searchpath: {', '.join(map(str, own))}), beside the groups' below:")
+        for group, names in found.items():
+            print(f"  {group}: {', '.join(names)}")
+        print()
 
 
 def _added_key_hint(name: str, ov: str) -> str:

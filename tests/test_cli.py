@@ -194,6 +194,14 @@ def test_help_opens_with_examples_that_run():
         validate(make_cfg(*[a.split(",")[0] for a in args if a != "-m"]))
 
 
+def test_help_names_the_options_of_the_searchpath_which_hydras_list_leaves_out():
+    r = cli("hydra.searchpath=[file://examples/conv_stem/configs]", "--help")
+    assert r.returncode == 0 and r.stdout.startswith(
+        "Options of your own (hydra.searchpath: examples/conv_stem/configs), beside the groups' below:\n"
+        "  model: conv_vit_mini, conv_vit_test\n"), r.stdout[:500]
+    assert "stabletrain: train a ViT, Swin or GPT" in r.stdout
+
+
 def test_printing_a_valid_config_still_prints_it(tmp_path):
     r = cli("--cfg", "job", "optim.lr=0.5", "model=vit_test", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]
