@@ -301,12 +301,30 @@ def check_overrides(argv: list[str]) -> None:
             check_group_choices(cfg, ovs)
             validate(cfg, swept=swept_groups)
         except ConfigError as e:
-            _fail(str(e) + where(ovs))
+            _fail(str(e) + _named_in_yaml(str(e), ovs) + where(ovs))
         except (OmegaConfBaseException, HydraException) as e:  # composition, or a value resolved lazily
             line = explain(e, ovs)
             if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
                 line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
             _fail(line + where(ovs))
+
+
+def _named_in_yaml(error: str, overrides: list[str]) -> str:
+    """Where an unknown option's name came from a yaml (norm=mine whose file says name: mien):
+    that file, which the user did not type the name into."""
+    m = re.match(r"([\w.]+)=(\S+) is not an option", error)
+    if m is None:
+        return ""
+    key, name = m.groups()
+    group = key.split(".")[0]
+    for ov in overrides:
+        g, _, option = ov.lstrip("+").partition("=")
+        if g == group and option != name:
+            files = (d / g / f"{option}.yaml" for d in config_dirs(overrides))
+            path = next((f for f in files if f.is_file()), None)
+            if path is not None:
+                return f" ({path} sets {key.split('.', 1)[1] if '.' in key else 'name'}: {name})"
+    return ""
 
 
 def print_own_options(overrides: list[str]) -> None:

@@ -262,3 +262,15 @@ def test_a_run_whose_console_reader_goes_away_trains_on(tmp_path):
     proc.stderr.close()
     assert proc.wait(timeout=300) == 0
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "completed"
+
+
+def test_an_unknown_option_named_in_a_yaml_names_the_yaml(tmp_path, capsys):
+    from stabletrain.cli import check_overrides
+
+    (tmp_path / "norm").mkdir()
+    (tmp_path / "norm/mine.yaml").write_text("name: layernrm\n")
+    with pytest.raises(SystemExit):
+        check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "norm=mine"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: norm=layernrm is not an option; choose one of: ") and line.endswith(
+        f" ({tmp_path / 'norm/mine.yaml'} sets name: layernrm)"), line
