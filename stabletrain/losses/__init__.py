@@ -28,6 +28,7 @@ sharding the keyword is not passed.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Mapping
 
 from omegaconf import OmegaConf
@@ -51,6 +52,16 @@ def term_params(name: str, given: Mapping | None):
         raise
     except Exception as e:
         first = str(e).strip().splitlines()[0]
+        key = getattr(e, "full_key", None) or ""
+        wrong = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
+        missing = re.search(r"missing mandatory value: (\w+)", first)
+        if wrong and key:
+            kind = wrong.group(2).lower()
+            raise ConfigError(f"regularizer.{name}.{key}={wrong.group(1)} is not {'an' if kind[0] in 'aeiou' else 'a'} "
+                              f"{kind}") from None
+        if missing:
+            raise ConfigError(f"regularizer.{name}.{missing.group(1)} has no default: set it, "
+                              f"regularizer.{name}.{missing.group(1)}=VALUE") from None
         raise ConfigError(f"regularizer.{name}: {first} (its keys: "
                           f"{', '.join(schema.__dataclass_fields__)})") from None
 

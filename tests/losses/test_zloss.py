@@ -36,9 +36,31 @@ def test_parameters_are_checked_in_one_line():
         build_loss_terms({"zloss": {"coef": -1.0}})
     with pytest.raises(ConfigError, match=r"regularizer.zloss: .*coeff.*its keys: coef"):
         build_loss_terms({"zloss": {"coeff": 1.0}})
+    with pytest.raises(ConfigError, match=r"^regularizer.zloss.coef=fast is not a float$"):
+        build_loss_terms({"zloss": {"coef": "fast"}})
     with pytest.raises(ConfigError, match="regularizer=nope is not an option; choose one of: locater, zloss"):
         build_loss_terms({"nope": {}})
 
+
+
+def test_a_parameter_without_a_default_is_asked_for_by_name():
+    from dataclasses import dataclass
+
+    from omegaconf import MISSING
+
+    from stabletrain.losses import LOSS_TERMS
+
+    @dataclass
+    class Needs:
+        coef: float = MISSING
+
+    LOSS_TERMS.register("needs_own", params=Needs)(lambda p: None)
+    try:
+        with pytest.raises(ConfigError, match=r"^regularizer.needs_own.coef has no default: set it, "
+                                              r"regularizer.needs_own.coef=VALUE$"):
+            build_loss_terms({"needs_own": {}})
+    finally:
+        LOSS_TERMS._entries.pop("needs_own")
 
 
 def test_a_loss_term_yaml_written_as_the_other_groups_is_refused_saying_how_it_is_written():
