@@ -381,6 +381,8 @@ def check_keys(overrides: list[str]) -> None:
             name = key.lstrip("+")
             if not (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))
                     or is_group(name.split("/")[0], overrides)):
+                if _nearest_key(name) == f"did you mean {name}?":  # +norm.name=...: there already
+                    raise ConfigError(f"{name} is a key of the config already: drop the '+' ({ov.lstrip('+')})")
                 raise ConfigError(f"unknown key '{name}': {_added_key_hint(name, ov)}")
         if key.lstrip("+") in ("hydra.run.dir", "hydra.sweep.dir"):
             _check_output_dir(key.lstrip("+"), ov.split("=", 1)[1])

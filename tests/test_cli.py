@@ -31,6 +31,7 @@ from tests.helpers import cli, make_cfg, model_of
      "unknown key 'regularizer.locater.xyz': the locater loss term's parameters are: scale_coef, mean_coef"),
     (["+model.kwarg.depth=2"], "unknown key 'model.kwarg.depth': did you mean +model.kwargs.depth?"),
     (["+optim.lrr=2"], "unknown key 'optim.lrr': did you mean optim.lr (without the '+')?"),
+    (["+optim.lr=2"], "optim.lr is a key of the config already: drop the '+' (optim.lr=2)"),
     # printing the config checks it first
     (["--cfg", "job", "optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
     (["--cfg=job", "norm.alpha=2"], "norm.alpha=2.0 must be in [0, 0.5]"),
