@@ -261,7 +261,11 @@ def components_line(cfg) -> str:
             details += ["post-norm"] if option_value(g.placement) == "post" else []
         return f"{group}={name}" + (f" ({', '.join(details)})" if details else "")
 
-    terms = ", ".join(cfg.regularizer or {}) or "none"
+    def term(name, params) -> str:
+        shown = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={C.shown_value(v)}" for k, v in (params or {}).items()]
+        return f"{name} ({', '.join(shown)})" if shown else name
+
+    terms = ", ".join(term(t, p) for t, p in (cfg.regularizer or {}).items()) or "none"
     return "components: " + ", ".join(chosen(g) for g in ("norm", "attention", "init", "reparam", "deescalate")) \
         + f"; loss terms: {terms}"
 

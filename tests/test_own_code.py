@@ -446,7 +446,8 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
     cfg = make_cfg("model=gpt_test", "reparam=sigma_qk", "deescalate=ffn", "norm=stablenorm", "norm.placement=post",
                    "regularizer=[locater,zloss]")
     assert components_line(cfg) == ("components: norm=stablenorm (alpha=0.25, post-norm), attention=softmax, "
-                                    "init=family, reparam=sigma_qk, deescalate=ffn; loss terms: locater, zloss")
+                                    "init=family, reparam=sigma_qk, deescalate=ffn; loss terms: locater "
+                                    "(scale_coef=100, mean_coef=1), zloss (coef=0.0001)")
     with pytest.raises(ConfigError, match=r"^norm.kwargs is for a norm option of your own \(imports=...\); "
                                           r"norm=layernorm takes its settings as norm.\* keys"):
         validate(make_cfg("model=gpt_test", "+norm.kwargs.g0=2.5"))
