@@ -437,6 +437,7 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
 
     s = make_schedule(cfg.schedule, 1.0, 100)
     assert [s(k) for k in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    assert s.describe() == "schedule: lr 1, schedule=halving_own (every=10)"  # its arguments on the start line
     from stabletrain.build import components_line
 
     # the start line says the options took, with their own arguments
@@ -507,3 +508,20 @@ def test_a_sweep_over_ones_own_norm_and_a_builtin_may_share_its_arguments(tmp_pa
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "error: +norm.kwargs.g0 adds a key that is there already (set by its option's yaml): drop the '+' to set it, "
         "or write '++norm.kwargs.g0=...', which sets it either way"), r.stderr[-2000:]
+
+
+def test_an_optimizer_of_ones_own_shows_its_arguments_on_its_start_line(tmp_path):
+    from stabletrain.optim import build_optimizer
+
+    path = _module(tmp_path, "my_sgd", """
+        import torch
+        from stabletrain.optim import OPTIMIZERS
+
+        @OPTIMIZERS.register("sgd_own", kwargs=("dampening",))
+        def sgd_own(groups, cfg, lr):
+            return torch.optim.SGD(groups, lr=lr, dampening=cfg.kwargs["dampening"])
+    """)
+    cfg = make_cfg("model=gpt_test", f"imports=[{path}]", "optim.name=sgd_own", "+optim.kwargs.dampening=0.5")
+    validate(cfg)
+    opt, summary = build_optimizer(model_of(cfg), cfg.optim, cfg.model.family)
+    assert summary.startswith("optimizer sgd_own (dampening=0.5) lr 0.001: ") and opt.defaults["dampening"] == 0.5

@@ -106,7 +106,9 @@ def build_optimizer(
 
         # written into the config, so that config.yaml records the bound the run had
         tau = optim_cfg.tau = family_tau(option_value(family))
-    summary = summarize_groups(groups, header=f"optimizer {name} lr {lr:g}: ",
+    own = optim_cfg.get("kwargs") if hasattr(optim_cfg, "get") else getattr(optim_cfg, "kwargs", None)
+    args = f" ({', '.join(f'{k}={v}' for k, v in own.items())})" if own else ""  # an optimizer of one's own
+    summary = summarize_groups(groups, header=f"optimizer {name}{args} lr {lr:g}: ",
                                tau=None if tau is None else float(tau))
     for g in groups:
         g.pop("kinds")

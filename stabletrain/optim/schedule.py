@@ -91,7 +91,8 @@ class LRSchedule:
             return head + (f"x{self.gamma:g} at step(s) {', '.join(map(str, self.milestones))}")
         if self.name in ("constant", "step"):
             return head + "constant"
-        return head + f"schedule={self.name}"
+        own = f" ({', '.join(f'{k}={v}' for k, v in self.kwargs.items())})" if self.kwargs else ""
+        return head + f"schedule={self.name}{own}"
 
     def __call__(self, step: int) -> float:
         w = self.warmup_steps
