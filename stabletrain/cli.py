@@ -284,6 +284,7 @@ def check_overrides(argv: list[str]) -> None:
         _fail(f"cannot parse the overrides: {str(e).splitlines()[0]}")
     try:
         check_keys(overrides)
+        check_option_names(overrides)
     except ConfigError as e:
         _fail(str(e))
     swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
@@ -307,6 +308,32 @@ def check_overrides(argv: list[str]) -> None:
             if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
                 line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
             _fail(line + where(ovs))
+
+
+# the groups whose ``name`` picks a registered option: a yaml of one of them without it builds the default
+NAMED_GROUPS = ("norm", "attention", "init", "reparam", "optim", "schedule", "data", "deescalate")
+
+
+def check_option_names(overrides: list[str]) -> None:
+    """An option's yaml that sets no ``name:`` keeps the group's default (optim=lion training
+    AdamW²): refused, naming the file."""
+    import yaml
+
+    from stabletrain.errors import ConfigError
+
+    for ov in overrides:
+        group, _, options = ov.lstrip("+").partition("=")
+        if group not in NAMED_GROUPS:
+            continue
+        for option in options.split(","):
+            path = next((f for d in config_dirs(overrides) if (f := d / group / f"{option}.yaml").is_file()), None)
+            try:
+                body = yaml.safe_load(path.read_text()) if path is not None else None
+            except (OSError, yaml.YAMLError):
+                continue  # Hydra says what is wrong with it
+            if isinstance(body, dict) and "name" not in body and "defaults" not in body:
+                raise ConfigError(f"{path} sets no name: (the registered option it builds), so {group}={option} "
+                                  f"would build the default {group}; add name: {option}, or the name it registers")
 
 
 def _named_in_yaml(error: str, overrides: list[str]) -> str:

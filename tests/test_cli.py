@@ -275,3 +275,16 @@ def test_an_unknown_option_named_in_a_yaml_names_the_yaml(tmp_path, capsys):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: norm=layernrm is not an option; choose one of: ") and line.endswith(
         f" ({tmp_path / 'norm/mine.yaml'} sets name: layernrm)"), line
+
+
+def test_an_option_yaml_without_a_name_is_refused_not_built_as_the_default(tmp_path, capsys):
+    """optim/mine.yaml without name: trained AdamW², the group's default, without a word."""
+    from stabletrain.cli import check_overrides
+
+    (tmp_path / "optim").mkdir()
+    (tmp_path / "optim/mine.yaml").write_text("lr: 1e-4\n")
+    with pytest.raises(SystemExit):
+        check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "-m", "optim=adamw,mine"])
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'optim/mine.yaml'} sets no name: (the registered option it builds), so optim=mine "
+        f"would build the default optim; add name: mine, or the name it registers")
