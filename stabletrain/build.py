@@ -441,7 +441,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
              + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
-    notes += unbuilt_components(model, cfg)
+    notes += unbuilt_components(model, cfg) + [n for n in [norm_without_layer_note(cfg)] if n]
     blocks = transformer_blocks(model)
     if cfg.activation_checkpointing:
         from stabletrain.engine.sharding import apply_activation_checkpointing
@@ -554,6 +554,16 @@ def unbuilt_components(model, cfg) -> list[str]:
         notes.append(f"attention={attention} changes nothing: model.family={family.name} built no attention of "
                      f"stabletrain's (its builder does not use components.attention)")
     return notes
+
+
+def norm_without_layer_note(cfg) -> str | None:
+    """A norm of one's own registered without ``layer=``: nothing can tell its modules are norms."""
+    entry = NORMS.entry(cfg.norm.name)
+    if is_builtin(entry) or entry.info.get("layer") is not None:
+        return None
+    return (f"note: norm={entry.name} is registered without layer=: its modules are not known as norms, so their "
+            f"weights are grouped as plain vectors, not norm gains (AdamW² leaves them unbounded); "
+            f"register it with layer=<its nn.Module class>")
 
 
 def _monitor_sharding():

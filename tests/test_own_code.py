@@ -525,3 +525,20 @@ def test_an_optimizer_of_ones_own_shows_its_arguments_on_its_start_line(tmp_path
     validate(cfg)
     opt, summary = build_optimizer(model_of(cfg), cfg.optim, cfg.model.family)
     assert summary.startswith("optimizer sgd_own (dampening=0.5) lr 0.001: ") and opt.defaults["dampening"] == 0.5
+
+
+def test_a_norm_registered_without_its_layer_is_noted(tmp_path):
+    from stabletrain.build import norm_without_layer_note
+
+    path = _module(tmp_path, "layerless", """
+        import torch
+        from stabletrain.layers.norm import NORMS
+
+        @NORMS.register("layerless_own")
+        def layerless_own(cfg, dim, **kw):
+            return torch.nn.modules.normalization.LayerNorm(dim)
+    """)
+    cfg = make_cfg("model=gpt_test", f"imports=[{path}]", "norm.name=layerless_own")
+    validate(cfg)
+    assert norm_without_layer_note(cfg).startswith("note: norm=layerless_own is registered without layer=: ")
+    assert norm_without_layer_note(make_cfg("model=gpt_test", "norm=stablenorm")) is None
