@@ -142,6 +142,21 @@ def varying_keys(runs: list[Run]) -> list[str]:
     return [k for k in keys if len({_same(r.settings.get(k, missing)) for r in runs}) > 1]
 
 
+def filled_varying_keys(runs: list[Run]) -> list[str]:
+    """:func:`varying_keys`, once each run that did not override one of them has the value its
+    config.yaml ran with (a default, or a group chosen by name: optim=adamw2 is optim.name)
+    filled in: some keys then no longer differ, and no run's cell is left blank."""
+    keys = varying_keys(runs)
+    for r in runs:
+        missing = [k for k in keys if k not in r.settings]
+        if missing:
+            full = resolved_config(r.path)
+            for k in missing:
+                if (v := full.get(k, full.get(f"{k}.name"))) is not None:
+                    r.settings[k] = v
+    return varying_keys(runs)
+
+
 def _unread(run: Run, key: str) -> bool:
     """Whether ``run`` chose none of the options that read ``key`` (optim.tau on an AdamW run): a
     label naming it would read as a setting that run had; or where another key of the run leaves it
@@ -174,15 +189,7 @@ def labels(run_dirs: list[Path]) -> list[str]:
     which say more than a sweep point's directory name (``3``); the directory name where nothing
     differs or two runs would share a label."""
     runs = [Run(Path(d), {}, settings(Path(d))) for d in run_dirs]
-    keys = varying_keys(runs)
-    for r in runs:  # a run that did not override a key ran with its config's value: say which
-        missing = [k for k in keys if k not in r.settings]
-        if missing:
-            full = resolved_config(r.path)
-            for k in missing:  # a key, or a group chosen by name (optim=adamw2: optim.name)
-                if (v := full.get(k, full.get(f"{k}.name"))) is not None:
-                    r.settings[k] = v
-    keys = varying_keys(runs)  # filled in, some keys no longer differ
+    keys = filled_varying_keys(runs)
     out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings and not _unread(r, k))
            for r in runs]
     if not keys or not all(out) or len(set(out)) < len(out):
@@ -230,7 +237,7 @@ def _events(summary: dict) -> dict:
 
 def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
     """Columns and one dict per run, sorted by the swept values."""
-    keys = varying_keys(runs)
+    keys = filled_varying_keys(runs)
     vals = final_metrics(runs)
     out = []
     for r in runs:

@@ -318,3 +318,14 @@ def test_a_categorical_sweep_plot_draws_points_a_little_apart_and_coinciding_ser
     assert lines[0].get_markersize() > lines[1].get_markersize()  # the later one inside the earlier
     assert ax.get_title() == "sweep: 4 runs"
     plt.close(fig)
+
+
+def test_a_run_that_kept_a_default_shows_the_value_it_ran_with_not_a_blank_cell(tmp_path):
+    for name, over, norm in (("a", ["norm=stablenorm"], "stablenorm"), ("b", [], "layernorm")):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(over))
+        (d / "config.yaml").write_text(yaml.safe_dump({"norm": {"name": norm}}))
+        (d / "summary.json").write_text(json.dumps({"status": "completed", "step": 1}))
+    cols, rows = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert cols[0] == "norm" and [(r["run"], r["norm"]) for r in rows] == [("b", "layernorm"), ("a", "stablenorm")]
