@@ -643,8 +643,9 @@ class Trainer:
         restored, path = found
         ck = load_checkpoint(path, map_location=self.device)
         # the alerts are a record of the run, not state to restore; those of the history this
-        # rollback abandons are marked so, for their steps are no longer on any curve
-        fired = [{**a, "rolled_back": True} for a in self.monitor.alerts] if self.monitor is not None else []
+        # rollback abandons (after the restored step) are marked so, for they are no longer on any curve
+        fired = [{**a, "rolled_back": True} if a.get("step", restored + 1) > restored else a
+                 for a in self.monitor.alerts] if self.monitor is not None else []
         self.ckpt.restore(path, ck)
         if self.monitor is not None:
             self.monitor.stop_reason = None

@@ -510,6 +510,34 @@ def test_a_second_rollback_to_the_same_checkpoint_reaches_further_back(tmp_path)
     assert load_run(tmp_path).alerts == []
 
 
+def test_an_alert_before_the_restored_step_stays_on_the_kept_history(tmp_path, capsys):
+    """An alert at step 2, then a rollback from step 10 to step 8: the step-2 alert is on the curve
+    the run goes on from, so it is not marked abandoned, and the figures and final line keep it."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *ROLLBACK, "steps=12", "ckpt.keep=3", "monitor=standard",
+                               "monitor.stop_on_alert=true", "monitor.rollback_on_alert=true"), tmp_path)
+    real, raised = t.monitor.after_step, []
+
+    def after_step(step, last=False):
+        real(step, last)
+        if step + 1 == 2 and not raised:
+            raised.append(2)
+            t.monitor.alerts.append({"step": 2, "layer": "blocks.1", "value": 0.5, "message": "early"})
+        if step + 1 == 10 and len(raised) == 1:
+            raised.append(10)
+            t.monitor.alerts.append({"step": 10, "layer": "blocks.0", "value": 0.01, "message": "late"})
+            t.monitor.stop_reason = "entropy collapse at blocks.0 (step 10)"
+
+    t.monitor.after_step = after_step
+    s = t.fit()
+    assert s["status"] == "completed" and [r["restored_step"] for r in s["rollbacks"]] == [8]
+    assert [(a["message"], a.get("rolled_back", False)) for a in s["alerts"]] == [("early", False), ("late", True)]
+    from stabletrain.analysis.plots import load_run
+
+    assert [a["step"] for a in load_run(tmp_path).alerts] == [2]
+
+
 def test_the_last_line_names_the_health_alerts(tmp_path, capsys):
     from stabletrain.build import build_trainer
 
