@@ -305,22 +305,41 @@ def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     return _save(fig, out_dir, name)
 
 
+def _over_lines(ax, leg, renderer) -> bool:
+    box = leg.get_window_extent(renderer)
+    return any(line.get_visible() and len(line.get_xdata())
+               and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
+               for line in ax.get_lines())
+
+
 def _legends_off_lines(fig) -> None:
-    """Move a legend that ``loc="best"`` could only put over a line to the right of its panel
-    (a crowded entropy panel has no free corner), and lay the figure out again."""
+    """A legend that ``loc="best"`` could only put over a line (a crowded entropy panel has no
+    free corner) gets room above the curves: the y axis is raised by the legend's height. Where
+    that is more than half the panel, it moves to the right of the panel, and the figure is laid
+    out again (that panel then narrows)."""
     renderer = fig.canvas.get_renderer()  # tight_layout has placed the panels: no draw needed
     moved = False
     for ax in fig.axes:
         leg = ax.get_legend()
-        if leg is None or not ax.get_visible():
+        if leg is None or not ax.get_visible() or not _over_lines(ax, leg, renderer):
             continue
-        box = leg.get_window_extent(renderer)
-        if any(line.get_visible() and len(line.get_xdata())
-               and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
-               for line in ax.get_lines()):
-            ax.legend(leg.legend_handles, [t.get_text() for t in leg.get_texts()], loc="upper left",
-                      bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-            moved = True
+        share = leg.get_window_extent(renderer).height / ax.get_window_extent(renderer).height + 0.05
+        if share < 0.5:
+            lo, hi = ax.get_ylim()
+            if ax.get_yscale() == "log" and lo > 0:
+                ax.set_ylim(lo, lo * (hi / lo) ** (1 / (1 - share)))
+            elif ax.get_yscale() == "linear":
+                ax.set_ylim(lo, lo + (hi - lo) / (1 - share))
+            leg.set_loc("upper right")
+            if not _over_lines(ax, leg, renderer):
+                continue
+            leg.set_loc("upper left")
+            if not _over_lines(ax, leg, renderer):
+                continue
+            ax.set_ylim(lo, hi)
+        leg.set_loc("upper left")
+        leg.set_bbox_to_anchor((1.01, 1.0), transform=ax.transAxes)
+        moved = True
     if moved:
         fig.tight_layout()
 
@@ -825,9 +844,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
               for i in range(len(runs))]
     labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else "")
                 for run, name in zip(runs, names)]
-    missing_in: list[tuple] = []
+    missing_in: list[list[str]] = [[] for _ in runs]
     drawn = 0
-    for ax, (panel, ylabel, logy, get) in zip(axes.flat, panels):
+    short = ("training loss", panels[1][0], "lr", r"$\sigma_1$", "entropy")  # how the legend names a panel
+    for k, (ax, (panel, ylabel, logy, get)) in enumerate(zip(axes.flat, panels)):
         missing = []
         for i, run in enumerate(runs):
             if not _line(ax, get(run), logy=logy, **styles[i]):
@@ -845,8 +865,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
             ax.set_ylabel(ylabel)
             if get is ent:
                 _min_span(ax, 0.1)
-            if missing:  # said in the panel, so that a missing run is not mistaken for a hidden line
-                missing_in.append((ax, missing))
+            for i in missing:  # said with the run, so that it is not mistaken for a hidden line
+                missing_in[i].append(short[k])
         else:
             _empty(ax, "not logged by any run")
         ax.set_title(panel)
@@ -865,6 +885,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     slot = axes.flat[5]
     slot.axis("off")
     handles = [Line2D([], [], **style) for style in styles]
+    labelled = [lab + (f" (not logged: {', '.join(gone)})" if gone else "") for lab, gone in zip(labelled, missing_in)]
     if any(r.diverged_step is not None for r in runs):
         handles.append(Line2D([], [], color="gray", ls=":", lw=1))
         labelled.append("dotted: where the run of that colour diverged")
@@ -875,7 +896,4 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         handles.append(Line2D([], [], color="gray", marker="v", ls=""))
         labelled.append("triangle on the entropy panel: a health alert of the run of that colour")
     _fit_legend(slot, handles, labelled, loc="upper left", borderaxespad=0.0, fontsize=_STYLE["font.size"])
-    for ax, missing in missing_in:
-        _fit_legend(ax, [Line2D([], [], color=styles[i]["color"], ls=":") for i in missing],
-                    [f"not logged: {names[i]}" for i in missing], loc="best")
     return [_save(fig, Path(out_dir), "compare.png")]

@@ -379,11 +379,10 @@ def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
     P.compare_runs([full, bare], tmp_path / "cmp", labels=["full", "bare"])
-    notes = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()]
-             for ax in figures[0].axes if ax.get_title() and ax.get_legend()}
-    assert notes == {title: ["not logged: bare"] for title in (
-        "validation loss", "scheduled lr", r"max over blocks of $\sigma_1(W_q^\top W_k)$ (full width)",
-        "min over blocks and heads of attention entropy")}
+    assert not [ax for ax in figures[0].axes if ax.get_title() and ax.get_legend()]  # no panel squeezed by notes
+    slot = next(ax for ax in figures[0].axes if ax.get_legend() is not None)
+    assert [" ".join(t.get_text().split()) for t in slot.get_legend().get_texts()] == [
+        "full", r"bare (not logged: validation loss, lr, $\sigma_1$, entropy)"]
 
 
 def test_compare_runs_marks_the_steps_rollbacks_restored(tmp_path, monkeypatch):
