@@ -259,7 +259,7 @@ def _title(run: Run, what: str) -> str:
     if run.summary:
         status = f" [{run.summary.get('status', '?')}"
         if run.diverged_step is not None:
-            status += f" at step {run.diverged_step}"
+            status += f" at step {run.diverged_step} (red, dotted)"
         # each rollback (summary.json), not each restored step: three may restore the same one
         records = run.get(N.rollback("restored_step"))
         kept = 0 if records is None else len(records[0])  # one record per rollback, at the step it restored
@@ -276,6 +276,8 @@ def _title(run: Run, what: str) -> str:
         if total:
             where = ("grey" if here == total else f"grey: the {here} in the kept history" if here
                      else "all in histories rollbacks dropped")
+            if here and run.skipped_at and set(run.skipped_at) <= {run.diverged_step}:
+                where = "at the red line"  # drawn under it
             status += f", {total} non-finite step(s) skipped ({where})"
         status += "]"
     return f"{run.name}{status}: {what}"
@@ -449,9 +451,21 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     ax.set_title("training loss (context)")
     ax.set_xlabel("step")
     n = len({q.quantity for q in present})
-    _suptitle(fig, _title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged)"), fontsize=12)
+    # under sigmaReparam the monitors read the weight the layer applies, not the raw one it trains
+    effective = ", of the weights the layers apply, gamma W / sigma(W) (sigmaReparam)" if _reparametrised(run) else ""
+    _suptitle(fig, _title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged){effective}"), fontsize=12)
     fig.tight_layout()
     return _save(fig, out_dir, f"dynamics_{block}.png")
+
+
+def _reparametrised(run: Run) -> bool:
+    """Whether the run trained under sigmaReparam (its config.yaml says so)."""
+    from stabletrain.analysis.sweeps import resolved_config
+
+    try:
+        return str(resolved_config(run.path).get("reparam.name")) == "sigma"
+    except Exception:  # noqa: BLE001 - an unreadable config: said as not
+        return False
 
 
 @_styled
@@ -462,6 +476,9 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         _skip("entropy.png", "no entropy/<block>/mean or min metrics")
         return None
     bound_blocks = [b for b in blocks if run.has(N.metric(N.ENTROPY, b, N.ENT_BOUND_MIN))]
+    if not bound_blocks:
+        _skip("entropy.png's Theorem 3.1 panel", "no bound logged: the theorem covers softmax attention on plain "
+              "q and k, not qknorm or stable attention, nor Swin's position bias and windows (docs/methods.md)")
     ncols = 3 if bound_blocks else 2
     fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 4.0), squeeze=False)
     axes = axes[0]
@@ -701,9 +718,9 @@ def plot_logits(run: Run, out_dir: Path) -> Path | None:
         for b, s, c in zip(layers, series, _depth_colors(len(layers))):
             _line(ax, s, logy=logy, color=c, label=b)
         _mark_divergence(ax, run)
-        ax.set_title("max attention logit (signed: the largest q.k, over heads, queries, keys)")
+        ax.set_title("max attention logit (the softmax's input: scaled q.k, max over heads, queries, keys)")
         ax.set_xlabel("step")
-        ax.set_ylabel("max logit")
+        ax.set_ylabel("max logit" + ("" if logy else " (some at or below 0: linear axis)"))
         _depth_legend_or_bar(fig, ax, layers)
     if log_z is not None:
         ax = axes.pop(0)

@@ -593,3 +593,17 @@ def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(
     run = P.Run("r", tmp_path, {"rollback/restored_step": twice},
                 {"status": "completed", "rollbacks": [{"restored_step": 4}, {"restored_step": 4}]})
     assert "2 rollback(s) (orange: restored step)]" in P._title(run, "x")
+
+
+def test_a_title_says_a_skipped_step_at_the_divergence_lies_under_its_red_line(tmp_path):
+    import numpy as np
+
+    skipped = (np.array([80.0, 90.0]), np.array([0.0, 1.0]))
+    run = P.Run("r", tmp_path, {"train/skipped_steps": skipped}, {"status": "diverged", "diverged_at": 90,
+                                                                  "skipped_steps": 1})
+    assert P._title(run, "x") == ("r [diverged at step 90 (red, dotted), 1 non-finite step(s) skipped "
+                                  "(at the red line)]: x")
+    skipped = (np.array([80.0, 90.0]), np.array([1.0, 1.0]))
+    run = P.Run("r", tmp_path, {"train/skipped_steps": skipped}, {"status": "diverged", "diverged_at": 90,
+                                                                  "skipped_steps": 2})
+    assert "2 non-finite step(s) skipped (grey)]" in P._title(run, "x")
