@@ -9,6 +9,7 @@ with a printed note (``logits.png`` silently). Figures:
 - ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
 - ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
 - ``entropy.png``: attention entropy per layer (001 Fig. 2/3), the Theorem 3.1 bound, the health alerts;
+- ``heads.png``: per head (``monitor.per_head=true``), entropy and sigma1(W_q^h^T W_k^h) of up to four blocks;
 - ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
@@ -530,6 +531,47 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "entropy.png")
 
 
+def _heads(run: Run, group: str, block: str, stem: str) -> list[Series]:
+    """The per-head series ``<group>/<block>/<stem><h>`` for h = 0, 1, ... while logged."""
+    out = []
+    while (s := run.get(N.metric(group, block, N.head(stem, len(out))))) is not None:
+        out.append(s)
+    return out
+
+
+@_styled
+def plot_heads(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
+    """Per head (``monitor.per_head=true``, as monitor=full sets): which head's entropy fell, and
+    which head's sigma1(W_q^h^T W_k^h) grew. One column per block, heads coloured by index."""
+    shown = [b for b in blocks if _heads(run, N.ENTROPY, b, "head") or _heads(run, N.SIGMA1, b, N.WQ_T_WK + "_head")]
+    if not shown:
+        return None  # per-head metrics are opt-in: no note on every run without them
+    rows = [(N.ENTROPY, "head", "attention entropy (nats)", False),
+            (N.SIGMA1, N.WQ_T_WK + "_head", r"$\sigma_1(W_q^{h\top} W_k^h)$", True)]
+    rows = [r for r in rows if any(_heads(run, r[0], b, r[1]) for b in shown)]
+    fig, axes = plt.subplots(len(rows), len(shown), figsize=(4.2 * len(shown) + 1, 3.4 * len(rows)), squeeze=False)
+    for col, b in enumerate(shown):
+        for row, (group, stem, ylabel, logy) in enumerate(rows):
+            ax, series = axes[row][col], _heads(run, group, b, stem)
+            colors = plt.get_cmap("tab10").colors
+            for h, sr in enumerate(series):
+                _line(ax, sr, logy=logy, color=colors[h % 10], ls=("-", "--", ":")[h // 10 % 3], lw=1.2,
+                      label=f"head {h}")
+            if group == N.ENTROPY and (ref := run.get(N.metric(N.ENTROPY, b, N.ENT_LOG_T))) is not None:
+                ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1, zorder=1, label="uniform")
+            if not series:
+                _empty(ax, "not logged")
+            _mark_divergence(ax, run)
+            ax.set_title(f"{b}: {'entropy' if group == N.ENTROPY else ylabel} per head")
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            if series and col == len(shown) - 1:
+                _fit_legend(ax, *ax.get_legend_handles_labels(), loc="best")
+    _suptitle(fig, _title(run, "per head"))
+    fig.tight_layout()
+    return _save(fig, out_dir, "heads.png")
+
+
 def _sec_curve(run: Run, block: str) -> dict[int, Series]:
     out = {}
     for name, series in run.metrics.items():
@@ -743,7 +785,8 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
     written = [plot_training(run, out)]
     for b in chosen:
         written.append(plot_block_dynamics(run, b, out))
-    written += [plot_entropy(run, chosen, out), plot_sec(run, chosen, out), plot_adamw2_lr(run, out),
+    written += [plot_entropy(run, chosen, out), plot_heads(run, chosen[:4], out), plot_sec(run, chosen, out),
+                plot_adamw2_lr(run, out),
                 plot_token_similarity(run, out), plot_qk_spectrum(run, out), plot_logits(run, out)]
     return [p for p in written if p is not None]
 

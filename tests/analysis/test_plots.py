@@ -607,3 +607,25 @@ def test_a_title_says_a_skipped_step_at_the_divergence_lies_under_its_red_line(t
     run = P.Run("r", tmp_path, {"train/skipped_steps": skipped}, {"status": "diverged", "diverged_at": 90,
                                                                   "skipped_steps": 2})
     assert "2 non-finite step(s) skipped (grey)]" in P._title(run, "x")
+
+
+def test_heads_figure_draws_each_heads_logged_series(tmp_path, monkeypatch):
+    """monitor.per_head=true logs entropy and sigma1(W_q^h^T W_k^h) per head: heads.png draws
+    them, one line per head at its logged values; a run without them gets no figure."""
+    import numpy as np
+
+    steps = np.array([0.0, 10.0, 20.0])
+    metrics = {f"entropy/blocks.0/head{h}": (steps, np.array([2.0, 1.5 - h, 1.0 - h / 2])) for h in range(2)}
+    metrics |= {f"sigma1/blocks.0/wq_t_wk_head{h}": (steps, np.array([0.1, 0.2, 0.4]) * (h + 1)) for h in range(2)}
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append((name, fig)) or out / name)
+    P.plot_heads(P.Run("r", tmp_path, metrics, None), ["blocks.0"], tmp_path)
+    (name, fig), = figures
+    ent, sig = fig.axes
+    assert name == "heads.png" and ent.get_title() == "blocks.0: entropy per head"
+    for ax, group in ((ent, "entropy/blocks.0/head"), (sig, "sigma1/blocks.0/wq_t_wk_head")):
+        lines = {ln.get_label(): ln.get_ydata() for ln in ax.get_lines()}
+        for h in range(2):
+            np.testing.assert_allclose(lines[f"head {h}"], metrics[f"{group}{h}"][1])
+    assert sig.get_yscale() == "log"
+    assert P.plot_heads(P.Run("r", tmp_path, {"loss": (steps, steps)}, None), ["blocks.0"], tmp_path) is None
