@@ -236,6 +236,13 @@ def _depth_cmap():
     return ListedColormap(plt.get_cmap("plasma")(np.linspace(0.0, 0.85, 256)), name="depth")
 
 
+def _step_colors(n: int):
+    """Early to late, light to dark green: time has its own hue, apart from depth's (a navy line
+    meant step 0 in one panel and blocks.0 in the next)."""
+    cmap = plt.get_cmap("Greens")
+    return [cmap(0.35 + 0.6 * i / max(n - 1, 1)) for i in range(n)]
+
+
 def _depth_colors(n: int):
     cmap = _depth_cmap()
     return [cmap(i / max(n - 1, 1)) for i in range(n)]
@@ -592,16 +599,14 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     cols = min(4, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.8 * cols, 3.2 * rows), squeeze=False)
-    cmap = plt.get_cmap("plasma")
     for ax, (block, curve) in zip(axes.flat, curves.items()):
         sizes = list(curve)
         d_h = sizes[-1]
         steps = _few_steps(np.concatenate([s[0] for s in curve.values()]),
                            must=[a["step"] for a in run.alerts if a.get("layer") == block])
-        for i, step in enumerate(steps):
+        for step, color in zip(steps, _step_colors(len(steps))):
             ys = [_value_at(curve[s], step) for s in sizes]
-            ax.plot(sizes, ys, marker="o", ms=3, color=cmap(0.85 * i / max(len(steps) - 1, 1)),
-                    label=f"step {int(step)}")
+            ax.plot(sizes, ys, marker="o", ms=3, color=color, label=f"step {int(step)}")
         ax.axhline(0.99, color="red", ls=":", lw=1, label="99% (crash signature)")
         log_scale(ax, "x", base=2)
         ax.set_xticks(sizes)
@@ -682,10 +687,9 @@ def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
     series = [run.get(N.metric(N.TOKEN_SIM, b)) for b in layers]
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
     steps = _few_steps(np.concatenate([s[0] for s in series]))
-    cmap = plt.get_cmap("plasma")
-    for i, step in enumerate(steps):
+    for step, color in zip(steps, _step_colors(len(steps))):
         a0.plot(range(len(layers)), [_value_at(s, step) for s in series], marker="o", ms=3,
-                color=cmap(0.85 * i / max(len(steps) - 1, 1)), label=f"step {int(step)}")
+                color=color, label=f"step {int(step)}")
     a0.set_xticks(range(len(layers)))
     a0.set_xticklabels(layers, rotation=60, ha="right", fontsize=7)
     a0.set_xlabel("block (depth)")
