@@ -607,12 +607,15 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         for step, color in zip(steps, _step_colors(len(steps))):
             ys = [_value_at(curve[s], step) for s in sizes]
             ax.plot(sizes, ys, marker="o", ms=3, color=color, label=f"step {int(step)}")
-        ax.axhline(0.99, color="red", ls=":", lw=1, label="99% (crash signature)")
+        # the crash signature, where the health alert tests it: said on the axes, the legend is the steps'
+        ax.axhline(0.99, color="red", ls=":", lw=1)
+        alert_s = N.sec_alert_size(d_h)
+        ax.axvline(alert_s, color="red", ls="--", lw=0.8)
         log_scale(ax, "x", base=2)
         ax.set_xticks(sizes)
         ax.set_xticklabels([str(s) for s in sizes])
         ax.set_ylim(0, 1.03)
-        ax.set_xlabel("s (top singular directions)")
+        ax.set_xlabel(f"s (top singular directions)\nred: the alert's test, SEC({d_h}, {alert_s}) > 0.99")
         ax.set_ylabel(f"SEC({d_h}, s)")
         ax.set_title(f"{block}: max over heads")
         ax.legend(loc="lower right")

@@ -629,3 +629,15 @@ def test_heads_figure_draws_each_heads_logged_series(tmp_path, monkeypatch):
             np.testing.assert_allclose(lines[f"head {h}"], metrics[f"{group}{h}"][1])
     assert sig.get_yscale() == "log"
     assert P.plot_heads(P.Run("r", tmp_path, {"loss": (steps, steps)}, None), ["blocks.0"], tmp_path) is None
+
+
+def test_sec_marks_where_the_health_alert_tests_it(tmp_path, monkeypatch):
+    run = _write_run(tmp_path / "r", crash=True)
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    P.plot_sec(P.load_run(run), BLOCKS, tmp_path)
+    ax = figures[0].axes[0]
+    s = N.sec_alert_size(D_H)
+    assert any(list(ln.get_xdata()) == [s, s] for ln in ax.get_lines())  # the dashed line at s*
+    assert any(list(ln.get_ydata()) == [0.99, 0.99] for ln in ax.get_lines())
+    assert ax.get_xlabel().endswith(f"red: the alert's test, SEC({D_H}, {s}) > 0.99")
