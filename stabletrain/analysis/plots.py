@@ -461,19 +461,33 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     n = len({q.quantity for q in present})
     # under sigmaReparam the monitors read the weight the layer applies, not the raw one it trains
     effective = ", of the weights the layers apply, gamma W / sigma(W) (sigmaReparam)" if _reparametrised(run) else ""
-    _suptitle(fig, _title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged){effective}"), fontsize=12)
+    _suptitle(fig, _title(run, f"{block}, AdamW² Eq. 1 quantities ({n} of 15 logged){effective}{_qk_caveat(run)}"),
+              fontsize=12)
     fig.tight_layout()
     return _save(fig, out_dir, f"dynamics_{block}.png")
 
 
-def _reparametrised(run: Run) -> bool:
-    """Whether the run trained under sigmaReparam (its config.yaml says so)."""
+def _chosen(run: Run, key: str) -> str | None:
+    """A key of the run's config.yaml (``reparam.name``); None where it has none."""
     from stabletrain.analysis.sweeps import resolved_config
 
     try:
-        return str(resolved_config(run.path).get("reparam.name")) == "sigma"
-    except Exception:  # noqa: BLE001 - an unreadable config: said as not
-        return False
+        value = resolved_config(run.path).get(key)
+    except Exception:  # noqa: BLE001 - an unreadable config: said as unknown
+        return None
+    return None if value is None else str(value)
+
+
+def _reparametrised(run: Run) -> bool:
+    """Whether the run trained under sigmaReparam."""
+    return _chosen(run, "reparam.name") == "sigma"
+
+
+def _qk_caveat(run: Run) -> str:
+    """Said under q/k normalisation: the weights' W_q^T W_k no longer bounds the logits."""
+    attention = _chosen(run, "attention.name")
+    return (f" (attention={attention} normalises q and k: these weights do not bound its logits)"
+            if attention in ("qknorm", "stable") else "")
 
 
 @_styled
@@ -619,7 +633,7 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         ax.set_ylabel(f"SEC({d_h}, s)")
         ax.set_title(f"{block}: max over heads")
         ax.legend(loc="lower right")
-    title = _title(run, r"spectral energy concentration of $W_q^{h\top} W_k^h$")
+    title = _title(run, r"spectral energy concentration of $W_q^{h\top} W_k^h$" + _qk_caveat(run))
     return _finish(fig, axes, n, title, out_dir, "sec.png")
 
 

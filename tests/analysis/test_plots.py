@@ -641,3 +641,12 @@ def test_sec_marks_where_the_health_alert_tests_it(tmp_path, monkeypatch):
     assert any(list(ln.get_xdata()) == [s, s] for ln in ax.get_lines())  # the dashed line at s*
     assert any(list(ln.get_ydata()) == [0.99, 0.99] for ln in ax.get_lines())
     assert ax.get_xlabel().endswith(f"red: the alert's test, SEC({D_H}, {s}) > 0.99")
+
+
+def test_titles_say_what_a_runs_config_changes_in_the_weights_read(tmp_path):
+    """Under q/k normalisation W_q^T W_k bounds no logit; under sigmaReparam the weights read are
+    the applied ones: both from the run's config.yaml, nothing where it has none."""
+    run = P.Run("r", tmp_path, {}, None)
+    assert P._qk_caveat(run) == "" and not P._reparametrised(run)
+    (tmp_path / "config.yaml").write_text("attention:\n  name: stable\nreparam:\n  name: sigma\n")
+    assert P._qk_caveat(run).startswith(" (attention=stable normalises q and k") and P._reparametrised(run)
