@@ -155,3 +155,17 @@ def test_a_weight_average_added_on_resume_says_it_starts_there(tmp_path, capsys)
     train(tmp_path, *args, "steps=2")
     train(tmp_path, *args, "steps=4", "ema.decay=0.9", "resume=auto", quiet=False)
     assert "it starts now, from the resumed weights" in capsys.readouterr().err
+
+
+def test_the_explicit_update_path_lerps_by_one_minus_decay():
+    """WeightEma._update_unless without ``skip`` (the FSDP2 path) must give timm's numbers:
+    e <- d e + (1 - d) w, as the found_inf path and timm's own update do."""
+    d = 0.8
+    model = nn.Linear(3, 2, bias=False)
+    ema = WeightEma(model, d)
+    e0 = ema.module.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(2, 3, generator=torch.Generator().manual_seed(1)))
+    with torch.no_grad():  # as after_step calls it
+        ema._update_unless(model, d, None)
+    torch.testing.assert_close(ema.module.weight, d * e0 + (1 - d) * model.weight.detach())

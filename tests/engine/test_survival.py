@@ -573,3 +573,109 @@ def test_rolling_back_alerts_with_sparse_checkpoints_is_noted(tmp_path, ckpt_eve
     want = ("note: monitor.rollback_on_alert with ckpt_every=200 > monitor.probe_every=50: a rollback may restore a "
             "state long before the alert, or step 0; set ckpt_every=50 or less")
     assert (want in t.notes) == noted
+
+def _logged(run_dir, key) -> dict:
+    """step -> the value of ``key`` in each record of the run's metrics.jsonl that has it."""
+    return {r["step"]: r[key] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if key in r}
+
+
+
+def test_rollback_scales_the_lr_the_steps_run_at(tmp_path):
+    """lr_scale_on_rollback must change the lr used after the rollback, not only the saved number."""
+    s = train(tmp_path / "rb", *GPT, *ROLLBACK, "steps=8", "debug.nan_at_step=6",
+              "divergence.lr_scale_on_rollback=0.5")
+    assert len(s["rollbacks"]) == 1 and s["rollbacks"][0]["restored_step"] == 4
+    train(tmp_path / "ref", *GPT, "steps=8")
+    rb, ref = _logged(tmp_path / "rb", "lr"), _logged(tmp_path / "ref", "lr")
+    for k in range(1, 5):
+        assert rb[k] == pytest.approx(ref[k]), k
+    for k in range(5, 9):
+        assert rb[k] == pytest.approx(0.5 * ref[k]), k
+
+
+def test_lr_scale_compounds_over_two_rollbacks(tmp_path):
+    """Two rollbacks at 0.5 each: lr_scale 0.25 (the existing test has only one rollback)."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, *ROLLBACK, "steps=14", "debug.nan_at_step=6",
+                               "divergence.lr_scale_on_rollback=0.5"), tmp_path)
+    orig = t.train_step
+
+    def step(*a, **k):
+        if len(t.rollbacks) == 1 and t.settings.nan_at_step == 6:
+            t.settings.nan_at_step = 12  # a second bad batch, further on
+        return orig(*a, **k)
+
+    t.train_step = step
+    s = t.fit()
+    assert s["status"] == "completed" and len(s["rollbacks"]) == 2
+    survival = _load(tmp_path / "checkpoints/last.pt")["survival"]
+    assert survival["lr_scale"] == pytest.approx(0.25)
+    # rollback 1: trigger 6, restored 4, offset 2; rollback 2: trigger 10, restored 8 (saved with offset 2) -> 2 + 2
+    assert [(r["trigger_step"], r["restored_step"]) for r in s["rollbacks"]] == [(6, 4), (10, 8)]
+    assert survival["data_offset"] == 4
+    lr = _logged(tmp_path, "lr")
+    ref_dir = tmp_path.parent / (tmp_path.name + "_ref")
+    train(ref_dir, *GPT, "steps=14")
+    ref = _logged(ref_dir, "lr")
+    assert lr[14] == pytest.approx(0.25 * ref[14])
+
+
+def test_rollback_skips_at_least_skip_window_steps_of_data(tmp_path):
+    """divergence.skip_window=5 with a trigger 2 steps after the restored checkpoint: 5 skipped."""
+    s = train(tmp_path, *GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "divergence.skip_window=5")
+    assert s["status"] == "completed"
+    assert s["rollbacks"][0]["restored_step"] == 4 and s["rollbacks"][0]["skipped_steps"] == 5
+    assert _load(tmp_path / "checkpoints/last.pt")["survival"]["data_offset"] == 5
+
+
+def test_resume_restores_the_divergence_watch(tmp_path):
+    """The divergence watch's running mean is resumed, not restarted: a resumed run's last.pt
+    holds the same watch state as the uninterrupted run's."""
+    from stabletrain.build import build_trainer
+    from tests.engine.test_loop import _run_until
+
+    args = [*GPT, "steps=8", "ckpt_every=4"]
+    train(tmp_path / "full", *args)
+    _run_until(build_trainer(make_cfg(*QUIET, *args), tmp_path / "half"), 4)
+    train(tmp_path / "half", *args, "resume=auto")
+    a, b = _load(tmp_path / "full/checkpoints/last.pt"), _load(tmp_path / "half/checkpoints/last.pt")
+    assert a["divergence"]["seen"] == b["divergence"]["seen"] == 8
+    assert b["divergence"]["ema"] == pytest.approx(a["divergence"]["ema"], rel=1e-6)
+
+
+def test_resume_after_a_scaled_rollback_keeps_the_lr_scale(tmp_path):
+    """As test_resume_after_a_rollback_continues_exactly, but with lr_scale_on_rollback=0.5:
+    the resumed run must keep the scale, so its lr and losses equal the uninterrupted run's."""
+    import signal
+
+    from stabletrain.build import build_trainer
+
+    args = [*GPT, *ROLLBACK, "steps=12", "debug.nan_at_step=6", "divergence.lr_scale_on_rollback=0.5"]
+    train(tmp_path / "full", *args)
+    t = build_trainer(make_cfg(*QUIET, *args), tmp_path / "half")
+    orig = t.train_step
+
+    def step(*a, **k):
+        out = orig(*a, **k)
+        if t.rollbacks and t.step + 1 == 9:
+            t.stop_signal = signal.SIGTERM
+        return out
+
+    t.train_step = step
+    assert t.fit()["status"] == "interrupted"
+    train(tmp_path / "half", *args, "resume=auto")
+    assert _logged(tmp_path / "half", "lr") == pytest.approx(_logged(tmp_path / "full", "lr"))
+    assert _logged(tmp_path / "half", "loss") == pytest.approx(_logged(tmp_path / "full", "loss"), rel=1e-6)
+
+
+def test_loss_terms_are_logged_once_per_step_under_accumulation(tmp_path):
+    """The logged penalty (loss/penalty) must not grow with the number of micro-batches."""
+    extra = ["optim=sgd", "regularizer=locater"]
+    train(tmp_path / "a", *GPT, "steps=3", *extra)
+    train(tmp_path / "b", *GPT, "steps=3", "micro_batch_size=2", *extra)
+    a, b = _logged(tmp_path / "a", "loss/penalty"), _logged(tmp_path / "b", "loss/penalty")
+    assert a and a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5), k
