@@ -209,7 +209,10 @@ _FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
 def _mark_divergence(ax, run: Run) -> None:
     """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
     steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
-    the log steps whose interval skipped a non-finite update (grey)."""
+    the log steps whose interval skipped a non-finite update (grey). Not on a panel that drew
+    nothing (:func:`_empty`): lines across its note would read as data."""
+    if not ax.get_lines():
+        return
     for step in run.skipped_at:
         ax.axvline(step, color="0.6", lw=0.8)
     for step in run.restored_at:
@@ -679,7 +682,8 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
         entries = kinds[kind]
         colors = _depth_colors(len(entries))
         for (block, p), c in zip(entries, colors):
-            _line(ax, run.get(N.adamw2_lr_eff(p)), logy=True, color=c, label=block or p)
+            _line(ax, run.get(N.adamw2_lr_eff(p)), logy=True, color=c,
+                  label=block or ("actual lr" if len(entries) == 1 else p))  # one tensor: its name is the title
         _line(ax, run.get(N.LR), logy=True, color="black", ls="--", lw=1, label="scheduled lr")
         _mark_divergence(ax, run)
         ax.set_title(kind)
@@ -688,7 +692,7 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
         if len(entries) <= 6:
             ax.legend(loc="best")
         else:
-            ax.text(0.02, 0.02, f"{len(entries)} blocks, dark = shallow, yellow = deep",
+            ax.text(0.02, 0.02, f"{len(entries)} blocks, dark blue = shallow, orange = deep",
                     transform=ax.transAxes, fontsize=7, color="dimgray")
     title = _title(run, "AdamW² actual learning rate per tensor")
     return _finish(fig, axes, len(order), title, out_dir, "adamw2_lr.png")
