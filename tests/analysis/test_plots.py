@@ -650,3 +650,16 @@ def test_titles_say_what_a_runs_config_changes_in_the_weights_read(tmp_path):
     assert P._qk_caveat(run) == "" and not P._reparametrised(run)
     (tmp_path / "config.yaml").write_text("attention:\n  name: stable\nreparam:\n  name: sigma\n")
     assert P._qk_caveat(run).startswith(" (attention=stable normalises q and k") and P._reparametrised(run)
+
+
+def test_a_panel_that_drew_nothing_gets_no_event_lines(tmp_path):
+    import matplotlib.pyplot as plt
+
+    run = P.Run("r", tmp_path, {}, {"status": "diverged", "diverged_at": 5})
+    fig, (empty, drawn) = plt.subplots(1, 2)
+    P._empty(empty, "not logged")
+    drawn.plot([0, 10], [1, 2])
+    P._mark_divergence(empty, run)
+    P._mark_divergence(drawn, run)
+    assert not empty.get_lines() and [list(ln.get_xdata()) for ln in drawn.get_lines()][1:] == [[5, 5]]
+    plt.close(fig)
