@@ -368,7 +368,7 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
                         annotation_clip=False)
             kinds.add("edge")
     if "at" in kinds:
-        ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged")
+        ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged (its last value)")
     if "edge" in kinds:
         ax.plot([], [], "^", ls="", color="gray", markersize=8, label="diverged, value off the axis")
         ax.margins(y=0.15)  # room between the data and the markers on the edges

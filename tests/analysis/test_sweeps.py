@@ -195,7 +195,7 @@ def test_sweep_plot_draws_diverged_runs_only_at_values_they_reached():
     healthy = [y for (lr, y) in reached if y != 2.35]
     assert max(healthy) < ax.get_ylim()[1] < 1.1 * max(healthy)  # matplotlib's limits, not 1.155 x max
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        "optim=adamw", "optim=adamw2", "diverged", "diverged, value off the axis"]
+        "optim=adamw", "optim=adamw2", "diverged (its last value)", "diverged, value off the axis"]
     plt.close(fig)
 
 
