@@ -19,10 +19,11 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -n auto $(PYTEST_ARGS)
 
-# GPU tables of docs/performance.md: the goals (trainer vs a bare compiled loop, each fix, monitors, MFU), then AdamW² vs fused AdamW alone
+# GPU tables of docs/performance.md: the goals (trainer vs a bare compiled loop, each fix, monitors, MFU), then AdamW² vs
+# fused AdamW alone; ARGS go to bench_train.py, OPTIM_ARGS to bench_optim.py (their options differ)
 bench: setup
 	$(BIN)/python scripts/bench_train.py $(ARGS)
-	$(BIN)/python scripts/bench_optim.py --optims adamw,adamw2,adamw2-overlap $(ARGS)
+	$(BIN)/python scripts/bench_optim.py --optims adamw,adamw2,adamw2-overlap $(OPTIM_ARGS)
 
 lint: setup
 	$(BIN)/ruff check stabletrain tests scripts examples train.py

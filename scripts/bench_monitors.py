@@ -35,8 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain.cli import compose_config  # noqa: E402
+from stabletrain.cli import checked_config  # noqa: E402
 from stabletrain.build import build_trainer  # noqa: E402
+from stabletrain.errors import ConfigError  # noqa: E402
 from stabletrain.monitor import quantities as Q  # noqa: E402
 
 SYNC_METHODS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
@@ -137,6 +138,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/bench_monitors")
     ap.add_argument("overrides", nargs="*", help="extra config overrides")
     args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("error: bench_monitors.py times the monitors on a GPU and no CUDA GPU is visible here; "
+                 "--model vit_test --device cpu is a smoke run of it on a CPU")
+    for flag, value in (("--repeats", args.repeats), ("--seq", args.seq)):
+        if value < 1:
+            sys.exit(f"error: {flag}={value} must be at least 1")
+    if args.warmup < 0:
+        sys.exit(f"error: --warmup={args.warmup} must be 0 or more")
 
     over = [f"model={args.model}", "monitor=standard", "logger=none", f"device={args.device}",
             f"reparam={args.reparam}", f"monitor.per_head={str(args.per_head).lower()}", "eval_every=1000000"]
@@ -146,9 +155,14 @@ def main() -> None:
         over += ["data=digits", "data.img_size=224"]
     if args.probe_batch:
         over.append(f"monitor.probe_batch_size={args.probe_batch}")
-    cfg = compose_config(over + list(args.overrides))
-    t = build_trainer(cfg, Path(args.out) / args.model)
+    cfg = checked_config(over + list(args.overrides))
+    try:
+        t = build_trainer(cfg, Path(args.out) / args.model)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     mon = t.monitor
+    if mon is None:
+        sys.exit("error: monitor=off builds no monitors to time; leave the monitor group as this script sets it")
     sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
     nparams = sum(p.numel() for p in t.model.parameters())
 
@@ -175,7 +189,7 @@ def main() -> None:
         rows.append(("probe_metrics", probe_s, *n_syncs(psync)))
 
     dev = torch.cuda.get_device_name() if t.device.type == "cuda" else "CPU"
-    print(f"\n{args.model} ({nparams / 1e6:.1f}M params, {len(mon.blocks)} blocks) on {dev}, "
+    print(f"\n{args.model} ({nparams / 1e6:.3g}M params, {len(mon.blocks)} blocks) on {dev}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {len(rec)} weight metrics per pass\n")
     print("| pass | median ms | host syncs (device) | host reads (all) |")
     print("| --- | --- | --- | --- |")

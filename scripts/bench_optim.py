@@ -318,7 +318,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.batch = args.batch or (4 if args.tiny else 256)
     args.gpt_batch = args.gpt_batch or (2 if args.tiny else 16)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        sys.exit(f"error: --device {args.device} is not a device: use cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             sys.exit("error: bench_optim.py times the optimizer on a GPU and no CUDA GPU is visible here; "
@@ -329,7 +332,19 @@ def main(argv=None):
     variants = [v.strip() for v in args.optims.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        sys.exit(f"unknown --optims {unknown}; choose from {list(VARIANTS)}")
+        sys.exit(f"error: --optims {unknown[0]} is not a variant; choose from: {', '.join(VARIANTS)}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or any(m not in ("vit", "gpt") for m in models):
+        sys.exit(f"error: --models {args.models}: this script builds its own two models, vit and gpt (--tiny: "
+                 f"small ones); a model of the configs (vit_test, gpt2_s) is bench_train.py's --models")
+    if args.profile is not None and args.profile not in VARIANTS:
+        sys.exit(f"error: --profile {args.profile} is not a variant; choose from: {', '.join(VARIANTS)}")
+    for flag, value in (("--steps", args.steps), ("--accum", args.accum), ("--batch", args.batch),
+                        ("--gpt-batch", args.gpt_batch), ("--power-iters", args.power_iters)):
+        if value < 1:
+            sys.exit(f"error: {flag}={value} must be at least 1")
+    if args.warmup < 0:
+        sys.exit(f"error: --warmup={args.warmup} must be 0 or more")
 
     lines = [
         "| model | optimizer | step ms | optimizer ms | vs adamw | note |",
@@ -337,7 +352,7 @@ def main(argv=None):
     ]
     if args.optimizer_only:
         lines = ["| model | optimizer | optimizer step ms | vs adamw |", "| --- | --- | ---: | ---: |"]
-    for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for kind in models:
         base = None
         for variant in variants:
             if args.optimizer_only:
@@ -360,7 +375,7 @@ def main(argv=None):
         lines.append("| --- | ---: |")
         lines += [f"| {label} | {ms:.3f} |" for label, ms in rows]
     if args.profile:
-        for kind in [m.strip() for m in args.models.split(",") if m.strip()]:
+        for kind in models:
             profile_optimizer(kind, args.profile, args, device)
     print()
     print(f"compile={args.compile} steps={args.steps} warmup={args.warmup} power_iters={args.power_iters} "

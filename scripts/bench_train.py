@@ -12,7 +12,7 @@ such runs after ``--warmup`` steps, so the host runs ahead of the device as in t
 - ``bare``: what a hand-written nanoGPT / timm loop does: the model and its cross-entropy in one
   ``torch.compile``d function, torch's fused AdamW, autocast, backward, step, zero_grad;
 - ``trainer``: ``Trainer.train_step`` with ``optim=adamw`` (fused) and the defaults otherwise
-  (the schedule, non-finite step skipping, the compiled loss); ``trainer, no skip``: with
+  (the schedule, non-finite step skipping, the compiled loss); ``trainer no-skip``: with
   ``divergence.skip_nonfinite=false`` (the per-step gradient norm and its flag off);
 - ``adamw2``, ``adamw2 overlap`` (``optim.overlap_sigma_w=true``), ``sigma`` (``reparam=sigma``
   with AdamW): each against ``trainer``;
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.build import build_trainer  # noqa: E402
-from stabletrain.cli import compose_config  # noqa: E402
+from stabletrain.cli import checked_config  # noqa: E402
 from stabletrain.config import MonitorConfig  # noqa: E402
 from stabletrain.errors import ConfigError  # noqa: E402
 from stabletrain.metrics import peak_flops  # noqa: E402
@@ -47,7 +47,7 @@ from stabletrain.metrics import peak_flops  # noqa: E402
 # variant -> (overrides on top of optim=adamw, the row it is compared with, the goal for the ratio)
 VARIANTS = {
     "trainer": ([], "bare", "<= +3%"),
-    "trainer, no skip": (["divergence.skip_nonfinite=false"], "trainer", ""),
+    "trainer no-skip": (["divergence.skip_nonfinite=false"], "trainer", ""),
     "adamw2": (["optim=adamw2"], "trainer", "<= +3%"),
     "adamw2 overlap": (["optim=adamw2", "optim.overlap_sigma_w=true"], "trainer", "<= +3%"),
     "sigma": (["reparam=sigma"], "trainer", "<= +10%"),
@@ -141,7 +141,7 @@ def bench(model: str, args) -> tuple[dict, dict]:
         if args.variants and name not in args.variants:
             continue
         first = name == "trainer"  # also times the monitors and the bare loop on its model
-        cfg = compose_config(base + extra + [f"monitor={'standard' if first else 'off'}"])
+        cfg = checked_config(base + extra + [f"monitor={'standard' if first else 'off'}"])
         t = build_trainer(cfg, Path(args.out) / model / name.replace(" ", "_").replace(",", ""))
         sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
         batch = [t._to_device(x, y) for x, y in next(t.data.train_iter(0, t.shard))]
@@ -186,6 +186,9 @@ def report(model: str, rows: dict, meta: dict, args) -> None:
         mem = rows[v]["peak_gb"]
         print(f"| {v} | {1e3 * s:.1f} | {against} | {ratio} | {goal} | {per_s:,.0f} | {mfu} | "
               f"{'' if mem is None else f'{mem:.1f}'} |")
+    if dev.type != "cuda":
+        print("\nnote: on a CPU this checks that each variant runs; the goals are set for one GPU, and "
+              "'adamw2 overlap' has no side stream here (the same work as 'adamw2')")
     if "monitors" in meta and "trainer" in rows:
         share, weight, probe = meta["monitors"]
         print(f"| monitors (weight pass {1e3 * weight:.1f} ms, probe pass {1e3 * probe:.1f} ms) | | trainer | "
@@ -203,12 +206,22 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default all)")
     ap.add_argument("--profile", default=None, help="profile 5 steps of one variant (or bare)")
-    ap.add_argument("--out", default="/tmp/bench_train")
+    ap.add_argument("--out", default="/tmp/bench_train", help="run directories and the profiler's trace.json")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: bench_train.py times training on a GPU and no CUDA GPU is visible here; "
                  "--models vit_test,gpt_test --device cpu --steps 2 --warmup 1 is a smoke run of it on a CPU")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        sys.exit(f"error: --variants {unknown[0]} is not a variant; choose from: {', '.join(VARIANTS)}")
+    if args.profile is not None and args.profile not in ("bare", *VARIANTS):
+        sys.exit(f"error: --profile {args.profile} is not a variant; choose bare or one of: {', '.join(VARIANTS)}")
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            sys.exit(f"error: {flag}={value} must be at least 1")
+    if args.warmup < 0:
+        sys.exit(f"error: --warmup={args.warmup} must be 0 or more")
     if args.variants and "trainer" not in args.variants:
         args.variants.insert(0, "trainer")  # every ratio is against it (and bare)
     for model in args.models.split(","):

@@ -2,7 +2,7 @@
 collapses at a high learning rate, AdamW² at the same rate trains like AdamW with warmup.
 
     python scripts/repro_warmup.py --out runs/repro            # on a GPU: a few minutes
-    python scripts/repro_warmup.py --steps 20 --warmup 5 --lrs 1e-2 --out /tmp/r   # smoke run
+    python scripts/repro_warmup.py --steps 20 --warmup 5 --lrs 1e-2 --extra model.depth=2 --out /tmp/r   # smoke: 1 min
 
 Runs a byte-level GPT on the Python standard library's sources for each learning rate with
 (a) AdamW, no warmup, (b) AdamW with linear warmup, (c) AdamW² (tau 0.01, the GPT value of
@@ -20,15 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain.cli import compose_config  # noqa: E402
+from stabletrain.cli import checked_config  # noqa: E402
 from stabletrain.analysis.plots import compare_runs  # noqa: E402
 from stabletrain.metrics import read_records  # noqa: E402
 from stabletrain.monitor import names as N  # noqa: E402
 from stabletrain.run import run  # noqa: E402
 
-# gpt_mini made 6 x 256, named so in the runs' start lines and config.yaml
-MODEL = ["model=gpt_mini", "model.name=gpt_6x256", "model.depth=6", "model.embed_dim=256", "model.num_heads=4",
-         "model.block_size=256"]
+# gpt_mini made 6 x 256, named by its shape (gpt_6x256) in the runs' start lines and config.yaml
+MODEL = ["model=gpt_mini", "model.depth=6", "model.embed_dim=256", "model.num_heads=4", "model.block_size=256"]
 VARIANTS = {
     "adamw_nowarmup": ["optim=adamw", "warmup=0"],
     "adamw_warmup": ["optim=adamw"],  # warmup filled in from --warmup
@@ -67,18 +66,38 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     a = ap.parse_args()
     out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        sys.exit(f"error: --out {out} is a file; give a folder for the runs and results.md")
+    lrs = [lr.strip() for lr in a.lrs.split(",") if lr.strip()]
+    for lr in lrs:
+        try:
+            ok = float(lr) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            sys.exit(f"error: --lrs {lr} is not a learning rate: give positive numbers, e.g. --lrs 3e-3,1e-2")
+
+    def overrides(lr: str, name: str) -> list[str]:
+        over = VARIANTS[name] + ([f"warmup={a.warmup}"] if name == "adamw_warmup" else [])
+        return MODEL + over + [f"optim.lr={lr}", f"steps={a.steps}", f"batch_size={a.batch}",
+                               "optim.weight_decay=0.1", "optim.betas=[0.9,0.95]", "grad_clip=1.0",
+                               "logger=none", "monitor=standard", "monitor.weight_every=50",
+                               "monitor.probe_every=100", "eval_every=250", "logger.log_every=50", *a.extra]
+
+    # every run checked before the first starts: a bad --extra or lr is one line, not an hour in
+    configs = {(lr, name): checked_config(overrides(lr, name)) for lr in lrs for name in VARIANTS}
     rows = []
-    for lr in a.lrs.split(","):
+    for lr in lrs:
         dirs, labels = [], []
-        for name, over in VARIANTS.items():
-            if name == "adamw_warmup":
-                over = over + [f"warmup={a.warmup}"]
-            args = MODEL + over + [f"optim.lr={lr}", f"steps={a.steps}", f"batch_size={a.batch}",
-                                   "optim.weight_decay=0.1", "optim.betas=[0.9,0.95]", "grad_clip=1.0",
-                                   "logger=none", "monitor=standard", "monitor.weight_every=50",
-                                   "monitor.probe_every=100", "eval_every=250", "logger.log_every=50", *a.extra]
+        for name in VARIANTS:
+            cfg = configs[(lr, name)]
+            cfg.model.name = f"gpt_{cfg.model.depth}x{cfg.model.embed_dim}"
             d = out / f"lr{lr}_{name}"
-            s = run(compose_config(args), d)
+            s = run(cfg, d)
+            if s["status"] == "interrupted":  # Ctrl-C stops the script, not this one run
+                print(f"interrupted at lr {lr}, {label(name, a.warmup)}: the runs under {out} so far are kept; "
+                      f"run the script again to start over", file=sys.stderr)
+                sys.exit(128 + int(s.get("signal", 2)))
             recs = read_records(d / "metrics.jsonl")  # torn lines dropped
             rows.append((lr, name, s["status"], last(recs, N.VAL_LOSS), len(s.get("alerts", [])),
                          extreme(recs, f"/{N.WQ_T_WK_MAX}", max),
@@ -94,6 +113,7 @@ def main() -> None:
     lines += [f"| {lr} | {n} | {st} | {vl:.3f} | {al} | {qk:.3g} | {en:.3g} |" for lr, n, st, vl, al, qk, en in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    print(f"\nwritten: {out / 'results.md'}, " + ", ".join(str(out / f"compare_lr{lr}" / "compare.png") for lr in lrs))
 
 
 if __name__ == "__main__":

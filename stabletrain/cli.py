@@ -256,6 +256,13 @@ def compose_config(overrides: list[str]):
         GlobalHydra.instance().clear()
 
 
+def checked_config(overrides: list[str]):
+    """:func:`compose_config` for the scripts: a mistake in ``overrides`` (an unknown model, a
+    misspelt key, a value out of range) ends the script in the line train.py would print."""
+    check_overrides(list(overrides))
+    return compose_config(overrides)
+
+
 def check_overrides(argv: list[str]) -> None:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     printing = len(_without_cfg_flag(argv)) < len(argv)

@@ -96,7 +96,7 @@ def test_stability_bench(tmp_path):
     assert sorted(pt.lr for pt in collect(tmp_path)["adamw"]) == [1e-3, 1e-1]  # the old runs are no points
 
 
-@pytest.mark.parametrize("name", ["bench_train.py", "bench_optim.py"])
+@pytest.mark.parametrize("name", ["bench_train.py", "bench_optim.py", "bench_monitors.py"])
 def test_a_benchmark_without_a_gpu_says_how_to_smoke_run_it(name):
     import torch
 
@@ -107,3 +107,27 @@ def test_a_benchmark_without_a_gpu_says_how_to_smoke_run_it(name):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert lines[0].startswith(f"error: {name} times") and "--device cpu" in lines[0]
+
+
+@pytest.mark.parametrize("name,args,error", [
+    ("bench_train.py", ["--models", "nope"], "error: model=nope is not an option of 'model'; choose one of: "),
+    ("bench_train.py", ["--device", "gpu"], "error: device=gpu is not an option: use auto, cpu, cuda or cuda:N"),
+    ("bench_train.py", ["--variants", "sigmaa"], "error: --variants sigmaa is not a variant; choose from: trainer, "),
+    ("bench_train.py", ["--batch", "0"], "error: --batch=0 must be at least 1"),
+    ("bench_optim.py", ["--models", "vit_test", "--tiny"], "error: --models vit_test: this script builds its own"),
+    ("bench_optim.py", ["--steps", "0", "--tiny"], "error: --steps=0 must be at least 1"),
+    ("bench_optim.py", ["--profile", "adam", "--tiny"], "error: --profile adam is not a variant; choose from: "),
+    ("bench_monitors.py", ["--model", "vit_test", "monitor=off"], "error: monitor=off builds no monitors to time"),
+    ("bench_monitors.py", ["--model", "vit_test", "monitor.weight_everyy=3"], "error: unknown key "),
+    ("repro_warmup.py", ["--lrs", "1e-2,fast"], "error: --lrs fast is not a learning rate"),
+    ("repro_warmup.py", ["--extra", "optim.lrr=1"], "error: unknown key 'optim.lrr': did you mean optim.lr?"),
+])
+def test_a_scripts_mistake_is_one_line_before_any_work(name, args, error):
+    """As train.py's: the scripts check their arguments and the configs they compose before timing
+    or training anything (a bad second lr failed after an hour of the first's runs)."""
+    device = [] if name == "repro_warmup.py" else ["--device", "cpu"]
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *device, *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    lines = [ln for ln in p.stderr.strip().splitlines() if "No CUDA runtime" not in ln]
+    assert p.returncode != 0 and "Traceback" not in p.stderr and lines[-1].startswith(error), p.stderr[-2000:]
+
