@@ -28,7 +28,8 @@ so that each row shows what that one fix buys over the ``adamw`` row:
     stable         optim=adamw warmup=0 norm=stablenorm attention=stable init=stable
     zloss          optim=adamw warmup=0 regularizer=zloss
 
-Then writes OUT/stability.md, OUT/stability.csv and OUT/stability.png
+Then writes OUT/stability.md, OUT/stability.csv and OUT/stability.png of this invocation's fixes
+and learning rates (``--summarize-only``: of every run under OUT, whatever settings each ran with)
 (stabletrain/analysis/stability.py defines the final loss, L0 and the LR-sensitivity score).
 
 Presets (``--preset``; every key can still be overridden with ``--extra``):
@@ -168,8 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.vision:
         base = [o for o in base if not o.startswith("model")] + [
             "model=vit_test" if a.preset == "tiny" else "model=vit_mini", "data=digits"]
-    lrs = ([float(x) for x in a.lrs.split(",")] if a.lrs else
-           log_grid(a.lr_min or preset["lr_min"], a.lr_max or preset["lr_max"], a.lr_points or preset["lr_points"]))
+    try:
+        lrs = ([float(x) for x in a.lrs.split(",") if x.strip()] if a.lrs else
+               log_grid(a.lr_min or preset["lr_min"], a.lr_max or preset["lr_max"],
+                        a.lr_points or preset["lr_points"]))
+    except ValueError as e:
+        ap.error(f"--lrs {a.lrs}: {e}; give comma-separated numbers, e.g. --lrs 1e-3,1e-2")
+    if not lrs or min(lrs) <= 0:
+        ap.error("the learning rates must be positive")
     warmup = a.warmup if a.warmup is not None else preset["warmup"]
     names = a.fixes.split(",") if a.fixes else list(FIXES)
     unknown = [n for n in names if n not in FIXES]
@@ -213,15 +220,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{group}] sweep exited with {rc}; see {group_dir / 'launch.log'}", file=sys.stderr)
     if a.dry_run:
         return 0
-    rc = summarize(out, order)
+    rc = summarize(out, order, lrs)
     if failed:
         print(f"sweeps that failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return rc
 
 
-def summarize(out: Path, order: list[str] | None) -> int:
-    md, paths = stability.write(out, order)
+def summarize(out: Path, order: list[str] | None, lrs: list[float] | None = None) -> int:
+    """The table and figure of OUT: of this run's fixes and learning rates (``order``, ``lrs``),
+    or, for --summarize-only (None), of every run under it."""
+    md, paths = stability.write(out, order, only=order, lrs=lrs)
+    if order is not None:
+        rest = sorted({p.group for pts in stability.collect(out).values() for p in pts} - set(order))
+        if rest:
+            print(f"note: left out of the table, as runs of other invocations whose settings this one did not "
+                  f"check: {', '.join(rest)} (--summarize-only {out} tabulates every run)", file=sys.stderr)
     if not md:
         plain = any(p.parent.parent == out for p in out.glob("*/summary.json"))
         print(f"error: no benchmark run under {out}" + (

@@ -82,6 +82,8 @@ def test_stability_bench(tmp_path):
                         "--preset", "tiny", "--lrs", "1e-3,1e-1", "--fixes", "adamw", *quick],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "all 2 learning rates done, skipped" in p.stderr, p.stderr
+    # a run of one fix tabulates that fix: 'mine' ran in another invocation, with settings unchecked
+    assert {r[0] for r in rows(p.stdout, "")[1:]} == {"adamw"} and "left out of the table" in p.stderr
     assert script("stability_bench.py", "--summarize-only", str(tmp_path)) == out
     # other settings: the points run again (they were reused silently, their table unchanged)
     fewer = [q if q != "steps=5" else "steps=3" for q in quick]

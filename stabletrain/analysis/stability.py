@@ -222,13 +222,22 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
     return fig
 
 
-def write(out_dir: str | Path, order: Sequence[str] | None = None) -> tuple[str, dict[str, Path]]:
+def write(out_dir: str | Path, order: Sequence[str] | None = None, only: Sequence[str] | None = None,
+          lrs: Sequence[float] | None = None) -> tuple[str, dict[str, Path]]:
     """Writes ``stability.md``, ``stability.csv`` and ``stability.png`` into ``out_dir``;
-    returns the markdown table and the paths. Nothing to write when no run is found."""
+    returns the markdown table and the paths. Nothing to write when no run is found. ``only``
+    and ``lrs``: the groups and learning rates kept (a benchmark run keeps its own grid: the
+    other runs under ``out_dir`` may have run with other settings)."""
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
     groups = collect(out)
+    if only is not None:
+        groups = {g: pts for g, pts in groups.items() if g in only}
+    if lrs is not None:
+        groups = {g: [p for p in pts if any(math.isclose(p.lr, lr, rel_tol=1e-9) for lr in lrs)]
+                  for g, pts in groups.items()}
+        groups = {g: pts for g, pts in groups.items() if pts}
     if not groups:
         return "", {}
     columns, rows = table(groups, order)
