@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     earlier = (out / "compare.png").exists()
     try:
         paths = compare_runs(runs, out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no such run; an unreadable summary.json
         print(f"error: {e}", file=sys.stderr)
         return 2
     for p in paths:

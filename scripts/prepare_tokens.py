@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="concatenate documents without end-of-text tokens (WikiText: rows are lines of one text)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        print(f"error: --out {a.out} is a file; give a folder for train.bin, val.bin and meta.json", file=sys.stderr)
+        return 2
     try:
         meta = prepare_from_sources(
             a.out, files=a.files, hf=a.hf, hf_config=a.hf_config, hf_disk=a.hf_disk, hf_revision=a.hf_revision,

@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         count = f"{len(table)} run{'s' * (len(table) != 1)}" + (f" ({waiting} not started)" if waiting else "")
         print(f"\n{count}; table written to {csv_path}", file=sys.stderr)
     if args.plot:
+        import matplotlib.pyplot as plt
+
+        kinds = plt.gcf().canvas.get_supported_filetypes()
+        plt.close()
+        if args.plot.suffix.lstrip(".").lower() not in kinds:
+            print(f"error: --plot {args.plot}: matplotlib writes {', '.join('.' + k for k in sorted(kinds))}; "
+                  f"name the file with one of them, e.g. tau.png", file=sys.stderr)
+            return 2
         swept = sweeps.varying_keys(runs)
         metric = args.metric or next(c for c in ("final_val/loss", "final_task_loss", "final_loss") if c in columns)
         if args.metric is not None and metric not in columns and f"final_{metric}" in columns:

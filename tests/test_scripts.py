@@ -133,3 +133,23 @@ def test_a_scripts_mistake_is_one_line_before_any_work(name, args, error):
     lines = [ln for ln in p.stderr.strip().splitlines() if "No CUDA runtime" not in ln]
     assert p.returncode != 0 and "Traceback" not in p.stderr and lines[-1].startswith(error), p.stderr[-2000:]
 
+
+
+def test_the_analysis_scripts_name_the_file_they_cannot_use(tmp_path):
+    """An unreadable summary.json, a figure format matplotlib has not, an --out that is a file:
+    one line naming it, not a traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (run / "summary.json").write_text('{"status": "compl')
+    (tmp_path / "notes.txt").write_text("x")
+    cases = [("plot_dynamics.py", [str(run)], f"error: {run / 'summary.json'} is not readable JSON"),
+             ("compare_runs.py", [str(run), "--out", str(tmp_path / "o")], f"error: {run / 'summary.json'} is not"),
+             ("summarize_sweep.py", [str(tmp_path), "--plot", str(tmp_path / "p.txt")], "error: --plot "),
+             ("prepare_tokens.py", ["--out", str(tmp_path / "notes.txt"), "--files", str(tmp_path / "notes.txt")],
+              f"error: --out {tmp_path / 'notes.txt'} is a file")]
+    for name, args, error in cases:
+        p = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        last = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+        assert p.returncode == 2 and "Traceback" not in p.stderr and last.startswith(error), (name, p.stderr[-2000:])

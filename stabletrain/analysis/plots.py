@@ -142,7 +142,11 @@ def load_run(run_dir: str | Path) -> Run:
                                     f"with scripts/compare_runs.py {run_dir}")
         raise FileNotFoundError(f"{metrics_path} not found: is {run_dir} a run directory?")
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    except ValueError as e:  # torn or edited by hand
+        raise ValueError(f"{summary_path} is not readable JSON ({e}): move it aside to plot the run's "
+                         f"records") from None
     return Run(sweeps.run_name(run_dir), run_dir, read_metrics(metrics_path), summary)
 
 
