@@ -129,7 +129,7 @@ def refuse_point(run_dir: Path, reason: str) -> None:
         RunDirLock(run_dir).check_free()  # held: another run trains there
     except ConfigError:
         return
-    write_json(run_dir / "summary.json", {"status": "refused", "reason": reason})
+    write_json(run_dir / "summary.json", {"status": "refused", "step": 0, "reason": reason})
 
 
 def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:

@@ -241,7 +241,8 @@ def test_a_sweep_point_refused_while_building_is_recorded_and_the_sweep_goes_on(
             f"hydra.sweep.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     refused, done = (json.loads((tmp_path / str(i) / "summary.json").read_text()) for i in (0, 1))
-    assert refused["status"] == "refused" and "too few for a window of model.block_size=5000000" in refused["reason"]
+    assert refused["status"] == "refused" and refused["step"] == 0
+    assert "too few for a window of model.block_size=5000000" in refused["reason"]
     assert done["status"] == "completed"
     assert "(this sweep point is skipped; the sweep goes on)" in r.stderr and "Traceback" not in r.stderr
 
