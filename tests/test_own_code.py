@@ -55,6 +55,24 @@ def _module(tmp_path, name: str, body: str):
     return path
 
 
+# a norm with a gain of its own, g0 (its norm.kwargs)
+GAIN_NORM = """
+        import torch
+        from stabletrain.layers.norm import NORMS
+
+        class GainNorm(torch.nn.Module):
+            def __init__(self, dim, g0):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
+
+            def forward(self, x):
+                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
+
+        @NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))
+        def gain_own(cfg, dim, **kw):
+            return GainNorm(dim, cfg.kwargs.get("g0", 1.0))
+"""
+
 SCALE_NORM = """
     import torch
     from stabletrain.layers.norm import NORMS
@@ -399,23 +417,9 @@ def test_a_loss_term_of_your_own_is_a_regularizer_option(tmp_path):
 def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, monkeypatch):
     """A norm, an init and a schedule of the user's own read ``<group>.kwargs`` (added with a '+',
     as ``model.kwargs``); stabletrain's own options refuse it in one line."""
-    path = _module(tmp_path, "my_options", """
-        import torch
+    path = _module(tmp_path, "my_options", GAIN_NORM + """
         from stabletrain.layers.init import INITS
-        from stabletrain.layers.norm import NORMS
         from stabletrain.optim.schedule import SCHEDULES
-
-        class GainNorm(torch.nn.Module):
-            def __init__(self, dim, g0):
-                super().__init__()
-                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
-
-            def forward(self, x):
-                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
-
-        @NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))
-        def gain_own(cfg, dim, **kw):
-            return GainNorm(dim, cfg.kwargs.get("g0", 1.0))
 
         @INITS.register("const_own")
         def const_own(w, gain=1.0, value=0.0):
@@ -473,22 +477,7 @@ def test_options_of_your_own_take_arguments_in_their_groups_kwargs(tmp_path, mon
 def test_a_sweep_over_ones_own_norm_and_a_builtin_may_share_its_arguments(tmp_path):
     """``-m norm=layernorm,gain_own ++norm.kwargs.g0=2.5``: the argument is for one point's norm;
     the other notes it (a single run is refused: above), and its start line shows no argument."""
-    path = _module(tmp_path, "gain_norm", """
-        import torch
-        from stabletrain.layers.norm import NORMS
-
-        class GainNorm(torch.nn.Module):
-            def __init__(self, dim, g0):
-                super().__init__()
-                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
-
-            def forward(self, x):
-                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
-
-        @NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))
-        def gain_own(cfg, dim, **kw):
-            return GainNorm(dim, cfg.kwargs["g0"])
-    """)
+    path = _module(tmp_path, "gain_norm", GAIN_NORM)
     (tmp_path / "configs/norm").mkdir(parents=True)
     (tmp_path / "configs/norm/gain_own.yaml").write_text("name: gain_own\nkwargs:\n  g0: 1.0\n")
     common = [f"imports=[{path}]", f"hydra.searchpath=[file://{tmp_path / 'configs'}]", "model=gpt_test", "steps=1",
