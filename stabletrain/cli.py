@@ -321,6 +321,11 @@ def check_overrides(argv: list[str]) -> None:
 NAMED_GROUPS = ("norm", "attention", "init", "reparam", "optim", "schedule", "data", "deescalate")
 
 
+def option_yaml(group: str, option: str, overrides: list[str]) -> Path | None:
+    """The yaml file of ``group=option``: in configs/ or the first searchpath folder that has it."""
+    return next((f for d in config_dirs(overrides) if (f := d / group / f"{option}.yaml").is_file()), None)
+
+
 def check_option_names(overrides: list[str]) -> None:
     """An option's yaml that sets no ``name:`` keeps the group's default (optim=lion training
     AdamW²): refused, naming the file."""
@@ -333,7 +338,7 @@ def check_option_names(overrides: list[str]) -> None:
         if group not in NAMED_GROUPS:
             continue
         for option in options.split(","):
-            path = next((f for d in config_dirs(overrides) if (f := d / group / f"{option}.yaml").is_file()), None)
+            path = option_yaml(group, option, overrides)
             try:
                 body = yaml.safe_load(path.read_text()) if path is not None else None
             except (OSError, yaml.YAMLError):
@@ -354,8 +359,7 @@ def _named_in_yaml(error: str, overrides: list[str]) -> str:
     for ov in overrides:
         g, _, option = ov.lstrip("+").partition("=")
         if g == group and option != name:
-            files = (d / g / f"{option}.yaml" for d in config_dirs(overrides))
-            path = next((f for f in files if f.is_file()), None)
+            path = option_yaml(g, option, overrides)
             if path is not None:
                 return f" ({path} sets {key.split('.', 1)[1] if '.' in key else 'name'}: {name})"
     return ""
