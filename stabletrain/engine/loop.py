@@ -52,6 +52,18 @@ class StepResult(NamedTuple):
     lr: float  # the rate the step ran at
 
 
+class _Interval(NamedTuple):
+    """The values of the steps since the last log, read back on the host (under DDP: averaged over the
+    ranks; the bad samples and the stop request summed)."""
+
+    losses: list[float]
+    skipped: list[bool]  # divergence.skip_nonfinite skipped the step
+    terms: list[float]  # each loss term, summed over the steps
+    grad_norm: float | None  # the largest finite one when every step computed one, else the last step's
+    bad: int  # unreadable image files replaced so far
+    stop: bool  # the monitors asked to stop
+
+
 EVAL_BATCH_CAP = 256  # evaluation batches are the training batch, at most this (the forward needs no grads)
 
 
@@ -336,12 +348,25 @@ class Trainer:
     # --- logging --------------------------------------------------------------------
 
     def _log_interval(self, pending: list[tuple[int, StepResult]], dt: float, last_vals: dict) -> str | None:
-        """Read the interval's losses, skip flags, loss terms and gradient norm back in one
-        device-to-host copy, check divergence step by step, and log. Under DDP the values are
-        the global batch's and the monitors' stop request is shared, so every rank reaches the
-        same verdict at the same step. Returns the reason to stop, or None."""
-        n, k = len(pending), len(self.loss_terms)
-        results = [r for _, r in pending]
+        """Check the steps since the last log for divergence, step by step, and log them; under DDP
+        the values are the global batch's, so every rank reaches the same verdict at the same step.
+        Returns the reason to stop, or None."""
+        got = self._read_back([r for _, r in pending])
+        steps = [s for s, _ in pending]
+        reason, passed = self._verdict(steps, got)
+        rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
+        self.metrics.log(self.step, rec)
+        self._progress(rec, steps, got.skipped, passed, reason, last_vals)
+        return reason
+
+    @property
+    def _throughput(self) -> str:
+        return N.throughput("tokens" if self.data.kind == "text" else "samples")
+
+    def _read_back(self, results: list[StepResult]) -> _Interval:
+        """The interval's losses, skip flags, loss terms and gradient norm in one device-to-host
+        copy (and, under DDP, one all-reduce)."""
+        n, k = len(results), len(self.loss_terms)
         guarded = self.guard is not None
         gnorm = results[-1].grad_norm
         if all(r.grad_norm is not None for r in results):
@@ -370,11 +395,17 @@ class Trainer:
         skipped = [v > 0.5 for v in values[:n]] if guarded else [False] * n
         values = values[n:] if guarded else values
         terms, values = values[:k], values[k:]
-        bad, stop = int(values[-2]), values[-1]
+        return _Interval(losses, skipped, terms, values[0] if gnorm is not None else None,
+                         int(values[-2]), values[-1] > 0)
+
+    def _verdict(self, steps: list[int], got: _Interval) -> tuple[str | None, list[tuple[int, int]]]:
+        """Feed the losses to the divergence watch step by step; returns the reason to stop (a
+        divergence, one unresolved at the last step, or the monitors' stop request) and the
+        (first step, length) of the loss spikes that ended in the interval."""
         reason = None
         self.trigger = None
-        passed = []  # (first step, length) of the loss spikes that ended in this interval
-        for (s, _), value, skip in zip(pending, losses, skipped):
+        passed = []
+        for s, value, skip in zip(steps, got.losses, got.skipped):
             over = self.divergence.over
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
             if over and not self.divergence.over and not skip:
@@ -388,40 +419,49 @@ class Trainer:
             if reason:
                 self.diverged_at = self.divergence.onset
                 self.trigger = (self.divergence.onset, "divergence")
-        if reason is None and stop > 0:
+        if reason is None and got.stop:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
             self.trigger = (self.step, "alert")
-        healthy = [v for v, skip in zip(losses, skipped) if not skip]  # a skipped step's loss is nan
+        return reason, passed
+
+    def _record(self, steps: list[int], got: _Interval, dt: float, lr: float) -> dict:
+        """The interval's metrics record: the mean loss of its healthy steps, the last lr, the time per
+        step, throughput and MFU, the loss terms, the gradient norm, and AdamW²'s telemetry."""
+        n, k = len(steps), len(self.loss_terms)
+        healthy = [v for v, skip in zip(got.losses, got.skipped) if not skip]  # a skipped step's loss is nan
         self.last_train_loss = sum(healthy) / len(healthy) if healthy else float("nan")
-        lr, step_s = results[-1].lr, dt / n
-        rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: step_s}
-        if guarded:
-            rec[N.SKIPPED_STEPS] = sum(skipped)
-            self.skipped_steps += sum(skipped)
+        rec = {N.LOSS: self.last_train_loss, N.LR: lr, N.STEP_TIME: dt / n}
+        if self.guard is not None:
+            rec[N.SKIPPED_STEPS] = sum(got.skipped)
+            self.skipped_steps += sum(got.skipped)
         if k:
-            rec[N.LOSS_PENALTY] = self.last_penalty = sum(terms) / n
+            rec[N.LOSS_PENALTY] = self.last_penalty = sum(got.terms) / n
         if k > 1:
-            rec.update({N.loss_term(t.name): v / n for t, v in zip(self.loss_terms, terms)})
+            rec.update({N.loss_term(t.name): v / n for t, v in zip(self.loss_terms, got.terms)})
         samples = n * self.settings.batch_size
-        per_s = samples * (self.data.seq_len or 1) / dt
-        rec[N.throughput("tokens" if self.data.kind == "text" else "samples")] = per_s
+        rec[self._throughput] = samples * (self.data.seq_len or 1) / dt
         mfu = self._mfu(samples / dt)
         if mfu is not None:
             rec[N.MFU] = mfu
-        if gnorm is not None:
-            rec[N.GRAD_NORM] = values[0]
-        if bad:
-            rec[N.BAD_SAMPLES] = bad
+        if got.grad_norm is not None:
+            rec[N.GRAD_NORM] = got.grad_norm
+        if got.bad:
+            rec[N.BAD_SAMPLES] = got.bad
         if self.device.type == "cuda":
             rec[N.PEAK_MEMORY] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if hasattr(self.optimizer, "telemetry"):
             # per-tensor curves every monitor.adamw2_every steps (App. M: one point per 50), at
             # the log step of the interval that holds such a step
             every = self.settings.adamw2_every
-            per_tensor = any((s + 1) % every == 0 for s, _ in pending) or self.step == self.total_steps
+            per_tensor = any((s + 1) % every == 0 for s in steps) or self.step == self.total_steps
             rec.update(self.optimizer.telemetry(per_tensor=per_tensor))
-        self.metrics.log(self.step, rec)
+        return rec
+
+    def _progress(self, rec: dict, steps: list[int], skipped: list[bool], passed: list[tuple[int, int]],
+                  reason: str | None, last_vals: dict) -> None:
+        """The interval's progress line: the loss, skipped steps, a spike under watch or passed, the
+        lr, validation (on its own step's line only), speed, MFU and the time left."""
         # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
         shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
         # The ETA's seconds per step: the median of the last five intervals, so that an interval
@@ -430,19 +470,20 @@ class Trainer:
         # second replaces it, or a compiled run's ETA would stay minutes too long.
         if self.intervals_logged == 1:
             self.recent_step_times.clear()
-        self.recent_step_times.append(step_s)
+        self.recent_step_times.append(rec[N.STEP_TIME])
         self.step_time = statistics.median(self.recent_step_times)
         self.intervals_logged += 1
-        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(per_s), "ms/step": milliseconds(step_s),
-                 **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}),
+        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(rec[self._throughput]),
+                 "ms/step": milliseconds(rec[N.STEP_TIME]),
+                 **({"mfu": f"{rec[N.MFU]:.1%}"} if N.MFU in rec else {}),
                  "eta": duration((self.total_steps - self.step) * self.step_time)}
         # the loss is what is minimised; with loss terms it reads as task + penalty, for the task part
         # is what val/loss and a run without the terms compare with. Skipped steps are named.
-        loss: float | str = self.last_train_loss
-        if k:
+        loss: float | str = rec[N.LOSS]
+        if N.LOSS_PENALTY in rec:
             pen = rec[N.LOSS_PENALTY]
             loss = f"{loss:.4g} (task {loss - pen:.4g} + penalty {pen:.4g})"
-        which = [s + 1 for (s, _), skip in zip(pending, skipped) if skip]
+        which = [s + 1 for s, skip in zip(steps, skipped) if skip]
         extra = {"skipped": f"{len(which)} non-finite step(s) (step {', '.join(map(str, which[:3]))}"
                             f"{', ...' if len(which) > 3 else ''})"} if which else {}
         # what the divergence watch sees: a spike is a divergence only once it lasts divergence.window steps
@@ -454,8 +495,7 @@ class Trainer:
             first, length = passed[-1]
             extra["spike"] = f"of step {first} passed after {length} step(s)"
         self.metrics.progress(self.step, self.total_steps,
-                              {N.LOSS: loss, **extra, N.LR: lr, **shown, **speed})
-        return reason
+                              {N.LOSS: loss, **extra, N.LR: rec[N.LR], **shown, **speed})
 
     def _mfu(self, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation on CUDA: the model's training FLOPs per sample (nanoGPT's
