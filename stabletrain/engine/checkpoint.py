@@ -142,7 +142,8 @@ def seed_all(seed: int) -> None:
 def rng_state() -> dict:
     """Every global generator a step draws from, as tensors and lists (``weights_only`` loads)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+    _, py, py_gauss = random.getstate()  # the second of random.gauss's pair is kept for its next call
+    state = {"torch": torch.get_rng_state(), "python": list(py), "python_gauss": py_gauss,
              "numpy": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                        "has_gauss": int(has_gauss), "gauss": float(gauss)}}
     if torch.cuda.is_available():
@@ -154,8 +155,7 @@ def set_rng_state(state: dict) -> None:
     """What :func:`rng_state` saved. A checkpoint loaded with ``map_location`` a GPU holds its
     generator states on the GPU too; the setters take CPU tensors only."""
     torch.set_rng_state(state["torch"].cpu())
-    py = random.getstate()
-    random.setstate((py[0], tuple(state["python"]), py[2]))
+    random.setstate((random.getstate()[0], tuple(state["python"]), state.get("python_gauss")))
     if "numpy" in state:  # checkpoints from before it was saved lack it
         n = state["numpy"]
         keys = n["keys"].cpu().numpy().astype(np.uint32)
