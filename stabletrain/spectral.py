@@ -216,8 +216,10 @@ def gram_product_core(ga: Tensor, gb: Tensor, jitter: float = 1e-11) -> Tensor:
     ``G_A = L L^T`` (Cholesky) that is ``eig(L^T G_B L)``, symmetric positive semi-definite.
     ``G_A`` gets ``jitter * mean(diag G_A)`` on its diagonal (plus a tiny absolute floor) so
     that a rank-deficient or zero factor still factorises; the eigenvalues move by at most
-    that times ``||G_B||``. Computed in float64; batched (one Cholesky call, no host sync:
-    ``cholesky_ex`` does not check ``info``). Pair with :func:`symmetric_spectra`.
+    that times ``||G_B||``. A zero ``A`` (``diag G_A = 0``) gives ``C = 0``, as ``A^T B = 0``: the
+    floor alone would leave ``1e-300 G_B``, whose relative spectrum (an SEC curve) is ``B``'s.
+    Computed in float64; batched (one Cholesky call, no host sync: ``cholesky_ex`` does not
+    check ``info``). Pair with :func:`symmetric_spectra`.
     """
     ga, gb = ga.double(), gb.double()
     k = ga.shape[-1]
@@ -225,7 +227,8 @@ def gram_product_core(ga: Tensor, gb: Tensor, jitter: float = 1e-11) -> Tensor:
     eye = torch.eye(k, dtype=ga.dtype, device=ga.device)
     shift = (jitter * scale + 1e-300)[..., None, None] * eye
     lower = torch.linalg.cholesky_ex(ga + shift)[0]
-    return lower.transpose(-2, -1) @ gb @ lower
+    core = lower.transpose(-2, -1) @ gb @ lower
+    return torch.where((scale == 0)[..., None, None], torch.zeros((), dtype=core.dtype, device=core.device), core)
 
 
 def symmetric_spectra(c: Tensor) -> Tensor:
