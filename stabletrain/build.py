@@ -186,11 +186,13 @@ def short_bound_note(optim_cfg, total_steps: int) -> str | None:
     """Said where AdamW²'s bound leaves a weight matrix little room to grow in the run: each
     update's spectral norm is at most tau x sigma1(W), so sigma1 grows by at most (1 + tau)^steps,
     and a short run from a small init may stay near chance (vit_test, 100 steps: 1.5x, val/acc
-    0.07 against AdamW's 0.31), though not every one does (conv_vit_mini reached 0.93)."""
+    0.07 against AdamW's 0.31), though not every one does (conv_vit_mini reached 0.93). Said below
+    10x: a byte-level gpt_mini of 150 steps at tau 0.01 (4.5x) reached val/loss 4.2 where AdamW
+    reached 3.5 in 80; the default run (conv_vit_mini, 600 steps at 0.004: 11x) trains well."""
     if option_value(optim_cfg.name) != "adamw2" or optim_cfg.tau is None:
         return None
     growth = (1 + optim_cfg.tau) ** total_steps
-    if growth >= 3:
+    if growth >= 10:
         return None
     return (f"note: optim=adamw2 bounds each update to tau={optim_cfg.tau:g} x sigma1(W), so in these {total_steps} "
             f"steps a weight matrix's sigma1 can grow {growth:.3g}x at most: where the loss falls slowly, that is the "

@@ -178,6 +178,9 @@ def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted()
     two = short_bound_note(make_cfg("model=vit_test", "optim.tau=0.01").optim, 2)
     assert "in these 2 steps a weight matrix's sigma1 can grow 1.02x at most" in two  # not "1x"
     assert short_bound_note(make_cfg("model=vit_test", "optim=adamw").optim, 100) is None
+    gpt = make_cfg("model=gpt_test", "optim.tau=0.01").optim  # GPT's tau: noted below 10x, up to 231 steps
+    assert "231 steps a weight matrix's sigma1 can grow 9.96x" in short_bound_note(gpt, 231)
+    assert short_bound_note(gpt, 232) is None
     images = Data("vision", 1438)
     assert batch_over_data_note(images, 4096) == ("note: a batch (4096 samples) holds 2.85x the 1438 training "
                                                   "samples: each step sees them repeated (a smaller batch_size, or "
