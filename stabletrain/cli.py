@@ -188,7 +188,18 @@ def _wrong_type(key: str, first: str) -> str | None:
     if kind is None:
         return None
     example = _schema_default(key)
+    if example is None and _takes_null(key):  # optim.tau, grad_clip: a number, or null (off, or derived)
+        return f"{key}={given} must be {kind}, or null"
     return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "")
+
+
+def _takes_null(key: str) -> bool:
+    from stabletrain.config import schema_default
+
+    try:
+        return schema_default(key) is None
+    except KeyError:
+        return False
 
 
 def _schema_default(key: str):
@@ -220,9 +231,32 @@ def schema_keys(node=None, prefix: str = "") -> list[str]:
     return keys
 
 
+# the settings of nanoGPT's and timm's train.py whose names differ here (names the schema finds
+# by itself, dropout or weight_decay, are not repeated): name -> (whose, the key here)
+FOREIGN_KEYS = {
+    **{name: ("nanoGPT", key) for name, key in {
+        "n_embd": "model.embed_dim", "n_layer": "model.depth", "n_head": "model.num_heads",
+        "max_iters": "steps", "learning_rate": "optim.lr", "warmup_iters": "warmup",
+        "lr_decay_iters": "schedule.horizon (the cosine's length, when it differs from the run's)",
+        "beta1": "optim.betas=[B1,B2]", "beta2": "optim.betas=[B1,B2]", "eval_interval": "eval_every",
+        "log_interval": "logger.log_every", "eval_iters": "eval_batches", "dtype": "precision (auto, bf16 or fp32)",
+        "gradient_accumulation_steps": "micro_batch_size: batch_size is per optimizer step, and "
+                                       "micro_batch_size=batch_size/N accumulates N micro-batches",
+        "init_from": "resume (auto, or a checkpoint's path)", "out_dir": "hydra.run.dir",
+        "wandb_log": "logger=wandb_online (wandb logs offline by default)", "wandb_project": "logger.project"}.items()},
+    **{name: ("timm", key) for name, key in {
+        "opt": "optim", "sched": "schedule", "drop_path_rate": "model.drop_path", "smoothing": "data.label_smoothing",
+        "clip_grad": "grad_clip", "warmup_epochs": "warmup with schedule.unit=epochs"}.items()},
+}
+
+
 def _nearest_key(bad: str) -> str | None:
     """``did you mean optim.lr?`` for a misspelt key (or node), else the keys of the node it names."""
 
+    leaf = bad.rpartition(".")[2]
+    if leaf in FOREIGN_KEYS:  # model.n_embd, max_iters
+        whose, key = FOREIGN_KEYS[leaf]
+        return f"here, {whose}'s {leaf} is {key}"
     keys = schema_keys()
     nodes = {k.rpartition(".")[0] for k in keys}
     parent, _, leaf = bad.rpartition(".")
@@ -263,6 +297,31 @@ def checked_config(overrides: list[str]):
     return compose_config(overrides)
 
 
+# characters a word processor or a paper puts in, and what the override grammar takes
+_ASCII = str.maketrans({"²": "2", "³": "3", "–": "-", "—": "-", "−": "-", "‘": "'", "’": "'", "“": '"', "”": '"',
+                        "×": "x", "\u00a0": " "})
+
+
+def _parse_error(overrides: list[str], err: Exception) -> str:
+    """Hydra's lexer error in one line; a character outside ASCII (optim=adamw², a pasted dash) is
+    named, with the override it likely meant."""
+    odd = next((o for o in overrides if not o.isascii()), None)
+    if odd is None:
+        return f"cannot parse the overrides: {str(err).splitlines()[0]}"
+    char = next(c for c in odd if not c.isascii())
+    fixed = odd.translate(_ASCII)
+    return (f"cannot parse {odd}: the override grammar takes no '{char}'"
+            + (f"; did you mean {fixed}?" if fixed.isascii() else " (quote a value that needs it)"))
+
+
+def _swept(overrides: list[str]) -> list[str]:
+    """The overrides that give several values (``optim.lr=1e-3,1e-2``, ``range()``, ``choice()``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return [o.input_line for o in OverridesParser.create().parse_overrides(overrides)
+            if not o.is_hydra_override() and o.is_sweep_override()]
+
+
 def check_overrides(argv: list[str]) -> None:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     printing = len(_without_cfg_flag(argv)) < len(argv)
@@ -288,7 +347,11 @@ def check_overrides(argv: list[str]) -> None:
     try:
         points = _sweep_points(overrides)
     except Exception as e:
-        _fail(f"cannot parse the overrides: {str(e).splitlines()[0]}")
+        _fail(_parse_error(overrides, e))
+    if not multirun and (several := _swept(overrides)):
+        _fail(f"{several[0]} gives several values: "
+              + ("--cfg prints the config of one run: give it one" if printing else
+                 "add -m to run one point per value (a list value is [a,b]; a string with a comma is quoted)"))
     try:
         check_keys(overrides)
         check_option_names(overrides)

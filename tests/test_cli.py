@@ -52,6 +52,11 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     ("alpha", "did you mean norm.alpha or attention.alpha?"),
     ("ema.zzz", "ema has no such key; its keys: decay, every, warmup"),
     ("zzz", None),                                          # the general message, listing the groups
+    # the names of nanoGPT's and timm's train scripts, at the top or under the node they would be in
+    ("n_embd", "here, nanoGPT's n_embd is model.embed_dim"),
+    ("model.n_layer", "here, nanoGPT's n_layer is model.depth"),
+    ("max_iters", "here, nanoGPT's max_iters is steps"),
+    ("opt", "here, timm's opt is optim"),
 ])
 def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
     from stabletrain.cli import _nearest_key, schema_keys
@@ -60,12 +65,43 @@ def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
     assert {"optim.lr", "divergence.spike_factor", "model.depth", "batch_size"} <= set(schema_keys())
 
 
+def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are():
+    """A name of nanoGPT's or timm's that were a key here would hide it; each points at a real key."""
+    from stabletrain.cli import FOREIGN_KEYS, group_options, is_group, schema_keys
+
+    keys = schema_keys()
+    assert not {k.rpartition(".")[2] for k in keys} & set(FOREIGN_KEYS)
+    for _whose, target in FOREIGN_KEYS.values():
+        key, _, option = target.split()[0].rstrip(":").partition("=")
+        assert key in keys or is_group(key) or key == "hydra.run.dir", target
+        assert not is_group(key) or not option or option in group_options(key), target
+
+
+@pytest.mark.parametrize("args,line", [
+    # pasted from a paper or a word processor
+    (["optim=adamw²"], "cannot parse optim=adamw²: the override grammar takes no '²'; did you mean optim=adamw2?"),
+    (["optim.lr=1e−3"], "cannot parse optim.lr=1e−3: the override grammar takes no '−'; did you mean optim.lr=1e-3?"),
+    # a sweep without -m: Hydra printed a list of three ways out, and exited 1
+    (["optim.lr=1e-3,1e-2"], "optim.lr=1e-3,1e-2 gives several values: add -m to run one point per value"),
+    (["optim=adamw,lars"], "optim=adamw,lars gives several values: add -m"),
+    (["--cfg", "job", "optim.lr=range(1,3)"], "gives several values: --cfg prints the config of one run: give it one"),
+])
+def test_an_override_hydra_cannot_take_is_one_line_with_the_fix(args, line, capsys):
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit) as e:
+        check_overrides(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and line in err[0]
+
+
 @pytest.mark.parametrize("override,line", [
     ("optim.lr=fast", "optim.lr=fast must be a number, e.g. optim.lr=0.001"),
     ("optim.power_iters=2.5", "optim.power_iters=2.5 must be an integer, e.g. optim.power_iters=3"),
-    ("steps=abc", "steps=abc must be an integer"),
-    ("compile=maybe", "compile=maybe must be true or false"),
+    ("steps=abc", "steps=abc must be an integer, or null"),
+    ("compile=maybe", "compile=maybe must be true or false, or null"),
     ("schedule.unit=days", "schedule.unit=days is not one of: steps, epochs"),
+    ("optim.tau=abc", "optim.tau=abc must be a number, or null"),  # no example to give
 ])
 def test_a_value_of_the_wrong_type_names_the_type_wanted(override, line):
     from stabletrain.cli import compose_config, explain
