@@ -325,3 +325,25 @@ def test_an_option_yaml_without_a_name_is_refused_not_built_as_the_default(tmp_p
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'optim/mine.yaml'} sets no name: (the registered option it builds), so optim=mine "
         f"would build the default optim; add name: mine, or the name it registers")
+
+
+def _readme_errors():
+    from tests.helpers import ROOT
+
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"^\$ python train\.py (.+)\nerror: (.+)$", text, flags=re.M)
+
+
+@pytest.mark.parametrize("args,line", _readme_errors())
+def test_the_readmes_error_lines_are_what_train_py_prints(args, line, capsys):
+    """README quotes these: each must be the line the command prints (a "..." ends a shortened one)."""
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit):
+        check_overrides(args.split())
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith("error: " + line.removesuffix("...")), printed
+
+
+def test_the_readme_quotes_error_lines():
+    assert len(_readme_errors()) >= 5
