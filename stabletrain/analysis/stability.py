@@ -76,6 +76,11 @@ def _max(values) -> float | None:
     return max(vals) if vals else None
 
 
+def _blank(v: float | None) -> float | str:
+    """None as an empty cell; a value of 0.0 stays a value."""
+    return "" if v is None else v
+
+
 def initial_loss(config: dict, run_dir: Path | None = None) -> float | None:
     """``L0``: ln(vocab) for GPT, ln(classes) for vision; else the first logged loss."""
     model = config.get("model") or {}
@@ -156,7 +161,7 @@ def table(groups: dict[str, list[Point]], order: Sequence[str] | None = None) ->
                    lr_sensitivity=lr_sensitivity([p.loss for p in done], l0) if done and l0s else "",
                    finished=f"{len(done)}/{len(lrs)}",
                    diverged=sum(p.status == "diverged" for p in pts), alerted=sum(p.alerted for p in pts),
-                   max_attn_logit=_max(p.logit_max for p in pts) or "", max_log_z=_max(p.log_z for p in pts) or "",
+                   max_attn_logit=_blank(_max(p.logit_max for p in pts)), max_log_z=_blank(_max(p.log_z for p in pts)),
                    L0=l0 if l0s else "")
         rows.append(row)
     return columns, rows

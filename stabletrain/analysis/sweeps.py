@@ -152,7 +152,9 @@ def filled_varying_keys(runs: list[Run]) -> list[str]:
         if missing:
             full = resolved_config(r.path)
             for k in missing:
-                if (v := full.get(k, full.get(f"{k}.name"))) is not None:
+                if k in full:  # null too: a run given debug.nan_at_step=null ran as one that kept the null default
+                    r.settings[k] = full[k]
+                elif (v := full.get(f"{k}.name")) is not None:
                     r.settings[k] = v
     return varying_keys(runs)
 
@@ -190,7 +192,7 @@ def labels(run_dirs: list[Path]) -> list[str]:
     differs or two runs would share a label."""
     runs = [Run(Path(d), {}, settings(Path(d))) for d in run_dirs]
     keys = filled_varying_keys(runs)
-    out = [", ".join(f"{k}={_cell(r.settings[k])}" for k in keys if k in r.settings and not _unread(r, k))
+    out = [", ".join(f"{k}={_given(r.settings[k])}" for k in keys if k in r.settings and not _unread(r, k))
            for r in runs]
     if not keys or not all(out) or len(set(out)) < len(out):
         return [run_name(d) if not (o and keys) else f"{Path(d).resolve().name} ({o})" for d, o in zip(run_dirs, out)]
@@ -207,7 +209,7 @@ def run_name(run_dir: str | Path) -> str:
     points = [Run(p.parent.parent, {}, settings(p.parent.parent)) for p in d.parent.glob("*/.hydra/overrides.yaml")]
     swept = varying_keys(points) if len(points) > 1 else []
     mine = settings(d)
-    values = ", ".join(f"{k}={_cell(mine[k])}" for k in swept if k in mine)
+    values = ", ".join(f"{k}={_given(mine[k])}" for k in swept if k in mine)
     return f"{d.parent.name}/{d.name}" + (f" ({values})" if values else "")
 
 
@@ -268,6 +270,11 @@ def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
+def _given(v) -> str:
+    """A setting as a label writes it: as given on the command line, ``null`` not an empty string."""
+    return "null" if v is None else _cell(v)
+
+
 def markdown(columns: list[str], table: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in table]
@@ -325,7 +332,7 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
         return "null" if v is None else "(not set)" if v == "" else str(v)
 
     swept = sorted({r.get(x) for r in table}, key=_sort_key)
-    numeric = all(number(v) is not None for v in swept)
+    numeric = all(number(v) is not None and not isinstance(v, bool) for v in swept)  # true/false: categories
     categories = None if numeric else list(dict.fromkeys(map(shown, swept)))
 
     def at(v) -> float | None:

@@ -122,3 +122,12 @@ def test_a_loss_above_l0_is_a_triangle_on_the_top_edge_and_the_axis_ends_at_l0(t
     bottom, top = ax.get_ylim()
     assert bottom < 2.5 and l0 < top < l0 + 0.1 * (l0 - 2.5) + 1e-9
     fig.savefig(tmp_path / "s.png")
+
+
+def test_a_largest_logit_of_zero_is_a_value_not_a_blank(tmp_path):
+    """A run whose attention logits and log Z stayed at 0.0 shows 0.0; only a run that logged none is blank."""
+    out = tmp_path / "bench"
+    _run(out / "zero" / "lr0.001", 0.001, "completed", {"loss": 3.0},
+         records=[{"step": 5, N.LOG_Z: 0.0, "attn_logit_max/blocks.0": 0.0}])
+    _, (row,) = S.table(S.collect(out))
+    assert row["max_attn_logit"] == 0.0 and row["max_log_z"] == 0.0
