@@ -138,7 +138,8 @@ def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:
     from stabletrain.optim.param_groups import parameter_table
 
     t = trainer
-    resume = [f"resume: would continue from step {resumed[1]['step']} of {resumed[0]}"] if resumed else []
+    resume = [f"resume: would continue from step {resumed[1]['step']} of {resumed[0]}",
+              *t.resume_notes(*resumed)] if resumed else []
     lines = [parameter_table(t.model), t.headline(), t.data_line(), *t.notes, *resume,
              "dry run: nothing trained, nothing written"]
     return "\n".join(lines)

@@ -546,7 +546,7 @@ class Trainer:
             self.notes.append(note)
         self.load_survival_state(ck.get("survival"))
         self.step = self.saved_step = ck["step"]
-        self._resume_notes(path, ck)
+        self.notes += self.resume_notes(path, ck)
         if path.absolute().parent == self.ckpt.dir.absolute():
             # this run's checkpoint: the history after it is abandoned, so no rollback may restore
             # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
@@ -637,27 +637,30 @@ class Trainer:
                                      if last is not None and last.is_file() else ""))
         D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
 
-    def _resume_notes(self, path: Path, ck: dict) -> None:
-        """What a resume changes that the user may not expect: keys changed through ``resume=PATH``
-        (only resume=auto refuses them) and a new run length, which reshapes the lr schedule."""
+    def resume_notes(self, path: Path, ck: dict) -> list[str]:
+        """What resuming ``ck`` changes that the user may not expect: keys changed through
+        ``resume=PATH`` (only resume=auto refuses them), a new run length, which reshapes the lr
+        schedule, and a changed weight average. Read from the checkpoint alone: a dry run says them too."""
         saved, mine = ck.get("config"), self.ckpt.config_yaml
         if not (saved and mine):
-            return
+            return []
+        notes = []
         changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes"))
         if self.settings.resume not in (None, "auto"):
             keys = [k for k in changed if not may_change(k)]
             if keys:
-                self.notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
-                                  f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
+                notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
+                             f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
         if {"steps", "epochs"} & {k.split(".")[0] for k in changed}:
-            self.notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
-                              f"from step 0, so at step {self.step} the lr is "
-                              f"{self.schedule.lr_at(self.step) * self.lr_scale:.3g}")
+            step, scale = ck["step"], float((ck.get("survival") or {}).get("lr_scale", 1.0))
+            notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
+                         f"from step 0, so at step {step} the lr is {self.schedule.lr_at(step) * scale:.3g}")
         if "ema.decay" in changed:  # allowed on resume, but val_ema/* then means something else
-            self.notes.append("the weight average changed on resume (ema.decay): " + (
+            notes.append("the weight average changed on resume (ema.decay): " + (
                 "it starts now, from the resumed weights" if self.ema is not None and ck.get("ema") is None
                 else "it goes on from the resumed average with the new decay" if self.ema is not None
                 else "it is off from here"))
+        return notes
 
     def survive(self, reason: str, refused_save: bool = False) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the
@@ -891,7 +894,7 @@ class Trainer:
                     reason = self.survive(self.nonfinite_reason, refused_save=True)
                     if reason is not None:
                         return "diverged", reason
-                return "interrupted", f"signal {signal.Signals(agreed).name} at step {self.step}"
+                return "interrupted", f"signal {signal.Signals(agreed).name}"  # the step: the status line's
             if save_now and not self.save(ring=ring):  # non-finite weights: last.pt and the ring keep the last finite
                 reason = self.survive(self.nonfinite_reason, refused_save=True)
                 if reason is not None:

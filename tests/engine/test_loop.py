@@ -255,9 +255,9 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
         monkeypatch.delenv(var, raising=False)
     t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
     s = _run_until(t, 3)
-    assert s["reason"] == "signal SIGTERM at step 3"  # the summary keeps the reason alone
+    assert s["reason"] == "signal SIGTERM" and s["step"] == 3  # the summary keeps the reason alone
     *_, status, hint = capsys.readouterr().err.strip().splitlines()
-    assert status.startswith("interrupted at step 3: signal SIGTERM at step 3"), status
+    assert status.startswith("interrupted at step 3: signal SIGTERM"), status
     # outside Hydra (this Python API) the overrides are unknown
     assert hint == f"continue it with: the run's command plus resume=auto hydra.run.dir={tmp_path}"
 

@@ -307,6 +307,12 @@ def test_a_dry_run_with_resume_says_what_it_would_continue_or_refuses_as_the_run
     assert train(tmp_path, *own, "steps=6", "resume=auto", "dry_run=true")["status"] == "dry_run"
     err = capsys.readouterr().err
     assert f"resume: would continue from step 3 of {tmp_path / 'checkpoints/last.pt'}\n" in err, err
+    # the longer run reshapes the schedule: said by the dry run as by the run
+    length = next(ln for ln in err.splitlines() if ln.startswith("the run's length changed"))
+    assert length.startswith("the run's length changed: the lr schedule is that of 6 steps from step 0, so at step 3")
     with pytest.raises(ConfigError, match=r"^resume=auto would change the resumed run's optim.lr \(0.001 there, 0.01"):
         train(tmp_path, *own, "steps=6", "optim.lr=0.01", "resume=auto", "dry_run=true")
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 3  # nothing written
+    capsys.readouterr()
+    assert train(tmp_path, *own, "steps=6", "resume=auto")["step"] == 6
+    assert length in capsys.readouterr().err.splitlines()
