@@ -90,6 +90,12 @@ class Run:
         return [] if series is None else sorted(set(series[0].tolist()))
 
     @property
+    def resumed_at(self) -> list[float]:
+        """The steps the run was resumed from (a requeued job's, an interrupted run's)."""
+        series = self.get(N.RESUMED_AT)
+        return [] if series is None else sorted(set(series[1].tolist()))
+
+    @property
     def alerts(self) -> list[dict]:
         """The run's health alerts (summary.json): ``step``, ``layer`` and the min entropy ``value``;
         not those of a history a rollback abandoned, whose steps are on no curve drawn."""
@@ -213,10 +219,13 @@ _FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
 def _mark_divergence(ax, run: Run) -> None:
     """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
     steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
-    the log steps whose interval skipped a non-finite update (grey). Not on a panel that drew
-    nothing (:func:`_empty`): lines across its note would read as data."""
+    the log steps whose interval skipped a non-finite update (grey), and the steps a resume
+    continued from (green, dash-dot). Not on a panel that drew nothing (:func:`_empty`): lines
+    across its note would read as data."""
     if not ax.get_lines():
         return
+    for step in run.resumed_at:
+        ax.axvline(step, color="tab:green", ls="-.", lw=0.8)
     for step in run.skipped_at:
         ax.axvline(step, color="0.6", lw=0.8)
     for step in run.restored_at:
@@ -294,6 +303,8 @@ def _title(run: Run, what: str) -> str:
             if here and run.skipped_at and set(run.skipped_at) <= {run.diverged_step}:
                 where = "at the red line"  # drawn under it
             status += f", {total} non-finite step(s) skipped ({where})"
+        if run.resumed_at:
+            status += f", resumed at step {', '.join(f'{s:g}' for s in run.resumed_at)} (green)"
         status += "]"
     return f"{run.name}{status}: {what}"
 
@@ -428,9 +439,14 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
+    # one step axis for every panel: a run's one evaluation is a point in the run, not a panel of its own
+    steps = [x for p in panels for x in (run.get(p[0])[0][:1], run.get(p[0])[0][-1:])]
+    lo, hi = float(np.min(np.concatenate(steps))), float(np.max(np.concatenate(steps)))
     for ax, (name, title, ylabel, logy) in zip(axes.flat, panels):
         _line(ax, run.get(name), logy=logy)
         _mark_divergence(ax, run)
+        if hi > lo and ax.get_lines():
+            ax.set_xlim(lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

@@ -813,6 +813,7 @@ class Trainer:
             return None
         m.message(f"resumed from step {resumed}")
         if self.step < self.total_steps:
+            m.log(self.step, {N.RESUMED_AT: self.step})  # where the curves continue: the figures mark it
             if self.info.is_main:  # an earlier stop's summary would describe a run that is going on
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             return None

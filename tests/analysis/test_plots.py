@@ -208,6 +208,31 @@ def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch)
                               if name == "rb" else "1 non-finite step(s) skipped (grey)]: training curves"), title
 
 
+def test_training_curves_mark_a_resume_and_put_a_lone_evaluation_on_the_runs_step_axis(tmp_path, monkeypatch):
+    """An interrupted run resumed at step 3 is marked there (green) and said in the title; its one
+    evaluation, at the last step, sits on the step axis of the loss, not alone in a panel of its own."""
+    from stabletrain.build import build_trainer
+    from tests.engine.test_loop import _run_until
+    from tests.helpers import make_cfg, train
+
+    gpt = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "steps=8", "logger=none",
+           "monitor=off"]
+    _run_until(build_trainer(make_cfg(*gpt), tmp_path), 3)
+    assert train(tmp_path, *gpt, "resume=auto")["status"] == "completed"
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    run = P.load_run(tmp_path)
+    assert run.resumed_at == [3.0]
+    P.plot_training(run, tmp_path / "plots")
+    (fig,) = figures
+    assert "resumed at step 3 (green)" in fig._suptitle.get_text().replace("\n", " ")
+    loss_ax, val_ax = fig.axes[0], next(ax for ax in fig.axes if ax.get_title() == "validation loss")
+    marks = {(float(line.get_xdata()[0]), line.get_color()) for line in loss_ax.get_lines()
+             if len(set(line.get_xdata())) == 1}
+    assert marks == {(3.0, "tab:green")}
+    assert val_ax.get_xlim() == loss_ax.get_xlim() and val_ax.get_xlim()[0] < 1 < 8 < val_ax.get_xlim()[1]
+
+
 def test_a_long_figure_title_is_wrapped_within_the_figure_and_never_inside_mathtext():
     import matplotlib.pyplot as plt
 

@@ -405,8 +405,8 @@ def test_a_resume_from_another_runs_checkpoint_sets_the_directorys_run_aside(tmp
     assert (d / "metrics.previous.jsonl").is_file() and (d / "summary.previous.json").is_file()
     x_history = [r for r in _records(x) if r["step"] <= 10]
     assert _records(d)[:len(x_history)] == x_history
-    own = _records(d)[len(x_history):]  # the rollback's record is dated at the step it restored
-    assert all(r["step"] > 10 or "rollback/restored_step" in r for r in own)
+    own = _records(d)[len(x_history):]  # the resume's and the rollback's records are dated at the step they restored
+    assert all(r["step"] > 10 or {"run/resumed_at"} == set(r) - {"step"} or "rollback/restored_step" in r for r in own)
     resumed = _load(x / "checkpoints/last.pt")["model"]
     _assert_equal(_load(d / "checkpoints/step_000010.pt")["model"], resumed)
 
