@@ -382,9 +382,10 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
     if not healthy and "at" not in kinds:  # no run has a value to scale the y axis by
         ax.set_yticks([])
     xs = sorted({a for a, _ in points(table, False) + points(table, True)})
-    if categories is None and log_spaced(xs):
+    logx = categories is None and log_spaced(xs)
+    if logx:
         log_scale(ax, "x")
-    ax.set_xlabel(x)
+    ax.set_xlabel(f"{x} (log scale)" if logx else x)  # evenly spaced rates on it read as a linear axis
     ax.set_ylabel(metric.replace("final_", "final "))
     if title:
         ax.set_title(title)

@@ -201,6 +201,18 @@ def test_two_rates_a_decade_apart_are_drawn_on_a_log_axis():
     assert sweeps.log_spaced([0.1, 1.0]) and not sweeps.log_spaced([0.2, 1.0])
 
 
+@pytest.mark.parametrize("values,label", [((0.004, 0.01, 0.03), "optim.tau (log scale)"),
+                                          ((1, 2, 3), "optim.tau"), (("a", "b"), "optim.tau")])
+def test_the_sweep_figure_says_when_its_x_axis_is_logarithmic(values, label):
+    """Rates evenly spaced on a log axis look like a linear one: the axis label says which it is."""
+    import matplotlib.pyplot as plt
+
+    table = [{"status": "completed", "optim.tau": v, "final_loss": 1.0 + i} for i, v in enumerate(values)]
+    fig = sweeps.figure(table, "optim.tau", None, "final_loss")
+    assert fig.axes[0].get_xlabel() == label
+    plt.close(fig)
+
+
 # --- the summarize_sweep script -----------------------------------------------------------------
 
 

@@ -17,6 +17,15 @@ BLOCKS = [f"blocks.{i}" for i in range(4)]
 D_H = 8
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Tests that keep figures (``_save`` patched) close them after: pyplot holds every open one."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 def _write_run(run_dir: Path, crash: bool = True, steps: int = 300) -> Path:
     """A 4-block run whose blocks.2 crashes at the end: sparse cadences, a torn last line."""
     run_dir.mkdir(parents=True)
