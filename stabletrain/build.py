@@ -209,17 +209,26 @@ def batch_over_data_note(data: Data, batch_size: int) -> str | None:
             f"each step sees them repeated (a smaller batch_size, or more data)")
 
 
-def probe_note(monitor_cfg, total_steps: int) -> str | None:
-    """Said where the probe pass, which measures attention entropy and raises its alerts, runs
-    fewer than three times after step 0: a collapse early in a short run is then seen at its end."""
-    every = monitor_cfg.probe_every
-    if not monitor_cfg.alerts or total_steps >= 3 * every:
+def cadence_note(monitor_cfg, total_steps: int) -> str | None:
+    """Said where a monitor pass runs fewer than three times after step 0: the weight pass, whose
+    curves (sigma1, SEC) are then two or three points, or the probe pass, which measures attention
+    entropy and raises its alerts: a collapse early in a short run is then seen at its end."""
+    alerts = " and its alerts" if monitor_cfg.alerts else ""
+    sparse = [(what, key, getattr(monitor_cfg, key)) for what, key in (
+        ("the weight pass (sigma1, SEC, the QK spectrum)", "weight_every"),
+        (f"the probe pass (attention entropy{alerts})", "probe_every")) if total_steps < 3 * getattr(monitor_cfg, key)]
+    if not sparse:
         return None
-    at = [str(s) for s in (0, *range(every, total_steps + 1, every))] + ([str(total_steps)] if total_steps % every
-                                                                          else [])
-    return (f"note: the probe pass (attention entropy and its alerts) runs every monitor.probe_every={every} steps: "
-            f"at steps {', '.join(at[:-1])} and {at[-1]} of this {total_steps}-step run; monitor.probe_every="
-            f"{max(1, total_steps // 10)} watches it ten times")
+
+    def at(every: int) -> str:
+        steps = [0, *range(every, total_steps + 1, every)] + ([total_steps] if total_steps % every else [])
+        return f"{', '.join(map(str, steps[:-1]))} and {steps[-1]}"
+
+    runs = " and ".join(f"{what}{' runs' if i == 0 else ''} at steps {at(every)} (monitor.{key}={every})"
+                        for i, (what, key, every) in enumerate(sparse))
+    fix = " ".join(f"monitor.{key}={max(1, total_steps // 10)}" for _, key, _ in sparse)
+    return (f"note: in this {total_steps}-step run {runs}; {fix} "
+            + ("watches it ten times" if len(sparse) == 1 else "watch each ten times"))
 
 
 def ema_note(ema_cfg, total_steps: int) -> str:
@@ -508,7 +517,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
-        notes += [sparse] if (sparse := probe_note(cfg.monitor, total)) else []
+        notes += [sparse] if (sparse := cadence_note(cfg.monitor, total)) else []
     messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:

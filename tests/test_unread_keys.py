@@ -150,18 +150,25 @@ def test_no_data_option_sets_a_data_key_it_does_not_read(option):
             assert "does not fit" in str(e), e
 
 
-def test_a_short_run_is_told_when_its_probe_pass_runs():
+def test_a_short_run_is_told_when_its_monitor_passes_run():
     """The entropy alerts come from the probe pass: in a 200-step run at the default cadence it
-    ran at steps 0 and 200 only, so a collapse at step 50 was reported at the end."""
-    from stabletrain.build import probe_note
+    ran at steps 0 and 200 only, so a collapse at step 50 was reported at the end; a 150-step run's
+    sigma1 and SEC curves were three points."""
+    from stabletrain.build import cadence_note
 
-    cfg = make_cfg("model=gpt_test")
-    assert probe_note(cfg.monitor, 200) == (
-        "note: the probe pass (attention entropy and its alerts) runs every monitor.probe_every=200 steps: at steps 0 "
-        "and 200 of this 200-step run; monitor.probe_every=20 watches it ten times")
-    assert "at steps 0, 200, 400 and 450 of" in probe_note(cfg.monitor, 450)
-    assert probe_note(cfg.monitor, 600) is None  # the default run: four probes
-    assert probe_note(make_cfg("model=gpt_test", "monitor.alerts=false").monitor, 200) is None
+    cfg = make_cfg("model=gpt_test")  # weight_every=100, probe_every=200
+    assert cadence_note(cfg.monitor, 300) == (
+        "note: in this 300-step run the probe pass (attention entropy and its alerts) runs at steps 0, 200 and 300 "
+        "(monitor.probe_every=200); monitor.probe_every=30 watches it ten times")
+    assert cadence_note(cfg.monitor, 150) == (
+        "note: in this 150-step run the weight pass (sigma1, SEC, the QK spectrum) runs at steps 0, 100 and 150 "
+        "(monitor.weight_every=100) and the probe pass (attention entropy and its alerts) at steps 0 and 150 "
+        "(monitor.probe_every=200); monitor.weight_every=15 monitor.probe_every=15 watch each ten times")
+    assert "at steps 0, 200, 400 and 450 (" in cadence_note(cfg.monitor, 450)
+    assert cadence_note(cfg.monitor, 600) is None  # the default run: six weight passes, four probes
+    assert cadence_note(cfg.monitor, 299) is not None and "weight pass" not in cadence_note(cfg.monitor, 300)
+    quiet = make_cfg("model=gpt_test", "monitor.alerts=false").monitor
+    assert "the probe pass (attention entropy) at steps 0 and 200" in cadence_note(quiet, 200)
 
 
 def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted():
