@@ -24,6 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stabletrain.analysis import sweeps
 
 
+def _numeric(table: list[dict], key: str) -> bool:
+    values = [row.get(key) for row in table if row["status"] != "not started"]
+    return bool(values) and all(sweeps.number(v) is not None and not isinstance(v, bool) for v in values)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep_dir", type=Path)
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             args.x = swept[0]
         elif args.x is None and len(swept) == 2 and "seed" in swept:  # a value swept over seeds
             args.x = next(k for k in swept if k != "seed")
+        elif args.x is None and len(swept) == 2 and len(numeric := [k for k in swept if _numeric(table, k)]) == 1:
+            args.x = numeric[0]  # optim.tau=... against attention=...: the numbers make the axis
+            print(f"x axis: {args.x}, the swept key with numeric values (--x KEY picks another)", file=sys.stderr)
         elif args.x is None:
             print(f"error: --plot needs --x KEY, one of the swept keys: {', '.join(swept) or 'none (nothing varies)'}",
                   file=sys.stderr)

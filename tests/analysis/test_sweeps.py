@@ -265,6 +265,24 @@ def test_the_script_writes_a_csv_for_runs_but_not_into_a_single_run(tmp_path, ca
     assert "note: optim.weight_decay, seed also vary" in capsys.readouterr().err
 
 
+def test_a_number_swept_against_options_is_the_plots_x_axis(tmp_path, capsys):
+    """optim.tau against attention: the numeric key is x, one line per attention, without --x."""
+    import importlib.util
+
+    from tests.helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("summarize_sweep", ROOT / "scripts" / "summarize_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for i, (attn, tau) in enumerate([("softmax", 0.004), ("softmax", 0.01), ("qknorm", 0.004), ("qknorm", 0.01)]):
+        _fake_run(tmp_path / str(i), {"attention": {"name": attn}, "optim": {"tau": tau}},
+                  {"status": "completed", "step": 3, "final": {"loss": 1.0 + i}})
+    assert script.main([str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 0
+    err = capsys.readouterr().err
+    assert "x axis: optim.tau, the swept key with numeric values" in err
+    assert "one line per attention.name (--series attention.name)" in err
+
+
 def test_a_number_given_as_0_and_read_as_0_0_is_no_difference(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     (a / ".hydra").mkdir(parents=True)
