@@ -187,32 +187,17 @@ def _wrong_type(key: str, first: str) -> str | None:
                                 ("valid bool", "true or false")) if t in first), None)
     if kind is None:
         return None
-    example = _schema_default(key)
-    if example is None and _takes_null(key):  # optim.tau, grad_clip: a number, or null (off, or derived)
+    from stabletrain.config import schema_default
+
+    try:
+        default = schema_default(key)
+    except KeyError:  # a key of a yaml of one's own
+        default = ...
+    if default is None:  # optim.tau, grad_clip: a number, or null (off, or derived)
         return f"{key}={given} must be {kind}, or null"
+    example = str(default).lower() if isinstance(default, bool) else default if isinstance(default, (int, float)) \
+        else None
     return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "")
-
-
-def _takes_null(key: str) -> bool:
-    from stabletrain.config import schema_default
-
-    try:
-        return schema_default(key) is None
-    except KeyError:
-        return False
-
-
-def _schema_default(key: str):
-    """The typed schema's default of a dotted key, when it is a plain value."""
-    from stabletrain.config import schema_default
-
-    try:
-        value = schema_default(key)
-    except KeyError:
-        return None
-    if isinstance(value, bool):
-        return str(value).lower()
-    return value if isinstance(value, (int, float)) else None
 
 
 def schema_keys(node=None, prefix: str = "") -> list[str]:
