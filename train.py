@@ -14,7 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
-from stabletrain.cli import check_overrides
+from stabletrain.cli import check_overrides, epochs_over_steps
 from stabletrain.config import register
 from stabletrain.engine.distributed import detect
 from stabletrain.engine.rundir import KeptHydraRecord
@@ -44,7 +44,7 @@ def follower_argv(argv: list[str]) -> list[str]:
 
 if __name__ == "__main__":
     # -m after an override (train.py model=x -m lr=1,2) ends Hydra's argparse at the overrides after it
-    sys.argv[1:] = sorted(sys.argv[1:], key=lambda a: a not in ("-m", "--multirun"))
+    sys.argv[1:] = epochs_over_steps(sorted(sys.argv[1:], key=lambda a: a not in ("-m", "--multirun")))
     args = sys.argv[1:]
     info = detect()
     if info.enabled and any(a in ("-m", "--multirun") for a in args):

@@ -231,7 +231,9 @@ FOREIGN_KEYS = {
         "wandb_log": "logger=wandb_online (wandb logs offline by default)", "wandb_project": "logger.project"}.items()},
     **{name: ("timm", key) for name, key in {
         "opt": "optim", "sched": "schedule", "drop_path_rate": "model.drop_path", "smoothing": "data.label_smoothing",
-        "clip_grad": "grad_clip", "warmup_epochs": "warmup with schedule.unit=epochs"}.items()},
+        "clip_grad": "grad_clip", "warmup_epochs": "warmup with schedule.unit=epochs", "reprob": "data.erasing",
+        "aa": "data.randaug", "data_dir": "data.root (with data=imagefolder)", "model_ema_decay": "ema.decay",
+        "model_ema": "ema.decay (null is off)", "workers": "data.num_workers"}.items()},
 }
 
 
@@ -242,6 +244,8 @@ def _nearest_key(bad: str) -> str | None:
     if leaf in FOREIGN_KEYS:  # model.n_embd, max_iters
         whose, key = FOREIGN_KEYS[leaf]
         return f"here, {whose}'s {leaf} is {key}"
+    if "-" in bad:  # timm's drop-path
+        return f"keys are written with '_': {_nearest_key(bad.replace('-', '_')) or bad.replace('-', '_')}"
     keys = schema_keys()
     nodes = {k.rpartition(".")[0] for k in keys}
     parent, _, leaf = bad.rpartition(".")
@@ -270,7 +274,7 @@ def compose_config(overrides: list[str]):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose("train", overrides=list(overrides))
+            return compose("train", overrides=epochs_over_steps(list(overrides)))
     finally:
         GlobalHydra.instance().clear()
 
@@ -307,12 +311,48 @@ def _swept(overrides: list[str]) -> list[str]:
             if not o.is_hydra_override() and o.is_sweep_override()]
 
 
+# the command-line flags Hydra's own argparse takes (an override has no dashes)
+HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--info",
+               "-i", "--run", "-r", "--multirun", "-m", "--config-path", "-cp", "--config-name", "-cn",
+               "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
+
+
+def _as_override(argv: list[str], i: int) -> tuple[str, str]:
+    """``--model vit_b`` or ``--drop-path=0.1`` (timm's, argparse's), and the override it likely
+    meant: ``model=vit_b``, ``model.drop_path=0.1``."""
+    given = argv[i]
+    flag, _, value = given.lstrip("-").partition("=")
+    if not value and i + 1 < len(argv) and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]:
+        value = argv[i + 1]
+        given += f" {value}"
+    name = flag.replace("-", "_")
+    hint = _nearest_key(name) or ""
+    if name in FOREIGN_KEYS:
+        name = re.split(r"[\s:=]", FOREIGN_KEYS[name][1])[0]
+    elif hint.startswith("did you mean ") and " or " not in hint:
+        name = hint.removeprefix("did you mean ").rstrip("?")
+    return given, f"{name}={value or 'VALUE'}"
+
+
+def epochs_over_steps(argv: list[str]) -> list[str]:
+    """``epochs=E`` given without ``steps`` trains E epochs: train.yaml's ``steps: 600`` (or a
+    recipe's) would otherwise win, said only by a start line."""
+    given = {a.split("=", 1)[0].lstrip("+~"): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
+    if "epochs" in given and "steps" not in given and given["epochs"].lower() not in ("null", "none", ""):
+        return [*argv, "steps=null"]
+    return argv
+
+
 def check_overrides(argv: list[str]) -> None:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     printing = len(_without_cfg_flag(argv)) < len(argv)
     if multirun and printing:
         _fail("--cfg prints the config of one run, and -m launches a sweep: drop -m to print one point's config")
     argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
+    foreign = next((i for i, a in enumerate(argv) if a.startswith("--") and a.split("=")[0] not in HYDRA_FLAGS), None)
+    if foreign is not None:  # argparse's usage block named the flag's value among the "unrecognized arguments"
+        given, meant = _as_override(argv, foreign)
+        _fail(f"{given}: train.py takes overrides key=value, without dashes: {meant}")
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         if "--help" in argv or "-h" in argv:
             print_own_options([a for a in argv if not a.startswith("-")])

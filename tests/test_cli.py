@@ -57,6 +57,7 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     ("model.n_layer", "here, nanoGPT's n_layer is model.depth"),
     ("max_iters", "here, nanoGPT's max_iters is steps"),
     ("opt", "here, timm's opt is optim"),
+    ("reprob", "here, timm's reprob is data.erasing"),
 ])
 def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
     from stabletrain.cli import _nearest_key, schema_keys
@@ -85,6 +86,13 @@ def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are(
     (["optim.lr=1e-3,1e-2"], "optim.lr=1e-3,1e-2 gives several values: add -m to run one point per value"),
     (["optim=adamw,lars"], "optim=adamw,lars gives several values: add -m"),
     (["--cfg", "job", "optim.lr=range(1,3)"], "gives several values: --cfg prints the config of one run: give it one"),
+    # timm's and argparse's flags: Hydra's usage block named the flag's value among the "unrecognized arguments"
+    (["--model", "vit_test", "--epochs", "5"], "--model vit_test: train.py takes overrides key=value, without dashes: "
+                                               "model=vit_test"),
+    (["--drop-path=0.1"], "--drop-path=0.1: train.py takes overrides key=value, without dashes: model.drop_path=0.1"),
+    (["steps=3", "--smoothing", "0.1"], "--smoothing 0.1: train.py takes overrides key=value, without dashes: "
+                                        "data.label_smoothing=0.1"),
+    (["drop-path=0.1"], "unknown key 'drop-path': keys are written with '_': did you mean model.drop_path?"),
 ])
 def test_an_override_hydra_cannot_take_is_one_line_with_the_fix(args, line, capsys):
     from stabletrain.cli import check_overrides
@@ -347,3 +355,16 @@ def test_the_readmes_error_lines_are_what_train_py_prints(args, line, capsys):
 
 def test_the_readme_quotes_error_lines():
     assert len(_readme_errors()) >= 5
+
+
+@pytest.mark.parametrize("args,steps", [
+    (["epochs=2"], None),                 # epochs given alone trains by epochs: train.yaml's steps=600 gave way
+    (["epochs=2", "steps=10"], 10),       # both given: steps wins, as the start line says
+    (["epochs=null", "steps=10"], 10),
+    ([], 600),
+])
+def test_epochs_on_the_command_line_train_by_epochs(args, steps):
+    from stabletrain.cli import compose_config, epochs_over_steps
+
+    assert compose_config(args).steps == steps
+    assert epochs_over_steps(["-m", "epochs=1,2"]) == ["-m", "epochs=1,2", "steps=null"]  # every point of a sweep
