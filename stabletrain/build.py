@@ -209,6 +209,29 @@ def batch_over_data_note(data: Data, batch_size: int) -> str | None:
             f"each step sees them repeated (a smaller batch_size, or more data)")
 
 
+def augment_line(cfg, data: Data) -> str | None:
+    """The start line of an image run's augmentation and regularisation, in timm's terms, where
+    any is on: what a timm user checks in its log before the first step."""
+    d, parts = cfg.data, []
+    if data.kind != "vision":
+        return None
+    unread = set(_unread_data_keys(cfg, _data_entry(cfg)))  # the digits take no image transforms (a note says so)
+    if d.randaug and "randaug" not in unread:
+        parts.append(f"RandAugment {d.randaug}")
+    if d.erasing > 0 and "erasing" not in unread:
+        parts.append(f"random erasing p={d.erasing:g}")
+    if d.repeated_aug > 1:
+        parts.append(f"each sample {d.repeated_aug}x per batch (repeated augmentation)")
+    smoothing = f", label smoothing {d.label_smoothing:g}" if d.label_smoothing > 0 else ""
+    if d.mixup > 0 or d.cutmix > 0:
+        parts.append(f"mixup alpha {d.mixup:g} / cutmix alpha {d.cutmix:g} (soft-target cross-entropy{smoothing})")
+    elif smoothing:
+        parts.append(f"cross-entropy{smoothing}")
+    if cfg.model.get("drop_path", 0) > 0:
+        parts.append(f"drop path {cfg.model.drop_path:g}")
+    return f"augmentation: {'; '.join(parts)}" if parts else None
+
+
 def cadence_note(monitor_cfg, total_steps: int) -> str | None:
     """Said where a monitor pass runs fewer than three times after step 0: the weight pass, whose
     curves (sigma1, SEC) are then two or three points, or the probe pass, which measures attention
@@ -507,6 +530,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)
     notes += [wd] if (wd := schedule.describe_weight_decay()) else []
     mixup, criterion = task_loss(data, cfg.data)
+    notes += [aug] if (aug := augment_line(cfg, data)) else []
     monitor = None
     if option_value(cfg.monitor.name) != "off":
         from stabletrain.monitor.runner import MonitorRunner

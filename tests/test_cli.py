@@ -368,3 +368,24 @@ def test_epochs_on_the_command_line_train_by_epochs(args, steps):
 
     assert compose_config(args).steps == steps
     assert epochs_over_steps(["-m", "epochs=1,2"]) == ["-m", "epochs=1,2", "steps=null"]  # every point of a sweep
+
+
+def test_an_image_runs_augmentation_is_one_start_line_in_timms_terms():
+    from stabletrain.build import augment_line
+    from stabletrain.data import Data
+
+    images = Data("vision", 100)
+    cfg = make_cfg("model=vit_test", "data=cifar10", "data.mixup=0.8", "data.cutmix=1.0", "data.label_smoothing=0.1",
+                   "model.drop_path=0.1", "data.randaug=rand-m9-mstd0.5-inc1", "data.erasing=0.25",
+                   "data.repeated_aug=3")
+    assert augment_line(cfg, images) == (
+        "augmentation: RandAugment rand-m9-mstd0.5-inc1; random erasing p=0.25; each sample 3x per batch (repeated "
+        "augmentation); mixup alpha 0.8 / cutmix alpha 1 (soft-target cross-entropy, label smoothing 0.1); "
+        "drop path 0.1")
+    digits = make_cfg("model=vit_test", "data.randaug=rand-m9-mstd0.5-inc1", "data.erasing=0.25", "data.mixup=0.2")
+    assert augment_line(digits, images) == ("augmentation: mixup alpha 0.2 / cutmix alpha 0 (soft-target "
+                                            "cross-entropy)")  # tensors in memory: no image transforms
+    smooth = make_cfg("model=vit_test", "data.label_smoothing=0.1")
+    assert augment_line(smooth, images) == "augmentation: cross-entropy, label smoothing 0.1"
+    assert augment_line(make_cfg("model=vit_test"), images) is None  # nothing on: no line
+    assert augment_line(make_cfg("model=gpt_test"), Data("text", 1000)) is None
