@@ -443,8 +443,12 @@ def validate(cfg: Any) -> None:
     _need(cfg.warmup >= 0, f"warmup={cfg.warmup} must be >= 0 (0 disables it)")
     _need(cfg.batch_size > 0, f"batch_size={cfg.batch_size} must be > 0")
     mb = cfg.micro_batch_size
-    _need(mb is None or (mb > 0 and cfg.batch_size % mb == 0),
-          f"micro_batch_size={mb} must divide batch_size={cfg.batch_size}")
+    if mb is not None and mb > 0 and cfg.batch_size % mb:
+        divisors = [d for d in range(1, cfg.batch_size + 1) if cfg.batch_size % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - mb))[:2]
+        raise ConfigError(f"micro_batch_size={mb} must divide batch_size={cfg.batch_size}: "
+                          f"e.g. micro_batch_size={' or '.join(map(str, sorted(near)))}")
+    _need(mb is None or mb > 0, f"micro_batch_size={mb} must be > 0 or null")
     _need(cfg.grad_clip is None or cfg.grad_clip > 0, f"grad_clip={cfg.grad_clip} must be > 0 or null")
     e = cfg.ema
     _need(e.decay is None or 0 < e.decay < 1, f"ema.decay={e.decay} must be in (0, 1), e.g. 0.9999, or null (off)")
