@@ -81,7 +81,8 @@ def test_mixup_needs_an_even_micro_batch(tmp_path, overrides, micro):
     (["model.drop_path=1.0"], "model.drop_path=1.0 must be in [0, 1)"),
     (["model.drop_path=-0.5"], "model.drop_path=-0.5 must be in [0, 1)"),
     (["model=swin_test", "model.window_size=0"], "model.window_size=0 must be >= 1"),
-    (["data.img_size=30"], "data.img_size=30 is not a multiple of model.patch_size=4"),
+    (["data.img_size=30"], "data.img_size=30 is not a multiple of model.patch_size=4: the patches must tile the "
+                           "image; the nearest sizes that do are 28 or 32"),
     (["data.img_size=0"], "data.img_size=0 must be >= 1 (null: the model's, model.img_size=16)"),
     (["model=swin_test", "model.img_size=15"], "model.img_size=15 with model.patch_size=2 and model.window_size=4: "
                                                "the patches do not tile the image"),

@@ -28,8 +28,10 @@ def check_heads(m, components: Components) -> None:
 def check_vit(m, components: Components) -> None:
     check_heads(m, components)
     if m.img_size % m.patch_size:
+        below, above = m.img_size // m.patch_size * m.patch_size, -(-m.img_size // m.patch_size) * m.patch_size
+        fits = f"{below} or {above}" if below else f"{above}"
         raise ConfigError(f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size}: "
-                          f"the patches must tile the image")
+                          f"the patches must tile the image; the nearest sizes that do are {fits}")
 
 
 def vit_flops(model: nn.Module, m) -> float:
