@@ -328,7 +328,9 @@ def _as_override(argv: list[str], i: int) -> tuple[str, str]:
     name = flag.replace("-", "_")
     hint = _nearest_key(name) or ""
     if name in FOREIGN_KEYS:
-        name = re.split(r"[\s:=]", FOREIGN_KEYS[name][1])[0]
+        name = FOREIGN_KEYS[name][1].split()[0].rstrip(":")
+        if "=" in name:  # logger=wandb_online, optim.betas=[B1,B2]: the override itself
+            return given, name
     elif hint.startswith("did you mean ") and " or " not in hint:
         name = hint.removeprefix("did you mean ").rstrip("?")
     return given, f"{name}={value or 'VALUE'}"

@@ -93,6 +93,8 @@ def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are(
     (["steps=3", "--smoothing", "0.1"], "--smoothing 0.1: train.py takes overrides key=value, without dashes: "
                                         "data.label_smoothing=0.1"),
     (["drop-path=0.1"], "unknown key 'drop-path': keys are written with '_': did you mean model.drop_path?"),
+    (["--wandb_log", "True"], "--wandb_log True: train.py takes overrides key=value, without dashes: "
+                              "logger=wandb_online"),
 ])
 def test_an_override_hydra_cannot_take_is_one_line_with_the_fix(args, line, capsys):
     from stabletrain.cli import check_overrides
