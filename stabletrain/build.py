@@ -232,24 +232,30 @@ def augment_line(cfg, data: Data) -> str | None:
     return f"augmentation: {'; '.join(parts)}" if parts else None
 
 
-def cadence_note(monitor_cfg, total_steps: int) -> str | None:
+def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: bool = False) -> str | None:
     """Said where a monitor pass runs fewer than three times after step 0: the weight pass, whose
     curves (sigma1, SEC) are then two or three points, or the probe pass, which measures attention
-    entropy and raises its alerts: a collapse early in a short run is then seen at its end."""
+    entropy and raises its alerts: a collapse early in a short run is then seen at its end. AdamW²'s
+    per-tensor rates (adamw2_lr.png), logged with or without the monitors, likewise."""
     alerts = " and its alerts" if monitor_cfg.alerts else ""
-    sparse = [(what, key, getattr(monitor_cfg, key)) for what, key in (
-        ("the weight pass (sigma1, SEC, the QK spectrum)", "weight_every"),
-        (f"the probe pass (attention entropy{alerts})", "probe_every")) if total_steps < 3 * getattr(monitor_cfg, key)]
+    passes = [("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True),
+              (f"the probe pass (attention entropy{alerts})", "runs", "probe_every", True)] if monitors else []
+    passes += [("AdamW²'s per-tensor rates (adamw2_lr.png)", "are logged", "adamw2_every", False)] if adamw2 else []
+    sparse = [(what, verb, key, getattr(monitor_cfg, key), at_start) for what, verb, key, at_start in passes
+              if total_steps < 3 * getattr(monitor_cfg, key)]
     if not sparse:
         return None
 
-    def at(every: int) -> str:
-        steps = [0, *range(every, total_steps + 1, every)] + ([total_steps] if total_steps % every else [])
-        return f"{', '.join(map(str, steps[:-1]))} and {steps[-1]}"
+    def at(every: int, at_start: bool) -> str:  # the probe and weight passes also run before step 1
+        steps = [0] * at_start + [*range(every, total_steps + 1, every)]
+        steps += [total_steps] if total_steps % every else []
+        if len(steps) == 1:
+            return f"step {steps[0]} only"
+        return f"steps {', '.join(map(str, steps[:-1]))} and {steps[-1]}"
 
-    runs = " and ".join(f"{what}{' runs' if i == 0 else ''} at steps {at(every)} (monitor.{key}={every})"
-                        for i, (what, key, every) in enumerate(sparse))
-    fix = " ".join(f"monitor.{key}={max(1, total_steps // 10)}" for _, key, _ in sparse)
+    runs = " and ".join(f"{what}{' ' + verb if i == 0 else ''} at {at(every, at_start)} (monitor.{key}={every})"
+                        for i, (what, verb, key, every, at_start) in enumerate(sparse))
+    fix = " ".join(f"monitor.{key}={max(1, total_steps // 10)}" for _, _, key, _, _ in sparse)
     return (f"note: in this {total_steps}-step run {runs}; {fix} "
             + ("watches it ten times" if len(sparse) == 1 else "watch each ten times"))
 
@@ -541,7 +547,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
-        notes += [sparse] if (sparse := cadence_note(cfg.monitor, total)) else []
+    per_tensor = hasattr(optimizer, "telemetry")  # AdamW²'s per-tensor rates, logged without monitors too
+    notes += [sparse] if (sparse := cadence_note(cfg.monitor, total, monitor is not None, per_tensor)) else []
     messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:

@@ -171,6 +171,21 @@ def test_a_short_run_is_told_when_its_monitor_passes_run():
     assert "the probe pass (attention entropy) at steps 0 and 200" in cadence_note(quiet, 200)
 
 
+def test_a_short_adamw2_run_is_told_when_its_per_tensor_rates_are_logged():
+    """AdamW²'s per-tensor rates are logged at multiples of monitor.adamw2_every and at the last
+    step, monitors on or off: a 100-step run's adamw2_lr.png was two points, unannounced."""
+    from stabletrain.build import cadence_note
+
+    cfg = make_cfg("model=gpt_test", "optim=adamw2")  # adamw2_every=50
+    assert cadence_note(cfg.monitor, 100, monitors=False, adamw2=True) == (
+        "note: in this 100-step run AdamW²'s per-tensor rates (adamw2_lr.png) are logged at steps 50 and 100 "
+        "(monitor.adamw2_every=50); monitor.adamw2_every=10 watches it ten times")
+    assert "(adamw2_lr.png) at step 40 only (monitor.adamw2_every=50)" in cadence_note(cfg.monitor, 40, True, True)
+    assert cadence_note(cfg.monitor, 150, monitors=False, adamw2=True) is None
+    assert "adamw2" not in cadence_note(cfg.monitor, 100, monitors=True, adamw2=False)
+    assert cadence_note(cfg.monitor, 100, monitors=False, adamw2=False) is None
+
+
 def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted():
     """vit_test, 100 steps of AdamW² at tau 0.004, ended below chance: sigma1 could grow 1.5x."""
     from stabletrain.build import batch_over_data_note, short_bound_note
