@@ -7,6 +7,7 @@ only in how their two data sets are constructed and which normalisation they use
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import sys
@@ -142,6 +143,16 @@ class ImageData(Data):
         super().__init__("vision", len(train_set), num_classes=num_classes, in_chans=3, n_val=len(val_set))
         self.train_set, self.val_set = train_set, val_set
         self.seed, self.workers, self.repeats = seed, loader_workers(d.num_workers), d.repeated_aug
+        self.workers_asked = d.num_workers
+
+    def loader_words(self) -> str:
+        """How the images are loaded, for the data start line: the workers, and where
+        data.num_workers asked for more than this process's CPUs."""
+        if not self.workers_asked:
+            return ""
+        capped = (f" (data.num_workers={self.workers_asked}, capped at the {self.workers} CPUs this process may use)"
+                  if self.workers < self.workers_asked else "")
+        return f", {self.workers} loader worker{'s' * (self.workers != 1)}{capped}"
 
     def bad_samples(self) -> int:
         """Unreadable image files replaced so far, in the loader workers too (the trainer logs it)."""
@@ -248,6 +259,9 @@ class _ReadableImages(Dataset):
         # the run, not once per worker and per epoch
         self.bad = torch.zeros(len(self.samples), dtype=torch.bool).share_memory_()
         self.replaced = torch.zeros((), dtype=torch.int64).share_memory_()
+        # two workers can meet one bad file at once (one of them filling a slot after it): who
+        # flags it, warns and counts it is decided under this lock; good files are read without it
+        self.flagging = multiprocessing.Lock()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -258,27 +272,29 @@ class _ReadableImages(Dataset):
             if self.bad[i]:
                 continue
             path, label = self.samples[i]
-            img = _read_image(path)
+            img, why = _read_image(path)
             if img is not None:
                 return self.transform(img), label
-            self.bad[i] = True
-            self.replaced += 1
+            with self.flagging:
+                if not self.bad[i]:
+                    self.bad[i] = True
+                    self.replaced += 1
+                    print(f"warning: cannot read image {path} ({why}); the next readable file in the folder "
+                          "takes its place, with its own class", file=sys.stderr)
         raise ConfigError(f"none of the {len(self.samples)} image files in {self.root}/ can be read")
 
 
 def _read_image(path: str):
-    """The RGB image at ``path``, or None and a warning if PIL cannot read it (the caller flags
-    the file, so that no process reads it again)."""
+    """The RGB image at ``path`` and None, or None and why PIL cannot read it (the caller flags the
+    file, so that no process reads it again)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
+            return Image.open(f).convert("RGB"), None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # what PIL raises for bad files
-        why = ("PIL cannot identify it as an image" if isinstance(e, UnidentifiedImageError)
-               else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
-        print(f"warning: cannot read image {path} ({why}); the next readable image takes its place", file=sys.stderr)
-        return None
+        return None, ("PIL cannot identify it as an image" if isinstance(e, UnidentifiedImageError)
+                      else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
 
 
 def imagefolder_data(d, img_size: int, seed: int) -> ImageData:

@@ -797,7 +797,8 @@ class Trainer:
         what = "tokens" if d.kind == "text" else "samples"
         return (f"data: {d.source or d.kind}, {d.n_train} training {what}" + (f" ({d.n_val} val)" if d.n_val else "")
                 + f", {self.steps_per_epoch} step{'s' * (self.steps_per_epoch != 1)} per epoch, "
-                  f"{self.total_steps / self.steps_per_epoch:.3g} epochs")
+                  f"{self.total_steps / self.steps_per_epoch:.3g} epochs"
+                + (d.loader_words() if hasattr(d, "loader_words") else ""))
 
     def _start(self, resumed: int | None) -> dict | None:
         """The start lines; a resumed run that already completed returns its summary instead."""
