@@ -355,10 +355,15 @@ def check_overrides(argv: list[str]) -> None:
     if foreign is not None:  # argparse's usage block named the flag's value among the "unrecognized arguments"
         given, meant = _as_override(argv, foreign)
         _fail(f"{given}: train.py takes overrides key=value, without dashes: {meant}")
+    if "--help" in argv or "-h" in argv:
+        given = [a for a in argv if not a.startswith("-")]
+        print_own_options(given)
+        if (text := help_text(given)) is not None:
+            print(text)
+            raise SystemExit(0)
+        argv = [a for a in argv if a not in ("--help", "-h")]  # the overrides' mistake, told below in one line
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
-        if "--help" in argv or "-h" in argv:
-            print_own_options([a for a in argv if not a.startswith("-")])
-        return  # --help, --info, -cn ...: Hydra's own business
+        return  # --info, -cn ...: Hydra's own business
     overrides = [a for a in argv if not a.startswith("-")]
     if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
                                           for a in overrides):
@@ -465,6 +470,47 @@ def print_own_options(overrides: list[str]) -> None:
         for group, names in found.items():
             print(f"  {group}: {', '.join(names)}")
         print()
+
+
+def help_text(overrides: list[str]) -> str | None:
+    """``--help``: Hydra's page (train.yaml's header, the groups and their options, the config,
+    the footer), but the config holds only the keys this run reads: a GPT's page listed the ViT's
+    patch_size and the Swin's depths, a run without AdamW² its tau. None where the config does not
+    compose (Hydra's own page then says why)."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import keys_left_unread
+    from stabletrain.models.registry import model_keys_left_unread
+
+    try:
+        from hydra import compose, initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        from stabletrain.config import register
+
+        register()
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=epochs_over_steps(list(overrides)), return_hydra_config=True)
+        help_cfg = cfg.hydra.help
+        cfg = OmegaConf.to_container(cfg, resolve=False)
+    except Exception:  # noqa: BLE001 - a mistake in the overrides: Hydra's help says it
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+    del cfg["hydra"]
+    chosen = OmegaConf.create(cfg)
+    left_out = model_keys_left_unread(chosen.model) + keys_left_unread(chosen)
+    for key in left_out:
+        group, _, leaf = key.partition(".")
+        cfg[group].pop(leaf, None)
+    groups = {g: group_options(g, overrides) for g in sorted({p.name for d in config_dirs(overrides) if d.is_dir()
+                                                              for p in d.iterdir() if p.is_dir()} - {"hydra"})}
+    listing = "\n".join(f"{g}: {', '.join(opts)}" for g, opts in groups.items() if opts)
+    return (f"{help_cfg.header}\n== Configuration groups ==\nCompose your configuration from those groups "
+            f"(group=option)\n\n{listing}\n\n\n== Config ==\nOverride anything in the config (foo.bar=value). "
+            f"Left out: the {len(left_out)} keys this run's choices do not read (--cfg job prints every key).\n\n"
+            f"{OmegaConf.to_yaml(cfg)}\n{help_cfg.footer}")
 
 
 def _added_key_hint(name: str, ov: str) -> str:

@@ -592,6 +592,21 @@ def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+def keys_left_unread(cfg: Any) -> list[str]:
+    """Every key this config's choices leave unread, set or not: the keys of options not chosen
+    (READ_BY), every key of a group whose option is off (OFF) and the keys another key turns off
+    (READ_WHEN). ``--help`` leaves them out of the config it prints; :func:`unread_keys` notes
+    those set away from their defaults. The model family's are
+    :func:`stabletrain.models.registry.model_keys_left_unread`'."""
+    out = []
+    out += [key for key, readers in READ_BY.items()
+            if not any(_name(cfg[r.split("=")[0]]) == r.split("=")[1] for r in readers)]
+    out += [f"{group}.{f.name}" for group, (cls, off, _, keep) in OFF.items() if _name(cfg[group]) == off
+            for f in fields(cls) if f.name not in ("name", *keep)]
+    out += [key for key, (is_read, _) in READ_WHEN.items() if not is_read(cfg)]
+    return list(dict.fromkeys(out))
+
+
 def schema_default(key: str) -> Any:
     """The typed schema's default of a dotted key (``optim.lr`` -> 0.001, ``model.depth`` -> 12);
     KeyError for a key the schema lacks."""

@@ -249,6 +249,46 @@ def test_help_names_the_options_of_the_searchpath_which_hydras_list_leaves_out()
     assert "stabletrain: train a ViT, Swin or GPT" in r.stdout
 
 
+def test_help_prints_the_keys_this_run_reads():
+    """A GPT's --help listed the ViT's patch_size and the Swin's depths; an AdamW run's, AdamW²'s
+    tau; a help with a mistake in its overrides ended in Hydra's traceback."""
+    import yaml
+
+    r = cli("model=gpt_test", "optim=adamw", "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    page = r.stdout.split("== Config ==\n", 1)[1].split("\n\n", 1)
+    assert page[0].startswith("Override anything in the config (foo.bar=value). Left out: the ")
+    shown = yaml.safe_load(page[1].split("\nA mistake costs one line")[0])
+    assert {"embed_dim", "block_size", "vocab_size", "dropout"} <= set(shown["model"])
+    assert not {"patch_size", "depths", "window_size", "img_size"} & set(shown["model"])
+    assert "tau" not in shown["optim"] and "betas" in shown["optim"]
+    assert shown["reparam"] == {"name": "none"} and "every" not in shown["ema"]
+    r = cli("model=vit_test", "optim=adamw2", "-h")
+    shown = r.stdout.split("== Config ==\n", 1)[1]
+    assert "  patch_size: 4\n" in shown and "  tau: " in shown and "  block_size:" not in shown
+    assert "A mistake costs one line naming the fix." in r.stdout
+    r = cli("model=nope", "--help")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: model=nope is not an option of 'model'"), r.stderr[-2000:]
+
+
+def test_the_keys_left_unread_are_those_the_run_notes_when_set():
+    """keys_left_unread (the --help page) and unread_keys (the start notes) read one table: each
+    key --help leaves out, set away from its default, is noted as changing nothing."""
+    from stabletrain.config import keys_left_unread, unread_keys
+    from stabletrain.models.registry import model_keys_left_unread, unread_model_keys
+
+    cfg = make_cfg("model=gpt_test", "optim=adamw", "reparam=none")
+    left = model_keys_left_unread(cfg.model) + keys_left_unread(cfg)
+    assert {"model.patch_size", "model.depths", "optim.tau", "reparam.power_iters", "ema.every",
+            "divergence.max_rollbacks", "schedule.milestones"} <= set(left)
+    assert not {"model.embed_dim", "optim.lr", "optim.betas", "schedule.min_lr", "ema.decay"} & set(left)
+    for given in ("optim.tau=0.5", "model.patch_size=4", "divergence.max_rollbacks=5", "ema.warmup=true"):
+        changed = make_cfg("model=gpt_test", "optim=adamw", given)
+        notes = unread_keys(changed) + unread_model_keys(changed.model)
+        assert given.split("=")[0] in left and any(n.startswith(f"note: {given} ") for n in notes), (given, notes)
+
+
 def test_printing_a_valid_config_still_prints_it(tmp_path):
     r = cli("--cfg", "job", "optim.lr=0.5", "model=vit_test", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]

@@ -50,17 +50,25 @@ def family_entry(name):
     return entry
 
 
+def model_keys_left_unread(model_cfg) -> list[str]:
+    """The ``model.*`` keys the model's family does not read (a GPT's patch_size); none for a
+    family that declares no keys, or one not registered (a module of one's own not imported)."""
+    from stabletrain.config import ModelConfig
+
+    own = MODELS.entry(model_cfg.family).info.get("keys") if model_cfg.family in MODELS else None
+    if own is None:
+        return []
+    return [f"model.{f.name}" for f in fields(ModelConfig) if f.name not in (*own, "name", "family", "kwargs")]
+
+
 def unread_model_keys(model_cfg) -> list[str]:
     """One note per ``model.*`` key set away from its default that the family does not read
     (``model.dropout=0.1`` on a ViT), naming the families that do."""
     from stabletrain.config import ModelConfig, differs, shown_value
 
-    own = MODELS.entry(model_cfg.family).info.get("keys")
-    if own is None:
-        return []
     out, default = [], ModelConfig()
-    for key in (f.name for f in fields(ModelConfig)):
-        if key in own or key in ("name", "family", "kwargs") or not differs(model_cfg[key], getattr(default, key)):
+    for key in (k.removeprefix("model.") for k in model_keys_left_unread(model_cfg)):
+        if not differs(model_cfg[key], getattr(default, key)):
             continue
         readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
         out.append(f"note: model.{key}={shown_value(model_cfg[key])} changes nothing: only model.family="
