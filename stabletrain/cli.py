@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from math import prod
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -398,6 +399,7 @@ def check_overrides(argv: list[str]) -> None:
     def where(ovs: list[str]) -> str:
         return f" (sweep point {' '.join(ovs[i] for i in swept)}; no point was launched)" if swept else ""
 
+    configs = []
     for ovs in points:
         try:
             cfg = compose_config(ovs)
@@ -410,6 +412,79 @@ def check_overrides(argv: list[str]) -> None:
             if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
                 line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
             _fail(line + where(ovs))
+        configs.append(cfg)
+    whole_grid = prod(len({p[i] for p in points}) for i in swept) == len(points)
+    if swept and whole_grid:
+        check_swept_keys_read(points, swept, configs)
+        check_sweep_resume(points, swept, configs, overrides)
+
+
+def check_swept_keys_read(points: list[list[str]], swept: list[int], configs: list) -> None:
+    """A swept key that no point of the sweep reads (optim.tau under optim=adamw, deescalate.lambda_
+    without deescalate=block) is refused: each point would train the same model, and the sweep's
+    table and figure would read as "it has no effect"."""
+    from stabletrain.build import own_groups
+    from stabletrain.config import unread_reasons
+    from stabletrain.models.registry import model_unread_reasons
+
+    reasons = [{**model_unread_reasons(c.model), **unread_reasons(c, own_groups(c))} for c in configs]
+    for i in swept:
+        key = points[0][i].split("=")[0].lstrip("+~")
+        if all(key in r for r in reasons):
+            values = ",".join(dict.fromkeys(p[i].split("=", 1)[1] for p in points))
+            _fail(f"{key}={values} is swept, but no point of the sweep reads it: {reasons[0][key]}; no point was "
+                  f"launched")
+
+
+def check_sweep_resume(points: list[list[str]], swept: list[int], configs: list, overrides: list[str]) -> None:
+    """``resume=auto`` in a sweep directory that holds runs continues point N from ``N/``, Hydra's
+    number of the point's place in the grid: a value added inside a list moves the later points,
+    which would then be refused one by one (their ``.hydra/`` rewritten with another point's values,
+    which the sweep's table then shows beside the run's results) or trained again. Refused here,
+    before any point starts, naming where each run went."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    given = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides if "=" in o}
+    root = given.get("hydra.sweep.dir")
+    if root is None or "hydra.sweep.subdir" in given or not all(str(c.resume) == "auto" for c in configs):
+        return
+    keys = [points[0][i].split("=")[0].lstrip("+~") for i in swept]
+
+    def values(cfg) -> tuple:  # a group's choice (optim=adamw2) is its name in the config
+        out = []
+        for k in keys:
+            v = OmegaConf.select(cfg, k)
+            v = v.get("name", v.get("family")) if OmegaConf.is_config(v) else v
+            out.append(_comparable(v))
+        return tuple(out)
+
+    wanted = [values(c) for c in configs]
+    for num, want in enumerate(wanted):
+        stored = Path(root) / str(num) / "config.yaml"
+        if not stored.is_file():
+            continue
+        try:
+            held = values(OmegaConf.create(yaml.safe_load(stored.read_text())))
+        except Exception:  # noqa: BLE001 - a config of another version: the point's own resume check says it
+            continue
+        if held == want:
+            continue
+        run = ", ".join(f"{k}={v}" for k, v in zip(keys, held))
+        now = ", ".join(f"{k}={v}" for k, v in zip(keys, want))
+        moved = f" (now point {wanted.index(held)})" if held in wanted else ", which this sweep no longer has"
+        _fail(f"resume=auto: the sweep's points moved: point {num} is now {now}, but {root}/{num}/ holds the run "
+              f"of {run}{moved}; Hydra numbers a sweep's points by their place in the grid: add new values at the "
+              f"end of a list, or run the new points in another hydra.sweep.dir; no point was launched")
+
+
+def _comparable(v):
+    """A value as a sweep's override and a run's config.yaml both give it: 0 and 0.0 are one."""
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, (int, float)):
+        return float(v)
+    return str(getattr(v, "value", v))
 
 
 # the groups whose ``name`` picks a registered option: a yaml of one of them without it builds the default
@@ -479,8 +554,8 @@ def help_text(overrides: list[str]) -> str | None:
     compose (Hydra's own page then says why)."""
     from omegaconf import OmegaConf
 
-    from stabletrain.config import keys_left_unread
-    from stabletrain.models.registry import model_keys_left_unread
+    from stabletrain.config import unread_reasons
+    from stabletrain.models.registry import model_unread_reasons
 
     try:
         from hydra import compose, initialize_config_dir
@@ -500,7 +575,7 @@ def help_text(overrides: list[str]) -> str | None:
         GlobalHydra.instance().clear()
     del cfg["hydra"]
     chosen = OmegaConf.create(cfg)
-    left_out = model_keys_left_unread(chosen.model) + keys_left_unread(chosen)
+    left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]
     for key in left_out:
         group, _, leaf = key.partition(".")
         cfg[group].pop(leaf, None)

@@ -557,54 +557,43 @@ def _name(group_cfg: Any) -> str:
     return str(getattr(group_cfg.name, "value", group_cfg.name))
 
 
+def unread_reasons(cfg: Any, own: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every key this config's choices leave unread, set or not, with why: the keys of options
+    not chosen (READ_BY: ``norm.alpha`` with ``norm=layernorm``), every key of a group whose option
+    is off (OFF) and the keys another key turns off (READ_WHEN). ``own``: the groups whose chosen
+    option is the user's (``imports``), which may read any key of its group: none of theirs is
+    here. The model family's are :func:`stabletrain.models.registry.model_unread_reasons`'."""
+    out = {}
+    for key, readers in READ_BY.items():
+        if any(r.split("=")[0] in own for r in readers):
+            continue
+        if not any(_name(cfg[r.split("=")[0]]) == r.split("=")[1] for r in readers):
+            groups = dict.fromkeys(r.split("=")[0] for r in readers)
+            only = " or ".join(f"{g}={'/'.join(r.split('=')[1] for r in readers if r.startswith(g + '='))}"
+                               for g in groups)
+            has = ", ".join(f"{g}={_name(cfg[g])}" for g in groups)
+            out[key] = f"only {only} reads it, and this run has {has}"
+    for group, (cls, off, why, keep) in OFF.items():
+        if _name(cfg[group]) == off:
+            for key in (f.name for f in fields(cls) if f.name not in ("name", *keep)):
+                out[f"{group}.{key}"] = f"{group}={off} {why} (choose another {group} option)"
+    for key, (is_read, why) in READ_WHEN.items():
+        if key not in out and not is_read(cfg):
+            out[key] = why
+    return out
+
+
 def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
     """One note per key set away from its default that nothing reads in this run, because the
     option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
-    share such keys across options, so they are said, not refused. ``own``: the groups whose
-    chosen option is the user's (``imports``), which may read any key of its group: none of their
-    keys is noted. The model family's keys are :func:`stabletrain.models.registry.unread_model_keys`'."""
-    out = []
-
+    share such keys across options, so they are said, not refused (but a key a sweep varies that
+    none of its points reads is: cli.check_overrides)."""
     def value(key):
         group, _, leaf = key.partition(".")
         return cfg[group][leaf]
 
-    for key, readers in READ_BY.items():
-        if any(r.split("=")[0] in own for r in readers):
-            continue
-        if not any(str(cfg[r.split("=")[0]].name) == r.split("=")[1] for r in readers) and \
-                differs(value(key), schema_default(key)):
-            groups = dict.fromkeys(r.split("=")[0] for r in readers)
-            only = " or ".join(f"{g}={'/'.join(r.split('=')[1] for r in readers if r.startswith(g + '='))}"
-                               for g in groups)
-            has = ", ".join(f"{g}={cfg[g].name}" for g in groups)
-            out.append(f"note: {key}={shown_value(value(key))} changes nothing: only {only} reads it, and this run "
-                       f"has {has}")
-    for group, (cls, off, why, own) in OFF.items():
-        if _name(cfg[group]) == off:
-            for key in (f.name for f in fields(cls) if f.name not in ("name", *own)):
-                if differs(cfg[group][key], getattr(cls(), key)):
-                    out.append(f"note: {group}.{key}={shown_value(cfg[group][key])} changes nothing: {group}={off} "
-                               f"{why} (choose another {group} option)")
-    for key, (is_read, why) in READ_WHEN.items():
-        if not is_read(cfg) and differs(value(key), schema_default(key)):
-            out.append(f"note: {key}={shown_value(value(key))} changes nothing: {why}")
-    return out
-
-
-def keys_left_unread(cfg: Any) -> list[str]:
-    """Every key this config's choices leave unread, set or not: the keys of options not chosen
-    (READ_BY), every key of a group whose option is off (OFF) and the keys another key turns off
-    (READ_WHEN). ``--help`` leaves them out of the config it prints; :func:`unread_keys` notes
-    those set away from their defaults. The model family's are
-    :func:`stabletrain.models.registry.model_keys_left_unread`'."""
-    out = []
-    out += [key for key, readers in READ_BY.items()
-            if not any(_name(cfg[r.split("=")[0]]) == r.split("=")[1] for r in readers)]
-    out += [f"{group}.{f.name}" for group, (cls, off, _, keep) in OFF.items() if _name(cfg[group]) == off
-            for f in fields(cls) if f.name not in ("name", *keep)]
-    out += [key for key, (is_read, _) in READ_WHEN.items() if not is_read(cfg)]
-    return list(dict.fromkeys(out))
+    return [f"note: {key}={shown_value(value(key))} changes nothing: {why}"
+            for key, why in unread_reasons(cfg, own).items() if differs(value(key), schema_default(key))]
 
 
 def schema_default(key: str) -> Any:

@@ -273,13 +273,13 @@ def test_help_prints_the_keys_this_run_reads():
 
 
 def test_the_keys_left_unread_are_those_the_run_notes_when_set():
-    """keys_left_unread (the --help page) and unread_keys (the start notes) read one table: each
+    """unread_reasons (the --help page, the sweep check) and unread_keys (the start notes) read one table: each
     key --help leaves out, set away from its default, is noted as changing nothing."""
-    from stabletrain.config import keys_left_unread, unread_keys
-    from stabletrain.models.registry import model_keys_left_unread, unread_model_keys
+    from stabletrain.config import unread_keys, unread_reasons
+    from stabletrain.models.registry import model_unread_reasons, unread_model_keys
 
     cfg = make_cfg("model=gpt_test", "optim=adamw", "reparam=none")
-    left = model_keys_left_unread(cfg.model) + keys_left_unread(cfg)
+    left = {**model_unread_reasons(cfg.model), **unread_reasons(cfg)}
     assert {"model.patch_size", "model.depths", "optim.tau", "reparam.power_iters", "ema.every",
             "divergence.max_rollbacks", "schedule.milestones"} <= set(left)
     assert not {"model.embed_dim", "optim.lr", "optim.betas", "schedule.min_lr", "ema.decay"} & set(left)
@@ -431,3 +431,61 @@ def test_an_image_runs_augmentation_is_one_start_line_in_timms_terms():
     assert augment_line(smooth, images) == "augmentation: cross-entropy, label smoothing 0.1"
     assert augment_line(make_cfg("model=vit_test"), images) is None  # nothing on: no line
     assert augment_line(make_cfg("model=gpt_test"), Data("text", 1000)) is None
+
+
+@pytest.mark.parametrize("args,line", [
+    ("-m model=gpt_test optim=adamw optim.tau=0.003,0.01",
+     "optim.tau=0.003,0.01 is swept, but no point of the sweep reads it: only optim=adamw2 reads it, and this run has "
+     "optim=adamw; no point was launched"),
+    ("-m model=vit_test deescalate.lambda_=0.5,1.0",
+     "deescalate.lambda_=0.5,1.0 is swept, but no point of the sweep reads it: deescalate=none adds no de-escalation "
+     "(choose another deescalate option)"),
+    ("-m model=gpt_test model.patch_size=4,8",
+     "model.patch_size=4,8 is swept, but no point of the sweep reads it: only model.family=swin/vit reads it, and "
+     "this run has model.family=gpt"),
+])
+def test_a_swept_key_no_point_reads_is_refused(args, line, capsys):
+    """Each point trained the same model behind a start note (none at the default value), and the
+    sweep's table and figure read as "the key has no effect"."""
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit):
+        check_overrides(args.split())
+    assert capsys.readouterr().err.strip().startswith("error: " + line)
+
+
+def test_a_swept_key_some_points_read_is_launched():
+    from stabletrain.cli import check_overrides
+
+    check_overrides("-m model=gpt_test optim=adamw,adamw2 optim.tau=0.003,0.01".split())
+    check_overrides("-m model=gpt_test,vit_test model.patch_size=4,8".split())
+
+
+def _sweep_dir(root, taus):
+    from omegaconf import OmegaConf
+
+    for num, tau in enumerate(taus):
+        (root / str(num)).mkdir(parents=True)
+        cfg = make_cfg("model=gpt_test", f"optim.tau={tau}")
+        (root / str(num) / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def test_a_resumed_sweep_whose_points_moved_is_refused_before_any_starts(tmp_path, capsys):
+    """A value added inside a list moved the later points: Hydra rewrote their .hydra/ before each
+    point's own resume refused, so the sweep's table showed tau=0.01's results as tau=0.005's,
+    and tau=0.03 trained again."""
+    from stabletrain.cli import check_overrides
+
+    _sweep_dir(tmp_path, ["0.003", "0.01", "0.03"])
+    args = f"-m model=gpt_test optim.tau=0.003,0.005,0.01,0.03 resume=auto hydra.sweep.dir={tmp_path}".split()
+    with pytest.raises(SystemExit):
+        check_overrides(args)
+    assert capsys.readouterr().err.strip() == (
+        f"error: resume=auto: the sweep's points moved: point 1 is now optim.tau=0.005, but {tmp_path}/1/ holds the "
+        f"run of optim.tau=0.01 (now point 2); Hydra numbers a sweep's points by their place in the grid: add new "
+        f"values at the end of a list, or run the new points in another hydra.sweep.dir; no point was launched")
+    check_overrides(f"-m model=gpt_test optim.tau=0.003,0.01,0.03,0.005 resume=auto hydra.sweep.dir={tmp_path}".split())
+    check_overrides(f"-m model=gpt_test optim.tau=0.003,0.005 hydra.sweep.dir={tmp_path}".split())  # no resume
+    with pytest.raises(SystemExit):
+        check_overrides(f"-m model=gpt_test optim.tau=0.003,0.02 resume=auto hydra.sweep.dir={tmp_path}".split())
+    assert "holds the run of optim.tau=0.01, which this sweep no longer has" in capsys.readouterr().err

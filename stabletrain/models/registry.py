@@ -50,15 +50,21 @@ def family_entry(name):
     return entry
 
 
-def model_keys_left_unread(model_cfg) -> list[str]:
-    """The ``model.*`` keys the model's family does not read (a GPT's patch_size); none for a
-    family that declares no keys, or one not registered (a module of one's own not imported)."""
+def model_unread_reasons(model_cfg) -> dict[str, str]:
+    """The ``model.*`` keys the model's family does not read (a GPT's patch_size), with the
+    families that do; none for a family that declares no keys, or one not registered (a module
+    of one's own not imported)."""
     from stabletrain.config import ModelConfig
 
     own = MODELS.entry(model_cfg.family).info.get("keys") if model_cfg.family in MODELS else None
     if own is None:
-        return []
-    return [f"model.{f.name}" for f in fields(ModelConfig) if f.name not in (*own, "name", "family", "kwargs")]
+        return {}
+    out = {}
+    for key in (f.name for f in fields(ModelConfig) if f.name not in (*own, "name", "family", "kwargs")):
+        readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
+        out[f"model.{key}"] = (f"only model.family={'/'.join(readers)} reads it, and this run has "
+                               f"model.family={model_cfg.family}")
+    return out
 
 
 def unread_model_keys(model_cfg) -> list[str]:
@@ -66,14 +72,10 @@ def unread_model_keys(model_cfg) -> list[str]:
     (``model.dropout=0.1`` on a ViT), naming the families that do."""
     from stabletrain.config import ModelConfig, differs, shown_value
 
-    out, default = [], ModelConfig()
-    for key in (k.removeprefix("model.") for k in model_keys_left_unread(model_cfg)):
-        if not differs(model_cfg[key], getattr(default, key)):
-            continue
-        readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
-        out.append(f"note: model.{key}={shown_value(model_cfg[key])} changes nothing: only model.family="
-                   f"{'/'.join(readers)} reads it, and this run has model.family={model_cfg.family}")
-    return out
+    default = ModelConfig()
+    return [f"note: {key}={shown_value(model_cfg[key[6:]])} changes nothing: {why}"
+            for key, why in model_unread_reasons(model_cfg).items()
+            if differs(model_cfg[key[6:]], getattr(default, key[6:]))]
 
 
 def build_model(model_cfg, components: Components | None = None) -> nn.Module:
