@@ -46,8 +46,18 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print(f"error: no run with a summary.json under {args.sweep_dir}", file=sys.stderr)
         return 1
-    columns, table = sweeps.rows(runs)
+    columns, table = sweeps.rows(runs, args.sweep_dir)
     print(sweeps.markdown(columns, table))
+    sources = sorted({m.parent for m in args.sweep_dir.rglob("multirun.yaml")})
+    if len(sources) > 1:  # a day's folder, given for one sweep's
+        named = ", ".join(p.relative_to(args.sweep_dir).as_posix() or "." for p in sources[:4])
+        print(f"\nnote: these runs come from {len(sources)} sweeps ({named}{', ...' if len(sources) > 4 else ''}), "
+              f"in one table: give one sweep's directory to compare its points alone", file=sys.stderr)
+    unfinished = [row["run"] for row in table if row["status"] == "unfinished"]
+    if unfinished:
+        homes = ", ".join(sorted({str((args.sweep_dir / run).parent) for run in unfinished}))
+        print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(unfinished)}; a stopped sweep "
+              f"goes on with its own command plus resume=auto hydra.sweep.dir={homes}", file=sys.stderr)
     if [r.path.resolve() for r in runs] == [args.sweep_dir.resolve()]:
         # a run's own directory: its summary.json is the record; a csv beside it would be clutter
         print(f"\n{args.sweep_dir} is one run, not a sweep (no summary.csv written); to compare runs, give the "
@@ -85,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.x is None:
             print(f"error: --plot needs --x KEY, one of the swept keys: {', '.join(swept) or 'none (nothing varies)'}",
                   file=sys.stderr)
+            return 2
+        if args.series is not None and args.series == args.x:
+            rest = [k for k in swept if k != args.x]
+            print(f"error: --series {args.series} is the --x key: each line would join the points of one x value; "
+                  + (f"the other swept keys: {', '.join(rest)}" if rest else "leave --series out"), file=sys.stderr)
             return 2
         others = [k for k in swept if k not in (args.x, args.series)]
         if args.series is None and len(others) == 1:

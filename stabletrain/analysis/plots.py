@@ -84,6 +84,11 @@ class Run:
         return s.get("diverged_at", s.get("step")) if s.get("status") == "diverged" else None
 
     @property
+    def last_step(self) -> float | None:
+        """The last step any metric was logged at: how far a run without summary.json got."""
+        return max((float(x[-1]) for x, _ in self.metrics.values() if len(x)), default=None)
+
+    @property
     def restored_at(self) -> list[float]:
         """The steps rollbacks restored (each logged at the step it restored)."""
         series = self.get(N.rollback("restored_step"))
@@ -306,6 +311,8 @@ def _title(run: Run, what: str) -> str:
         if run.resumed_at:
             status += f", resumed at step {', '.join(f'{s:g}' for s in run.resumed_at)} (green)"
         status += "]"
+    elif run.last_step is not None:  # no summary.json: still running, or killed (a crash, a lost node)
+        status = f" [unfinished: last logged step {run.last_step:g}]"
     return f"{run.name}{status}: {what}"
 
 
@@ -675,7 +682,7 @@ def _why_no_adamw2_curves(run: Run) -> str:
     optim, every = cfg.get("optim") or {}, (cfg.get("monitor") or {}).get("adamw2_every", "?")
     if optim.get("name") != "adamw2":
         return f"the run used optim={optim.get('name', '?')}" if optim else "not an AdamW² run?"
-    stopped = (run.summary or {}).get("step", "?")
+    stopped = (run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?")
     return (f"this AdamW² run logs them every monitor.adamw2_every={every} steps and at its last, and it "
             f"stopped at step {stopped} before any")
 
@@ -947,7 +954,9 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     # seed, a setting that changed nothing) show as a thin line inside a thick one, not as one run
     styles = [{"color": colors[i % 10], "ls": ("-", "--", "-.")[i // 10 % 3], "lw": max(0.8, 3.2 - i)}
               for i in range(len(runs))]
-    labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else "")
+    labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else
+                        f" (unfinished: last logged step {run.last_step:g})" if run.summary is None
+                        and run.last_step is not None else "")
                 for run, name in zip(runs, names)]
     missing_in: list[list[str]] = [[] for _ in runs]
     drawn = 0
@@ -961,6 +970,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 ax.axvline(run.diverged_step, color=styles[i]["color"], ls=":", lw=1)
             for step in run.restored_at:  # where a rollback took the run back to: its curve goes on from there
                 ax.axvline(step, color=styles[i]["color"], ls="--", lw=1)
+            for step in run.resumed_at:  # its record there is one step's, beside intervals' means: a dip
+                ax.axvline(step, color=styles[i]["color"], ls="-.", lw=1)
             if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
                 steps = sorted({a["step"] for a in run.alerts})
                 ax.plot(steps, [1.0] * len(steps), "v", color=styles[i]["color"], markersize=8, ls="",
@@ -997,6 +1008,9 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     if any(r.restored_at for r in runs):
         handles.append(Line2D([], [], color="gray", ls="--", lw=1))
         labelled.append("dashed: the step a rollback of the run of that colour restored")
+    if any(r.resumed_at for r in runs):
+        handles.append(Line2D([], [], color="gray", ls="-.", lw=1))
+        labelled.append("dash-dot: where the run of that colour was resumed")
     if any(r.alerts for r in runs):
         handles.append(Line2D([], [], color="gray", marker="v", ls=""))
         labelled.append("triangle on the entropy panel: a health alert of the run of that colour")

@@ -54,15 +54,23 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def settings(run_dir: Path) -> dict:
-    """What the run was given: its overrides, else its whole resolved config, flattened."""
+    """What the run was given: its overrides, else its whole resolved config, flattened. Where
+    the run's own config.yaml holds another value of an overridden key, the run's wins: Hydra
+    writes ``.hydra/`` when a point starts, so a point that then refused to resume another run
+    (a sweep whose points moved) left the run's results under its own values."""
     overrides = run_dir / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        out = {}
-        for line in yaml.safe_load(overrides.read_text()) or []:
-            key, _, val = line.partition("=")
-            out[key.lstrip("+~")] = _value(val)
-        return out
-    return dict(resolved_config(run_dir))
+    if not overrides.is_file():
+        return dict(resolved_config(run_dir))
+    ran = resolved_config(run_dir)
+    out = {}
+    for line in yaml.safe_load(overrides.read_text()) or []:
+        key, _, val = line.partition("=")
+        key = key.lstrip("+~")
+        out[key] = _value(val)
+        held = ran.get(key, ran.get(f"{key}.name"))  # a group's choice (optim=adamw2) is its name there
+        if held is not None and not str(held).startswith("[") and _same(held) != _same(out[key]):
+            out[key] = held  # (a list is written another way there: [0.9, 0.95])
+    return out
 
 
 def resolved_config(run_dir: Path) -> dict:
@@ -86,7 +94,8 @@ def find_runs(sweep_dir: str | Path) -> list[Run]:
         try:
             summary = json.loads((d / "summary.json").read_text())
         except (OSError, json.JSONDecodeError):  # none yet, or one being written
-            summary = {"status": "unfinished"}
+            summary = {"status": "unfinished", "step": last_logged_step(d) if d.joinpath("metrics.jsonl").is_file()
+                       else ""}  # how far a killed run got
         runs.append(Run(d, summary, settings(d)))
     for multirun in sorted(root.rglob("multirun.yaml")):
         points = grid(multirun)
@@ -96,6 +105,28 @@ def find_runs(sweep_dir: str | Path) -> list[Run]:
             if not any(all(_same(r.settings.get(k)) == _same(point[k]) for k in swept) for r in started):
                 runs.append(Run(multirun.parent / str(num), {"status": "not started"}, point))
     return runs
+
+
+def last_logged_step(run_dir: Path) -> int | None:
+    """The step of the last record in ``run_dir/metrics.jsonl`` (read from its end: a long run's
+    file is large), or None; a torn last line (a killed writer) is passed over."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - (1 << 20)))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            return int(step)
+    return None
 
 
 def grid(multirun_yaml: Path) -> list[dict]:
@@ -237,8 +268,9 @@ def _events(summary: dict) -> dict:
             "reason": summary.get("reason") or "" if summary.get("status") in ("refused", "failed") else ""}
 
 
-def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
-    """Columns and one dict per run, sorted by the swept values."""
+def rows(runs: list[Run], root: Path | None = None) -> tuple[list[str], list[dict]]:
+    """Columns and one dict per run, sorted by the swept values; the ``run`` column is each run's
+    directory below ``root`` (``tau/0``: the points of two sweeps are both ``0``), else its name."""
     keys = filled_varying_keys(runs)
     vals = final_metrics(runs)
     out = []
@@ -251,6 +283,8 @@ def rows(runs: list[Run]) -> tuple[list[str], list[dict]]:
         row.update(_events(s))
         row.update({f"final_{k}": final.get(k, "") for k in vals})
         row["run"] = r.path.name
+        if root is not None and Path(root).resolve() in r.path.resolve().parents:
+            row["run"] = r.path.resolve().relative_to(Path(root).resolve()).as_posix()
         out.append(row)
     out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
     # where it diverged, and the skips, rollbacks and alerts: columns only where some run had them

@@ -247,6 +247,59 @@ def test_the_script_plots_val_loss_by_default_and_titles_diverged_runs_as_finish
     assert title.endswith(": 3 runs, 1 not finished")
 
 
+def test_a_killed_point_shows_how_far_it_got_and_how_to_go_on(tmp_path, capsys):
+    """A point killed at step 30 (no summary.json) showed an empty step, like one never started,
+    and nothing said how to continue it."""
+    script = _script("summarize_sweep.py")
+    _run(tmp_path / "0", summary={"status": "completed", "step": 60}, overrides=["optim.tau=0.01"])
+    _run(tmp_path / "1", overrides=["optim.tau=0.03"],
+         records=[{"step": 10, "loss": 3.0}, {"step": 30, "loss": 2.5}])
+    with open(tmp_path / "1" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 40, "lo')  # killed mid-write
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert [(row["status"], row["step"]) for row in table] == [("completed", 60), ("unfinished", 30)]
+    assert script.main([str(tmp_path)]) == 0
+    assert (f"unfinished (no summary.json: still running, or stopped): 1; a stopped sweep goes on with its own "
+            f"command plus resume=auto hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
+
+
+def test_a_folder_of_several_sweeps_names_each_row_and_says_so(tmp_path, capsys):
+    """A day's folder given for one sweep: the run column repeated 0, 1, 0, 1, and nothing said the
+    table mixed two sweeps."""
+    script = _script("summarize_sweep.py")
+    for sweep, key in (("tau", "optim.tau"), ("lr", "optim.lr")):
+        (tmp_path / sweep).mkdir()
+        (tmp_path / sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {"task": []}}}))
+        for i, v in enumerate((0.1, 0.2)):
+            _run(tmp_path / sweep / str(i), summary={"status": "completed", "step": 5}, overrides=[f"{key}={v}"])
+    assert script.main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(row.rsplit("|", 2)[1].strip() for row in out.splitlines()[2:] if row.startswith("|")) == [
+        "lr/0", "lr/1", "tau/0", "tau/1"]
+    assert "note: these runs come from 2 sweeps (lr, tau), in one table: give one sweep's directory" in err
+
+
+def test_a_run_s_own_config_wins_over_a_hydra_record_rewritten_by_a_refused_point(tmp_path):
+    """A point that refused to resume another run had its .hydra/ rewritten with its own values
+    first: the table showed the tau=0.01 run's results as tau=0.005's."""
+    _run(tmp_path / "1", {"optim": {"name": "adamw2", "tau": 0.01, "betas": [0.9, 0.95]}},
+         {"status": "completed", "step": 60, "final": {"loss": 2.0}},
+         overrides=["optim.tau=0.005", "optim=adamw2", "optim.betas=[0.9,0.95]"])
+    assert sweeps.settings(tmp_path / "1") == {"optim.tau": 0.01, "optim": "adamw2", "optim.betas": "[0.9,0.95]"}
+
+
+def test_series_and_x_must_differ(tmp_path, capsys):
+    script = _script("summarize_sweep.py")
+    for i, (tau, alpha) in enumerate(((0.1, 0.2), (0.1, 0.3), (0.2, 0.2), (0.2, 0.3))):
+        _run(tmp_path / str(i), summary={"status": "completed", "step": 5, "final": {"loss": 1.0}},
+             overrides=[f"optim.tau={tau}", f"norm.alpha={alpha}"])
+    plot = ["--plot", str(tmp_path / "p.png")]
+    assert script.main([str(tmp_path), "--x", "optim.tau", "--series", "optim.tau", *plot]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --series optim.tau is the --x key: each line would join the points of one x value; the other swept "
+        "keys: norm.alpha")
+
+
 # --- the stability benchmark ----------------------------------------------------------------------
 
 

@@ -410,6 +410,7 @@ def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
     bare.mkdir()
     rows = [{"step": s, "loss": 3.0 / (1 + s)} for s in range(0, 300, 10)]
     (bare / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    (bare / "summary.json").write_text(json.dumps({"status": "completed"}))
     figures = []
     monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
     P.compare_runs([full, bare], tmp_path / "cmp", labels=["full", "bare"])
@@ -433,6 +434,30 @@ def test_compare_runs_marks_the_steps_rollbacks_restored(tmp_path, monkeypatch):
     legend = [t.get_text().replace("\n", " ") for ax in figures[0].axes if ax.get_legend()
               for t in ax.get_legend().get_texts()]  # wrapped to the legend's panel
     assert "dashed: the step a rollback of the run of that colour restored" in legend
+
+
+def test_compare_runs_marks_a_resume_and_an_unfinished_run(tmp_path, monkeypatch):
+    """A resumed run's record at its resume step is one step's loss beside intervals' means: a dip
+    against its uninterrupted twin, unmarked; a killed run (no summary.json) read as a short
+    finished one, in the legend and in plot_dynamics' titles."""
+    run = _write_run(tmp_path / "resumed", crash=False)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 30, N.RESUMED_AT: 30}) + "\n")
+    killed = _write_run(tmp_path / "killed", crash=False)
+    (killed / "summary.json").unlink()
+    last = 300  # the last whole record: the next one is torn
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([run, killed], tmp_path / "cmp", labels=["resumed", "killed"])
+    loss_ax = next(ax for ax in figures[0].axes if ax.get_title().startswith("training loss"))
+    marks = [ln for ln in loss_ax.get_lines() if ln.get_linestyle() == "-." and set(ln.get_xdata()) == {30}]
+    assert len(marks) == 1
+    legend = [t.get_text().replace("\n", " ") for ax in figures[0].axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()]
+    assert "dash-dot: where the run of that colour was resumed" in legend
+    assert f"killed (unfinished: last logged step {last})" in legend, legend
+    title = P._title(P.load_run(killed), "training curves")
+    assert title == f"killed [unfinished: last logged step {last}]: training curves"
 
 
 def test_repro_warmup_figure_draws_what_its_table_reports(tmp_path, monkeypatch):
