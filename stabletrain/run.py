@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
@@ -130,6 +131,36 @@ def refuse_point(run_dir: Path, reason: str) -> None:
     except ConfigError:
         return
     write_json(run_dir / "summary.json", {"status": "refused", "step": 0, "reason": reason})
+
+
+class SweepReport(Callback):
+    """A Hydra callback (train.yaml's ``hydra.callbacks``): a sweep's last lines are a tally of
+    its points (completed, diverged, refused with the first refusal's reason, not finished) and
+    the commands that draw its table and curves, where a single run names its figures' command.
+    A refused point's line had scrolled away in a long sweep's log, and the sweep's directory was
+    only in each point's start line."""
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        from stabletrain.analysis.sweeps import find_runs
+
+        if D.detect().rank > 0:
+            return
+        root = Path(str(config.hydra.sweep.dir))
+        try:
+            runs = find_runs(root)
+        except OSError:
+            return
+        if not runs:
+            return
+        counts: dict[str, int] = {}
+        for r in runs:
+            counts[r.summary.get("status", "unfinished")] = counts.get(r.summary.get("status", "unfinished"), 0) + 1
+        tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        refused = next((r for r in runs if r.summary.get("status") in ("refused", "failed")), None)
+        why = (f"; {refused.path.name}/ {refused.summary['status']}: {refused.summary.get('reason') or '?'}"
+               if refused is not None else "")
+        say(f"sweep {root}: {len(runs)} point{'s' * (len(runs) != 1)}, {tally}{why}")
+        say(f"its table: python scripts/summarize_sweep.py {root}; its curves: python scripts/compare_runs.py {root}")
 
 
 def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:

@@ -346,3 +346,37 @@ def test_a_run_stopped_between_evaluations_says_when_its_val_was_measured(tmp_pa
     assert s["status"] == "interrupted" and s["step"] == 3 and s["eval_step"] == 2 and "val/loss" in s["final"]
     line = capsys.readouterr().err.strip().splitlines()[-2]  # the last says how to continue
     assert line.startswith("interrupted at step 3") and line.endswith("(evaluated at step 2)"), line
+
+
+def test_a_sweep_ends_with_its_points_tally_and_the_commands_that_draw_it(tmp_path, capsys):
+    """A refused point's line scrolled away in a long sweep's log, and the sweep's directory was
+    only in each point's start line."""
+    import json
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from stabletrain.run import SweepReport
+
+    for num, (status, reason) in enumerate((("completed", None), ("refused", "data.path=x.bin holds 10 tokens"),
+                                            ("completed", None), ("diverged", "non-finite loss (nan) at step 3"))):
+        (tmp_path / str(num) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(num) / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"optim.tau=0.0{num + 1}"]))
+        (tmp_path / str(num) / "summary.json").write_text(json.dumps({"status": status, "reason": reason}))
+    (tmp_path / "4" / ".hydra").mkdir(parents=True)  # killed: no summary.json
+    (tmp_path / "4" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["optim.tau=0.05"]))
+    SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert capsys.readouterr().err.splitlines() == [
+        f"sweep {tmp_path}: 5 points, 2 completed, 1 refused, 1 diverged, 1 unfinished; 1/ refused: data.path=x.bin "
+        f"holds 10 tokens",
+        f"its table: python scripts/summarize_sweep.py {tmp_path}; its curves: python scripts/compare_runs.py "
+        f"{tmp_path}"]
+
+
+def test_train_yaml_registers_the_sweep_report():
+    import yaml
+
+    from tests.helpers import ROOT
+
+    hydra = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["hydra"]
+    assert hydra["callbacks"]["sweep_report"]["_target_"] == "stabletrain.run.SweepReport"
