@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         ended = sum(row["status"] in ("completed", "diverged") for row in table)
         title = f"{where.parent.name}/{where.name}: {len(table)} runs" + (
             f", {len(table) - ended} not finished" if ended < len(table) else "")
-        print(f"plot written to {sweeps.plot(args.plot, table, args.x, args.series, metric, title)}", file=sys.stderr)
+        chance = sweeps.chance_level([r for r in runs if r.summary.get("status") != "not started"], metric)
+        written = sweeps.plot(args.plot, table, args.x, args.series, metric, title, chance)
+        print(f"plot written to {written}", file=sys.stderr)
     return 0
 
 

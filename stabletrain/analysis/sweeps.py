@@ -345,7 +345,8 @@ def _place(v: float | None, healthy: list[float]) -> int:
     return 1 if v > hi + span else -1 if v < lo - span else 0
 
 
-def figure(table: list[dict], x: str, series: str | None, metric: str, title: str | None = None):
+def figure(table: list[dict], x: str, series: str | None, metric: str, title: str | None = None,
+           chance: tuple[float, str] | None = None):
     """``metric`` against ``x``, one line per value of ``series``. A diverged run is a cross in
     its series' colour at its value, or, where that value is off the chart or not finite, a
     triangle on the axis edge with the value (``nan``, ``no value``) written by it: never a
@@ -353,7 +354,9 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
     the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical: points
     without a line between them (the categories have no order), each series a little apart.
     Each series is drawn thinner than the one before, on top of it, so that two that coincide
-    both show."""
+    both show. ``chance`` (:func:`chance_level`: the value and how it is written) is drawn where
+    it is near the runs' values: a spread of 0.002 nats among runs that all sit at chance was a
+    steep curve on its own axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,6 +411,17 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
                         ha="center", va="top" if where > 0 else "bottom", fontsize=7, color=color,
                         annotation_clip=False)
             kinds.add("edge")
+    if chance is not None and healthy:
+        level, written = chance
+        lo, hi = min(healthy), max(healthy)
+        span = max(hi - lo, 1e-3 * abs(level))
+        if lo - span <= level <= hi + span:
+            near = max(abs(v - level) for v in healthy)
+            said = f": every run within {near:.2g} of it" if near < 0.01 * abs(level) else ""
+            ax.axhline(level, color="gray", ls=":", lw=1.2, zorder=1, label=f"chance, {written}{said}")
+        else:  # drawn, it would flatten the runs' differences: said in the legend
+            ax.plot([], [], ls="", label=f"chance, {written}: {'below' if level < lo else 'above'} this axis")
+        kinds.add("chance")
     if "at" in kinds:
         ax.plot([], [], "x", color="gray", markersize=10, mew=2, label="diverged (its last value)")
     if "edge" in kinds:
@@ -452,11 +466,36 @@ def log_spaced(xs: list[float]) -> bool:
     return unevenness([math.log(v) for v in xs]) < unevenness(xs)
 
 
-def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str, title: str | None = None) -> Path:
+def chance_level(runs: list[Run], metric: str) -> tuple[float, str] | None:
+    """What ``metric`` is for a model that predicts nothing (uniform over n classes or tokens):
+    ln n for a loss, 1/n for an accuracy, n for a perplexity, with how it is written; None where
+    the runs' configs do not say n or disagree (a folder of several sweeps)."""
+    counts = set()
+    for r in runs:
+        cfg = resolved_config(r.path)
+        key = "model.vocab_size" if cfg.get("model.family") == "gpt" else "model.num_classes"
+        if number(cfg.get(key)) is None:
+            return None
+        counts.add(int(cfg[key]))
+    if len(counts) != 1:
+        return None
+    n = counts.pop()
+    kind = metric.rsplit("/", 1)[-1].removeprefix("final_")
+    if kind in ("loss", "task_loss"):
+        return math.log(n), f"ln {n} = {math.log(n):.4g}"
+    if kind == "acc":
+        return 1.0 / n, f"1/{n} = {1.0 / n:.3g}"
+    if kind == "ppl":
+        return float(n), f"{n}"
+    return None
+
+
+def plot(path: Path, table: list[dict], x: str, series: str | None, metric: str, title: str | None = None,
+         chance: tuple[float, str] | None = None) -> Path:
     """:func:`figure` written to ``path`` (.png, .pdf, .svg)."""
     import matplotlib.pyplot as plt
 
-    fig = figure(table, x, series, metric, title)
+    fig = figure(table, x, series, metric, title, chance)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -239,7 +239,7 @@ def test_the_script_plots_val_loss_by_default_and_titles_diverged_runs_as_finish
         final = {"loss": 2.0 + i, "val/loss": 2.5 + i} if status != "unfinished" else {}
         _run(tmp_path / str(i), {"optim": {"lr": lr}}, {"status": status, "step": 3, "final": final})
     calls = []
-    monkeypatch.setattr(sweeps, "plot", lambda path, table, x, series, metric, title=None:
+    monkeypatch.setattr(sweeps, "plot", lambda path, table, x, series, metric, title=None, chance=None:
                         calls.append((x, series, metric, title)) or path)
     assert script.main([str(tmp_path), "--plot", str(tmp_path / "p.png")]) == 0
     (x, series, metric, title), = calls
@@ -286,6 +286,40 @@ def test_a_run_s_own_config_wins_over_a_hydra_record_rewritten_by_a_refused_poin
          {"status": "completed", "step": 60, "final": {"loss": 2.0}},
          overrides=["optim.tau=0.005", "optim=adamw2", "optim.betas=[0.9,0.95]"])
     assert sweeps.settings(tmp_path / "1") == {"optim.tau": 0.01, "optim": "adamw2", "optim.betas": "[0.9,0.95]"}
+
+
+def test_the_sweep_figure_shows_chance_beside_runs_that_sit_at_it(tmp_path):
+    """Three ViTs at 2.301..2.304 nats on 10 classes (chance ln 10 = 2.3026) were a steep curve on
+    an axis of their own: the figure now draws chance among them, and says where it is when it
+    would flatten them."""
+    import matplotlib.pyplot as plt
+
+    for i, (lam, loss, acc) in enumerate(((0, 2.3036, 0.114), (0.5, 2.3030, 0.117), (1, 2.3014, 0.120))):
+        _run(tmp_path / str(i), {"model": {"family": "vit", "num_classes": 10}},
+             {"status": "completed", "step": 40, "final": {"val/loss": loss, "val/acc": acc}},
+             overrides=[f"deescalate.lambda_={lam}"])
+    runs = sweeps.find_runs(tmp_path)
+    assert sweeps.chance_level(runs, "final_val/loss") == (math.log(10), "ln 10 = 2.303")
+    assert sweeps.chance_level(runs, "final_val/acc") == (0.1, "1/10 = 0.1")
+    assert sweeps.chance_level(runs, "final_val/ppl") == (10.0, "10")
+    _, table = sweeps.rows(runs)
+    fig = sweeps.figure(table, "deescalate.lambda_", None, "final_val/loss",
+                        chance=sweeps.chance_level(runs, "final_val/loss"))
+    (ax,) = fig.axes
+    level = [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert len(level) == 1 and level[0].get_ydata()[0] == pytest.approx(math.log(10))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "chance, ln 10 = 2.303: every run within 0.0012 of it"]
+    plt.close(fig)
+    fig = sweeps.figure(table, "deescalate.lambda_", None, "final_val/acc",
+                        chance=sweeps.chance_level(runs, "final_val/acc"))
+    (ax,) = fig.axes
+    assert ax.get_ylim()[0] > 0.1 and not [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["chance, 1/10 = 0.1: below this axis"]
+    plt.close(fig)
+    _run(tmp_path / "gpt", {"model": {"family": "gpt", "vocab_size": 256}}, {"status": "completed", "step": 4},
+         overrides=["deescalate.lambda_=2"])
+    assert sweeps.chance_level(sweeps.find_runs(tmp_path), "final_val/loss") is None  # 10 classes and 256 tokens
 
 
 def test_series_and_x_must_differ(tmp_path, capsys):
