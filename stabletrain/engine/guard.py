@@ -14,7 +14,9 @@ conditional on it, bit-exactly, for every optimizer. What that costs per step:
   old)`` after it. Cost: one extra copy of the weights and the optimizer state in memory
   (AdamW: 3x the weights), and three extra memory passes over them per step. While some
   parameter has no optimizer state yet (the first step), the step reads the flag on the host
-  once and does not step at all when it is false.
+  once and does not step at all when it is false; an optimizer that keeps no state (SGD
+  without momentum) is then known as such, and not read again. State kept on the CPU (non-fused
+  AdamW's step counters, beside CUDA weights) is written back with a CPU copy of the flag.
 
 Besides the optimizer, only what a step changes is guarded:
 
@@ -61,6 +63,7 @@ class StepGuard:
         self._snap: list[torch.Tensor] = []
         self._keys: list = []
         self._complete = False
+        self._stateless = False  # an optimizer that keeps no state (SGD without momentum): complete at once
 
     def _entries(self) -> list:
         """``(container, key)`` of every tensor a step may change that must be copied: read again
@@ -90,7 +93,7 @@ class StepGuard:
     @torch.no_grad()
     def begin(self) -> None:
         """Before the forward pass: copy what the step may change and cannot skip by itself."""
-        self._complete = self.found_inf or all(self.optimizer.state.get(p) for p in self.params)
+        self._complete = self.found_inf or self._stateless or all(self.optimizer.state.get(p) for p in self.params)
         self._keys = self._entries()
         tensors = [self._get(e) for e in self._keys]
         if len(self._snap) != len(tensors) or any(s.shape != t.shape or s.dtype != t.dtype
@@ -118,7 +121,11 @@ class StepGuard:
             update()
         elif bool(finite):  # the first step: some state does not exist yet (one host sync)
             update()
+            self._stateless = not any(self.optimizer.state.get(p) for p in self.params)
+        on: dict = {finite.device: finite}
         for entry, old in zip(self._keys, self._snap):
             t = self._get(entry)
             if t.shape == old.shape:
-                torch.where(finite, t, old, out=t)
+                if t.device not in on:  # non-fused AdamW's step counters are on the CPU: one copy of the flag
+                    on[t.device] = finite.to(t.device)
+                torch.where(on[t.device], t, old, out=t)

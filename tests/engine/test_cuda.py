@@ -38,6 +38,15 @@ def test_bf16_compiled_run_tracks_the_eager_run(tmp_path):
     assert all(compiled[k] == pytest.approx(eager[k], rel=2e-2) for k in eager)
 
 
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_a_non_finite_step_is_skipped_with_cuda_weights_and_cpu_step_counters(tmp_path, fused):
+    """Non-fused AdamW keeps its step counters on the CPU beside CUDA weights: the guard writes
+    them back with a CPU copy of the device's flag."""
+    args = [*GPT, "optim=adamw", f"optim.fused={fused}", "steps=6", "precision=fp32", "debug.nan_at_step=3"]
+    summary = train(tmp_path / fused, *args)
+    assert summary["status"] == "completed" and summary["skipped_steps"] == 1
+
+
 def test_adamw2_side_stream_gives_the_inline_numbers(tmp_path):
     """optim.overlap_sigma_w iterates sigma1(W) on a CUDA side stream: the stream waits for
     the step that wrote W, and the next step waits for the stream."""
