@@ -673,6 +673,9 @@ def _exists(p: str) -> bool:
 RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
                      "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
                      "activation_checkpointing", "ema",
+                     # how a run survives trouble, and the faults injected to show it: a run that
+                     # diverged goes on with divergence.action=rollback, or without its injected fault
+                     "divergence", "debug",
                      "data.num_workers",  # each image's augmentation is seeded by its place in the stream
                      "micro_batch_size")  # the same batch in other pieces: the fix an out-of-memory suggests
 

@@ -882,6 +882,8 @@ class Trainer:
             rolled_back = False
             if reason:
                 reason = self.survive(reason)
+                if reason is not None and self.step == self.total_steps and (self.trigger or (0, ""))[1] == "alert":
+                    return "completed", None  # it trained every step: the alert is on record, in summary.json
                 if reason is not None:
                     return "diverged", reason
                 # rolled back, and saved: the step counter and the data stream moved
@@ -931,6 +933,7 @@ class Trainer:
             summary["signal"] = int(self.stop_signal)
         if self.divergence.action == "rollback":
             summary["rollbacks"] = self.rollbacks
+            summary["lr_scale"] = self.lr_scale  # divergence.lr_scale_on_rollback, compounded
         if self.monitor is not None and not quiet:
             summary.update(self.monitor.summary(status))
         if self.info.is_main:
@@ -946,6 +949,11 @@ class Trainer:
                 where = f"at step {at}" + (f" (stopped at step {self.step}, where the logging interval that "
                                            f"saw it ended)" if at != self.step else "")
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
+                if self.rollbacks:
+                    last = self.rollbacks[-1]
+                    scaled = f", lr x{self.lr_scale:.4g} from then on" if self.lr_scale != 1.0 else ""
+                    skips += (f" | {len(self.rollbacks)} rollback(s), the last from step {last['trigger_step']} to "
+                              f"{last['restored_step']}{scaled}")
                 alerts = self.monitor.alerts if self.monitor is not None else []
                 if alerts:  # a completed run may have collapsed on the way: said where it ends
                     kept = [a for a in alerts if not a.get("rolled_back")]
@@ -961,4 +969,11 @@ class Trainer:
                                      + (stale if last_vals else ""))
                 if status == "interrupted" and not D.may_be_requeued():  # a line of its own, to copy
                     self.metrics.message(f"continue it with: {continue_with(self.run_dir, self.settings.overrides)}")
+                if status == "diverged" and self.divergence.action != "rollback" and self.trigger is not None \
+                        and self.trigger[1] == "divergence" and any(s < at for s, _ in ring_checkpoints(self.run_dir)):
+                    # the same command would meet the same data and state again: what goes past it
+                    self.metrics.message(
+                        f"to go past it: {continue_with(self.run_dir, self.settings.overrides)} "
+                        f"divergence.action=rollback (back to a checkpoint before step {at}, skipping the data "
+                        f"from there; divergence.lr_scale_on_rollback=0.5 also halves the lr)")
         return summary

@@ -658,3 +658,54 @@ def test_loss_terms_are_logged_once_per_step_under_accumulation(tmp_path):
     assert a and a.keys() == b.keys()
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-5), k
+
+
+def test_a_diverged_run_says_how_to_go_past_it_and_resumes_with_rollback(tmp_path, capsys):
+    """resume=auto refused divergence.action=rollback (and dropping the injected fault) as a change
+    of the run, and the command the refusal offered diverged again at the same step."""
+    args = [*GPT, "steps=12", "debug.nan_at_step=7", "divergence.max_skips=1", "ckpt_every=4"]
+    assert train(tmp_path, *args, quiet=False)["status"] == "diverged"
+    err = capsys.readouterr().err
+    assert "resume=auto" in err and err.strip().splitlines()[-1].startswith("to go past it: ")
+    assert (" divergence.action=rollback (back to a checkpoint before step 7, skipping the data from there; "
+            "divergence.lr_scale_on_rollback=0.5 also halves the lr)") in err
+    s = train(tmp_path, *args, "resume=auto", "divergence.action=rollback", "divergence.lr_scale_on_rollback=0.5",
+              quiet=False)
+    assert s["status"] == "completed" and s["lr_scale"] == 0.5
+    assert [(r["trigger_step"], r["restored_step"]) for r in s["rollbacks"]] == [(7, 4)]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "| 1 rollback(s), the last from step 7 to 4, lr x0.5 from then on |" in last, last
+    s = train(tmp_path / "dropped", *args)
+    assert train(tmp_path / "dropped", *args[:-3], "ckpt_every=4", "resume=auto")["status"] == "completed"
+
+
+def test_an_alert_that_stops_a_run_at_its_last_step_leaves_it_completed(tmp_path):
+    """monitor.stop_on_alert with the alert at the last probe, the last step: the run had trained
+    every step and was filed as diverged, beside NaN crashes."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=6", "monitor=standard", "monitor.stop_on_alert=true"), tmp_path)
+    real = t.monitor.after_step
+
+    def after_step(step, last=False):
+        real(step, last)
+        if step + 1 in (3, 6):
+            t.monitor.alerts.append({"step": step + 1, "layer": "blocks.0", "value": 0.01, "message": "m"})
+            t.monitor.stop_reason = f"entropy collapse at blocks.0 (step {step + 1})"
+
+    t.monitor.after_step = after_step
+    s = t.fit()
+    assert s["status"] == "diverged" and s["step"] == 3  # early: a stop
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=6", "monitor=standard", "monitor.stop_on_alert=true"),
+                      tmp_path / "late")
+    real_late = t.monitor.after_step
+
+    def after_last(step, last=False):
+        real_late(step, last)
+        if last:
+            t.monitor.alerts.append({"step": step + 1, "layer": "blocks.0", "value": 0.01, "message": "m"})
+            t.monitor.stop_reason = f"entropy collapse at blocks.0 (step {step + 1})"
+
+    t.monitor.after_step = after_last
+    s = t.fit()
+    assert s["status"] == "completed" and s["step"] == 6 and len(s["alerts"]) == 1
