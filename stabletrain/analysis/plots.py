@@ -240,6 +240,24 @@ def _mark_divergence(ax, run: Run) -> None:
         ax.axvline(step, color="red", ls=":", lw=1)
 
 
+def _mark_nonfinite(ax, series: Series | None) -> None:
+    """The records whose value is NaN or infinite, which no line can draw: red triangles on the
+    panel's top edge, the first one labelled (``nan``), so that a loss that went non-finite is
+    seen where it did."""
+    if series is None or not ax.get_lines():
+        return
+    x, y = series
+    bad = ~np.isfinite(y)
+    if not bad.any():
+        return
+    edge = ax.get_xaxis_transform()
+    ax.plot(x[bad], np.ones(int(bad.sum())), "^", color="red", ms=6, transform=edge, clip_on=False)
+    first = int(np.argmax(bad))
+    ax.annotate(f"{y[first]:g} from step {x[first]:g}" if bad.sum() > 1 else f"{y[first]:g}", (x[first], 1.0),
+                xycoords=edge, xytext=(-5, -10), textcoords="offset points", color="red", fontsize=7, ha="right",
+                annotation_clip=False)
+
+
 def _min_span(ax, span: float) -> None:
     """A y axis at least ``span`` high: entropies that move by 1e-4 nats would otherwise fill
     the panel and read as a steep fall."""
@@ -448,9 +466,12 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.0 * rows), squeeze=False)
     # one step axis for every panel: a run's one evaluation is a point in the run, not a panel of its own
     steps = [x for p in panels for x in (run.get(p[0])[0][:1], run.get(p[0])[0][-1:])]
+    # and the step it diverged at, which may precede its first record (a NaN at step 4, logged at 10)
+    steps += [np.array([float(run.diverged_step)])] if run.diverged_step is not None else []
     lo, hi = float(np.min(np.concatenate(steps))), float(np.max(np.concatenate(steps)))
     for ax, (name, title, ylabel, logy) in zip(axes.flat, panels):
         _line(ax, run.get(name), logy=logy)
+        _mark_nonfinite(ax, run.get(name))
         _mark_divergence(ax, run)
         if hi > lo and ax.get_lines():
             ax.set_xlim(lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))

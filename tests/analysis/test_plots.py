@@ -722,3 +722,23 @@ def test_a_panel_that_drew_nothing_gets_no_event_lines(tmp_path):
     P._mark_divergence(drawn, run)
     assert not empty.get_lines() and [list(ln.get_xdata()) for ln in drawn.get_lines()][1:] == [[5, 5]]
     plt.close(fig)
+
+
+def test_training_curves_show_a_loss_that_went_non_finite_and_where_the_run_diverged(tmp_path, monkeypatch):
+    """SGD at lr 30 diverged at step 4 and logged at steps 10 (loss 3264) and 20 (nan): the panel's
+    x axis was 10..20, so the red line at step 4 was off it, and the nan was drawn nowhere."""
+    run_dir = tmp_path / "blowup"
+    run_dir.mkdir()
+    rows = [{"step": 10, "loss": 3264.0, "lr": 29.7}, {"step": 20, "loss": "nan", "lr": 28.8}]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "diverged", "step": 20, "diverged_at": 4}))
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.plot_training(P.load_run(run_dir), tmp_path / "plots")
+    loss_ax = next(ax for ax in figures[0].axes if ax.get_title() == "training loss")
+    assert loss_ax.get_xlim()[0] < 4 < 20 < loss_ax.get_xlim()[1]
+    red = [ln for ln in loss_ax.get_lines() if ln.get_marker() == "^" and ln.get_color() == "red"]
+    assert len(red) == 1 and list(red[0].get_xdata()) == [20.0]
+    assert [t.get_text() for t in loss_ax.texts] == ["nan"]
+    lr_ax = next(ax for ax in figures[0].axes if ax.get_title() == "scheduled learning rate")
+    assert not [ln for ln in lr_ax.get_lines() if ln.get_marker() == "^"]  # every lr finite
