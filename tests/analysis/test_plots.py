@@ -209,7 +209,8 @@ def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch)
         ax = figures[-1].axes[0]
         marks = {(float(line.get_xdata()[0]), line.get_color()) for line in ax.get_lines()
                  if len(set(line.get_xdata())) == 1}
-        assert marks == {(x, "tab:orange") for x in orange} | {(x, "0.6") for x in grey}
+        # the skipped step's loss is NaN: a red triangle on the edge, at the grey line
+        assert marks == {(x, "tab:orange") for x in orange} | {(x, c) for x in grey for c in ("0.6", "red")}
         assert ("rollback(s)" in figures[-1]._suptitle.get_text()) == bool(orange)
         # the title counts every skipped step (summary.json), the dropped history's too
         title = figures[-1]._suptitle.get_text().replace("\n", " ")  # wrapped at the figure's width
