@@ -26,6 +26,9 @@ class _BlockState:
     entropy_min: float | None = None
     sec: dict[int, float] = field(default_factory=dict)  # s -> SEC(d_h, s)
     firing: bool = False
+    # the steps the latest entropy and SEC were measured at (their passes run at other cadences)
+    entropy_step: int | None = None
+    sec_step: int | None = None
 
     @classmethod
     def restore(cls, state: Mapping) -> _BlockState:
@@ -53,7 +56,8 @@ class HealthWatch:
        block whose SEC is never logged, conditions 1 and 2 decide alone.
 
     Metrics arrive at different cadences (weights every ``weight_every`` steps, the probe
-    every ``probe_every``), so each condition uses the latest value seen. An alert fires once
+    every ``probe_every``), so each condition uses the latest value seen, and the message names
+    the step of a value measured before the alert's. An alert fires once
     when the conditions become true in a block and re-arms when they stop holding.
     Each alert is ``dict(step, layer, quantity, value, message)``.
     """
@@ -86,16 +90,16 @@ class HealthWatch:
                 while len(st.qk) > 2 and st.qk[1][0] <= step - self.qk_window:
                     st.qk.pop(0)  # the oldest entry left is the latest one at least a window back
             elif p.group == N.ENTROPY and p.quantity == N.ENT_MIN:
-                st.entropy_min = float(value)
+                st.entropy_min, st.entropy_step = float(value), step
             elif p.group == N.SEC and p.quantity and p.quantity[1:].isdigit():
-                st.sec[int(p.quantity[1:])] = float(value)
+                st.sec[int(p.quantity[1:])], st.sec_step = float(value), step
             else:
                 continue
             touched.add(p.block)
         alerts = []
         for block in N.natural_sorted(touched):
             st = self.blocks[block]
-            verdict = self._malignant(st)
+            verdict = self._malignant(st, step)
             if verdict is None:
                 st.firing = False
             elif not st.firing:
@@ -107,24 +111,28 @@ class HealthWatch:
                 })
         return alerts
 
-    def _malignant(self, st: _BlockState) -> str | None:
-        """The reason string when the three conditions hold, else None."""
+    def _malignant(self, st: _BlockState, now: int | None = None) -> str | None:
+        """The reason string when the three conditions hold, else None; a value measured at
+        another step than ``now`` (each pass has its own cadence) says its step."""
+        def at(step: int | None) -> str:
+            return f" (at step {step})" if step is not None and now is not None and step != now else ""
+
         if st.entropy_min is None or st.entropy_min >= self.entropy_floor:
             return None
         if len(st.qk) < 2:
             return None
-        (first_step, first), (_, last) = st.qk[0], st.qk[-1]
+        (first_step, first), (last_step, last) = st.qk[0], st.qk[-1]
         growth = last / first
         if growth <= self.qk_growth:
             return None
-        reason = (f"min attention entropy {st.entropy_min:.3g} < {self.entropy_floor:g} nats, "
-                  f"max sigma1(Wq^h^T Wk^h) {last:.4g} = {growth:.1f}x its value at step {first_step}")
+        reason = (f"min attention entropy {st.entropy_min:.3g}{at(st.entropy_step)} < {self.entropy_floor:g} nats, "
+                  f"max sigma1(Wq^h^T Wk^h) {last:.4g}{at(last_step)} = {growth:.1f}x its value at step {first_step}")
         if st.sec:
             d_h = max(st.sec)
             s = N.sec_alert_size(d_h)
             if s not in st.sec or st.sec[s] <= self.sec_threshold:
                 return None
-            reason += f", SEC({d_h},{s}) = {st.sec[s]:.4f} > {self.sec_threshold:g}"
+            reason += f", SEC({d_h},{s}) = {st.sec[s]:.4f}{at(st.sec_step)} > {self.sec_threshold:g}"
         return reason
 
 

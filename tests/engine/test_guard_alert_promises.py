@@ -40,7 +40,7 @@ def test_the_alert_message_states_each_condition_with_its_values():
     (alert,) = watch.update(10, _block(qk=50.0, ent=0.01))
     assert alert["message"] == ("step 10: malignant entropy collapse at blocks.0: min attention entropy 0.01 < 0.1 "
                                 "nats, max sigma1(Wq^h^T Wk^h) 50 = 25.0x its value at step 0, SEC(64,4) = 0.9990 "
-                                "> 0.99")
+                                "(at step 0) > 0.99")  # the weight pass of step 0 measured it
 
 
 def test_a_zero_sigma1_is_no_reference_for_growth():
@@ -424,3 +424,15 @@ def test_an_optimizer_without_state_reads_the_flag_on_the_host_only_at_its_first
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     _guarded_step(guard, opt, model, x, 1.0)
     assert not all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_alert_names_the_step_of_a_value_measured_before_it():
+    """The probe found entropy 0 at step 50, SEC crossed 0.99 at the weight pass of step 80: the
+    alert said 'step 80: min attention entropy 0', a step-50 value as a step-80 one."""
+    w = A.HealthWatch()
+    assert w.update(0, _block(qk=1.0, sec={2: 0.4, 16: 1.0})) == []
+    assert w.update(50, _block(ent=0.0)) == []
+    (alert,) = w.update(80, _block(qk=300.0, sec={2: 0.995, 16: 1.0}))
+    assert alert["message"] == ("step 80: malignant entropy collapse at blocks.0: min attention entropy 0 (at step 50) "
+                                "< 0.1 nats, max sigma1(Wq^h^T Wk^h) 300 = 300.0x its value at step 0, "
+                                "SEC(16,2) = 0.9950 > 0.99")
