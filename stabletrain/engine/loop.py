@@ -422,7 +422,8 @@ class Trainer:
         if reason is None and got.stop:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
-            self.trigger = (self.step, "alert")
+            onset = getattr(self.monitor, "stop_onset", None)
+            self.trigger = (min(onset, self.step) if onset is not None else self.step, "alert")
         return reason, passed
 
     def _record(self, steps: list[int], got: _Interval, dt: float, lr: float) -> dict:
@@ -678,6 +679,9 @@ class Trainer:
         if len(self.rollbacks) >= w.max_rollbacks:
             return f"{reason}; divergence.max_rollbacks={w.max_rollbacks} reached"
         found = self.ckpt.ring_before(onset)
+        if found is None and kind == "alert":  # one from inside the collapse would restore it
+            return (f"{reason}; no ring checkpoint before step {onset}, where the collapse began, to roll back to "
+                    f"(ckpt_every at most monitor.probe_every, and a larger ckpt.keep, keep one)")
         if found is None:
             return f"{reason}; no ring checkpoint before step {onset} to roll back to"
         again = self.rollbacks and found[0] == self.rollbacks[-1]["restored_step"]
@@ -691,7 +695,7 @@ class Trainer:
                  for a in self.monitor.alerts] if self.monitor is not None else []
         self.ckpt.restore(path, ck)
         if self.monitor is not None:
-            self.monitor.stop_reason = None
+            self.monitor.stop_reason, self.monitor.stop_onset = None, None
             self.monitor.alerts = fired
         detected = self.step
         skipped = max(onset - restored, w.skip_window)

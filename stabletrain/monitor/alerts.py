@@ -29,6 +29,7 @@ class _BlockState:
     # the steps the latest entropy and SEC were measured at (their passes run at other cadences)
     entropy_step: int | None = None
     sec_step: int | None = None
+    below_since: int | None = None  # the first step of the present spell of entropy under the floor
 
     @classmethod
     def restore(cls, state: Mapping) -> _BlockState:
@@ -91,6 +92,8 @@ class HealthWatch:
                     st.qk.pop(0)  # the oldest entry left is the latest one at least a window back
             elif p.group == N.ENTROPY and p.quantity == N.ENT_MIN:
                 st.entropy_min, st.entropy_step = float(value), step
+                below = st.entropy_min < self.entropy_floor
+                st.below_since = (st.below_since if st.below_since is not None else step) if below else None
             elif p.group == N.SEC and p.quantity and p.quantity[1:].isdigit():
                 st.sec[int(p.quantity[1:])], st.sec_step = float(value), step
             else:
@@ -106,10 +109,19 @@ class HealthWatch:
                 st.firing = True
                 alerts.append({
                     "step": step, "layer": block, "quantity": N.metric(N.ENTROPY, block, N.ENT_MIN),
-                    "value": st.entropy_min,
+                    "value": st.entropy_min, "onset": self._onset(st),
                     "message": f"step {step}: malignant entropy collapse at {block}: {verdict}",
                 })
         return alerts
+
+    def _onset(self, st: _BlockState) -> int | None:
+        """Where the collapse began: the first step of its spell of entropy under the floor, or the
+        first logged step of sigma1's growth past ``qk_growth`` x its reference, the earlier. A
+        rollback goes to a checkpoint before it: one from inside the collapse restores it."""
+        ref = st.qk[0][1] if st.qk else None
+        grown = next((s for s, v in st.qk if ref and v > self.qk_growth * ref), None)
+        known = [s for s in (st.below_since, grown) if s is not None]
+        return min(known) if known else None
 
     def _malignant(self, st: _BlockState, now: int | None = None) -> str | None:
         """The reason string when the three conditions hold, else None; a value measured at

@@ -77,6 +77,7 @@ class MonitorRunner:
         self.history: list[dict] = []
         self.alerts: list[dict] = []
         self.stop_reason: str | None = None
+        self.stop_onset: int | None = None
         self.probe_batch = probe_batch
         self.sink = None
 
@@ -136,6 +137,7 @@ class MonitorRunner:
             self.sink.message("WARNING " + alert["message"] + f" (what the papers do against it: {REMEDIES})")
             if self.cfg.stop_on_alert and self.stop_reason is None:
                 self.stop_reason = f"entropy collapse at {alert['layer']} (step {done})"
+                self.stop_onset = alert.get("onset")  # where a rollback must go back before
         self.sink.log(done, rec)
 
     # --- the two sides --------------------------------------------------------------

@@ -436,3 +436,52 @@ def test_an_alert_names_the_step_of_a_value_measured_before_it():
     assert alert["message"] == ("step 80: malignant entropy collapse at blocks.0: min attention entropy 0 (at step 50) "
                                 "< 0.1 nats, max sigma1(Wq^h^T Wk^h) 300 = 300.0x its value at step 0, "
                                 "SEC(16,2) = 0.9950 > 0.99")
+
+
+def test_an_alert_s_onset_is_where_its_collapse_began():
+    """sigma1 past 10x its reference at step 10, entropy under the floor from step 50, SEC at step
+    80: a rollback from the step-80 alert to the ring's step 70 restored the collapse itself."""
+    w = A.HealthWatch()
+    w.update(0, _block(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
+    w.update(10, _block(qk=20.0))  # the growth: 20x
+    w.update(40, _block(ent=0.5))
+    w.update(50, _block(ent=0.0))  # the entropy's spell under the floor begins
+    w.update(60, _block(ent=0.05))
+    (alert,) = w.update(80, _block(qk=30.0, sec={2: 0.995, 16: 1.0}))
+    assert alert["onset"] == 10
+    w = A.HealthWatch()
+    w.update(0, _block(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
+    w.update(50, _block(ent=0.0))
+    w.update(60, _block(ent=0.5))  # back over the floor: the spell ends
+    w.update(70, _block(ent=0.01))
+    (alert,) = w.update(80, _block(qk=30.0, sec={2: 0.995, 16: 1.0}))
+    assert alert["onset"] == 70  # growth first logged at 80, the present spell from 70
+
+
+def test_a_rollback_on_an_alert_goes_back_before_the_collapse_began_or_stops(tmp_path):
+    """With no ring checkpoint before the onset, the run stops, saying so, instead of restoring a
+    collapsed state and cutting the lr on it."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET, make_cfg
+
+    gpt = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "precision=fp32",
+           "divergence.action=rollback", "ckpt_every=2", "steps=12", "monitor=standard",
+           "monitor.stop_on_alert=true", "monitor.rollback_on_alert=true"]
+    for onset, outcome in ((5, "completed"), (1, "diverged")):
+        t = build_trainer(make_cfg(*QUIET, *gpt), tmp_path / str(onset))
+        real = t.monitor.after_step
+
+        def after_step(step, last=False, t=t, real=real, onset=onset):
+            real(step, last)
+            if step + 1 == 9 and not t.rollbacks:
+                t.monitor.stop_reason = "entropy collapse at blocks.0 (step 9)"
+                t.monitor.stop_onset = onset
+
+        t.monitor.after_step = after_step
+        s = t.fit()
+        assert s["status"] == outcome
+        if outcome == "completed":
+            assert [r["restored_step"] for r in s["rollbacks"]] == [4]  # the newest ring checkpoint before step 5
+        else:
+            assert s["reason"].endswith("no ring checkpoint before step 1, where the collapse began, to roll back "
+                                        "to (ckpt_every at most monitor.probe_every, and a larger ckpt.keep, keep one)")

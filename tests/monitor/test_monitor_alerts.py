@@ -52,7 +52,9 @@ def test_malignant_collapse_alerts_once_naming_the_layer():
     # entropy fell below the floor at step 600 (its last probe); SEC concentrated at 700
     assert a["step"] == 700
     assert "blocks.3" in a["message"] and "SEC(64,4)" in a["message"]
-    assert set(a) == {"step", "layer", "quantity", "value", "message"}
+    assert set(a) == {"step", "layer", "quantity", "value", "message", "onset"}
+    # where a rollback must go back before: the entropy under the floor and sigma1 past 10x (300) since 600
+    assert a["onset"] == 600
 
 
 def test_benign_near_identity_collapse_does_not_alert():
