@@ -186,6 +186,7 @@ class Trainer:
         self.lr_scale = 1.0  # divergence.lr_scale_on_rollback, compounded per rollback
         self.rollbacks: list[dict] = []
         self.skipped_steps = 0  # non-finite steps skipped so far (divergence.skip_nonfinite)
+        self.spikes: list[dict] = []  # loss spikes that passed, watched, not acted on: {step, steps}
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
         self.resumed_elsewhere: Path | None = None  # resume=PATH of another run's checkpoint: PATH
         self.saved_step: int | None = None  # of last.pt
@@ -354,6 +355,7 @@ class Trainer:
         got = self._read_back([r for _, r in pending])
         steps = [s for s, _ in pending]
         reason, passed = self._verdict(steps, got)
+        self.spikes += [{"step": first, "steps": length} for first, length in passed]
         rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
         self.metrics.log(self.step, rec)
         self._progress(rec, steps, got.skipped, passed, reason, last_vals)
@@ -511,13 +513,14 @@ class Trainer:
     def survival_state(self) -> dict:
         """What a rollback changed: the data offset, the lr scale, the rollbacks so far."""
         return {"data_offset": self.data_offset, "lr_scale": self.lr_scale, "rollbacks": list(self.rollbacks),
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.skipped_steps, "spikes": list(self.spikes)}
 
     def load_survival_state(self, s: dict | None) -> None:
         s = s or {}
         self.data_offset, self.lr_scale = int(s.get("data_offset", 0)), float(s.get("lr_scale", 1.0))
         self.rollbacks = list(s.get("rollbacks", []))
         self.skipped_steps = int(s.get("skipped_steps", 0))
+        self.spikes = list(s.get("spikes", []))
 
     def save(self, ring: bool = False) -> bool:
         """Checkpoint this step (and with ``ring`` add it to the ring). A state holding a NaN/inf
@@ -701,6 +704,7 @@ class Trainer:
         skipped = max(onset - restored, w.skip_window)
         self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped
         self.lr_scale *= w.lr_scale_on_rollback
+        self.spikes = [sp for sp in self.spikes if sp["step"] <= restored]  # those of the history abandoned: gone
         self.step = restored
         self.diverged_at = None
         entry = {"trigger_step": onset, "detected_step": detected, "restored_step": restored,
@@ -935,6 +939,8 @@ class Trainer:
             summary["diverged_at"] = self.diverged_at or self.step  # may precede the step it was seen at
         if status == "interrupted":
             summary["signal"] = int(self.stop_signal)
+        if self.spikes:
+            summary["spikes"] = self.spikes
         if self.divergence.action == "rollback":
             summary["rollbacks"] = self.rollbacks
             summary["lr_scale"] = self.lr_scale  # divergence.lr_scale_on_rollback, compounded
@@ -953,6 +959,10 @@ class Trainer:
                 where = f"at step {at}" + (f" (stopped at step {self.step}, where the logging interval that "
                                            f"saw it ended)" if at != self.step else "")
                 skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
+                if self.spikes:  # their updates were applied: a final loss may carry them
+                    last = self.spikes[-1]
+                    skips += (f" | {len(self.spikes)} loss spike(s) passed, the last at step {last['step']} "
+                              f"({last['steps']} step(s))")
                 if self.rollbacks:
                     last = self.rollbacks[-1]
                     scaled = f", lr x{self.lr_scale:.4g} from then on" if self.lr_scale != 1.0 else ""

@@ -709,3 +709,13 @@ def test_an_alert_that_stops_a_run_at_its_last_step_leaves_it_completed(tmp_path
     t.monitor.after_step = after_last
     s = t.fit()
     assert s["status"] == "completed" and s["step"] == 6 and len(s["alerts"]) == 1
+
+
+def test_a_passed_loss_spike_is_on_record(tmp_path, capsys):
+    """A one-step spike is watched, not acted on, but its update was applied: the run ended worse
+    than its twin and neither the last line nor summary.json said a spike had been."""
+    s = train(tmp_path, *GPT, "steps=30", "debug.spike_at_step=25", quiet=False)
+    assert s["status"] == "completed" and s["spikes"] == [{"step": 25, "steps": 1}]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "| 1 loss spike(s) passed, the last at step 25 (1 step(s)) |" in last, last
+    assert "spikes" not in train(tmp_path / "calm", *GPT, "steps=30")
