@@ -235,6 +235,12 @@ def _mark_divergence(ax, run: Run) -> None:
         ax.axvline(step, color="0.6", lw=0.8)
     for step in run.restored_at:
         ax.axvline(step, color="tab:orange", ls="--", lw=1)
+    # what set each rollback off (a NaN, a spike, an alert): its step, under the top edge (clear of the title)
+    triggers = sorted({r["trigger_step"] for r in (run.summary or {}).get("rollbacks") or []
+                       if isinstance(r, dict) and isinstance(r.get("trigger_step"), (int, float))})
+    if triggers:
+        ax.plot(triggers, [0.97] * len(triggers), "v", color="tab:orange", ms=6, transform=ax.get_xaxis_transform(),
+                clip_on=False)
     step = run.diverged_step
     if step is not None:
         ax.axvline(step, color="red", ls=":", lw=1)
@@ -314,7 +320,7 @@ def _title(run: Run, what: str) -> str:
         if rollbacks:
             # a rollback's record goes with the history a later rollback to an earlier step drops
             gone = f"; {rollbacks - kept} in a history a later rollback dropped" if rollbacks > kept else ""
-            status += f", {rollbacks} rollback(s) (orange: restored step{gone})"
+            status += f", {rollbacks} rollback(s) (orange: restored step, triangle: what set it off{gone})"
         # summary.json counts every skipped step; the records only those of the history a
         # rollback kept (it drops the records after the step it restores)
         series = run.get(N.SKIPPED_STEPS)
