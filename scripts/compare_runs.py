@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output folder (default: the first run's plots/, a sweep's own)")
     args = ap.parse_args(argv)
     runs = [r for d in args.run_dirs for r in sweep_runs(Path(d))]
+    sweeps = sorted({m.parent for d in args.run_dirs if Path(d).is_dir() for m in Path(d).rglob("multirun.yaml")})
+    if len(sweeps) > 1:  # a day's folder given for a sweep's: the legend holds every key any two differ in
+        named = ", ".join(p.name for p in sweeps[:4]) + (", ..." if len(sweeps) > 4 else "")
+        print(f"note: these {len(runs)} runs come from {len(sweeps)} sweeps ({named}): give one sweep's directory "
+              f"to compare its points alone", file=sys.stderr)
     out = Path(args.out or Path(args.run_dirs[0]) / "plots")
     earlier = (out / "compare.png").exists()
     try:

@@ -189,6 +189,13 @@ def test_compare_runs_script_takes_a_sweep_directory(tmp_path):
                          capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stderr
     _check_pngs([tmp_path / "sweep" / "plots" / "compare.png"])
+    assert "sweeps" not in res.stderr
+    _write_run(tmp_path / "other" / "0", crash=False)
+    (tmp_path / "other" / "multirun.yaml").write_text("{}\n")
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(tmp_path), "--out",
+                          str(tmp_path / "both")], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0 and ("note: these 3 runs come from 2 sweeps (other, sweep): give one sweep's "
+                                    "directory to compare its points alone") in res.stderr, res.stderr
 
 
 def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch):
