@@ -674,11 +674,24 @@ def check_group_choices(cfg, overrides: list[str]) -> None:
     recipe = next((ov.split("=", 1)[1] for ov in overrides if ov.lstrip("+").startswith("experiment=")), None)
     if recipe is None:
         return
+    import yaml
+
+    def named(group: str, option: str) -> str:
+        """The name an option's yaml gives (deescalate=ffn builds ``name: deescalate``), else its own."""
+        path = option_yaml(group, option, overrides)
+        try:
+            body = yaml.safe_load(path.read_text()) if path is not None else None
+        except (OSError, yaml.YAMLError):
+            body = None
+        return str(body["name"]) if isinstance(body, dict) and body.get("name") is not None else option
+
     for ov in overrides:
         group, _, option = ov.partition("=")
         node = cfg.get(group) if "." not in group and is_group(group, overrides) else None
         got = node.get("name") if node is not None and hasattr(node, "get") else None
-        if got is not None and str(getattr(got, "value", got)) != option and option in group_options(group, overrides):
+        # (a recipe's option of the same name, deescalate=block for ffn, is not told apart)
+        if got is not None and option in group_options(group, overrides) \
+                and str(getattr(got, "value", got)) != named(group, option):
             raise ConfigError(f"experiment={recipe} sets its own {group} ({group}.name={got}), which replaces "
                               f"{group}={option}; change the recipe's {group} with {group}.KEY=VALUE overrides, "
                               f"or copy configs/experiment/{recipe}.yaml")

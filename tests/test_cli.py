@@ -489,3 +489,17 @@ def test_a_resumed_sweep_whose_points_moved_is_refused_before_any_starts(tmp_pat
     with pytest.raises(SystemExit):
         check_overrides(f"-m model=gpt_test optim.tau=0.003,0.02 resume=auto hydra.sweep.dir={tmp_path}".split())
     assert "holds the run of optim.tau=0.01, which this sweep no longer has" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,key,value", [
+    ("experiment=locater_1layer deescalate=ffn", "deescalate", {"name": "deescalate", "placement": "ffn"}),
+    ("experiment=sigma_vit_b reparam=sigma_qk", "reparam", {"name": "sigma", "apply_to": "qk"}),
+])
+def test_a_group_option_whose_name_is_not_its_file_name_is_kept_beside_a_recipe(args, key, value):
+    """deescalate=ffn builds name: deescalate, reparam=sigma_qk name: sigma: beside experiment=...
+    they were refused as replaced by the recipe, which had set neither."""
+    from stabletrain.cli import check_overrides, compose_config
+
+    check_overrides(args.split())
+    cfg = compose_config(args.split())
+    assert {k: str(getattr(cfg[key][k], "value", cfg[key][k])) for k in value} == value
