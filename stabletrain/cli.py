@@ -264,8 +264,9 @@ def _nearest_key(bad: str) -> str | None:
     return f"did you mean {' or '.join(elsewhere)}?" if elsewhere else None
 
 
-def compose_config(overrides: list[str]):
-    """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra."""
+def compose_config(overrides: list[str], with_hydra: bool = False):
+    """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra
+    (``with_hydra``: its ``hydra`` node too: the help page's text)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -275,7 +276,7 @@ def compose_config(overrides: list[str]):
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose("train", overrides=epochs_over_steps(list(overrides)))
+            return compose("train", overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
     finally:
         GlobalHydra.instance().clear()
 
@@ -551,28 +552,18 @@ def help_text(overrides: list[str]) -> str | None:
     """``--help``: Hydra's page (train.yaml's header, the groups and their options, the config,
     the footer), but the config holds only the keys this run reads: a GPT's page listed the ViT's
     patch_size and the Swin's depths, a run without AdamW² its tau. None where the config does not
-    compose (Hydra's own page then says why)."""
+    compose (:func:`check_overrides` then tells the mistake in one line)."""
     from omegaconf import OmegaConf
 
     from stabletrain.config import unread_reasons
     from stabletrain.models.registry import model_unread_reasons
 
     try:
-        from hydra import compose, initialize_config_dir
-        from hydra.core.global_hydra import GlobalHydra
-
-        from stabletrain.config import register
-
-        register()
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose("train", overrides=epochs_over_steps(list(overrides)), return_hydra_config=True)
+        cfg = compose_config(overrides, with_hydra=True)
         help_cfg = cfg.hydra.help
         cfg = OmegaConf.to_container(cfg, resolve=False)
-    except Exception:  # noqa: BLE001 - a mistake in the overrides: Hydra's help says it
+    except Exception:  # noqa: BLE001 - a mistake in the overrides: told in one line after this
         return None
-    finally:
-        GlobalHydra.instance().clear()
     del cfg["hydra"]
     chosen = OmegaConf.create(cfg)
     left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]

@@ -424,7 +424,9 @@ class Trainer:
         if reason is None and got.stop:
             reason = self.monitor.stop_reason if self.monitor is not None and self.monitor.stop_reason \
                 else "entropy collapse (on rank 0)"
-            onset = getattr(self.monitor, "stop_onset", None)
+            # rank 0's monitor found it (the others learnt of it through the all-reduce): its onset for all,
+            # or the ranks would skip different data after the rollback
+            onset = D.broadcast_object(getattr(self.monitor, "stop_onset", None), self.info)
             self.trigger = (min(onset, self.step) if onset is not None else self.step, "alert")
         return reason, passed
 

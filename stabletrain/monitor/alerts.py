@@ -60,7 +60,8 @@ class HealthWatch:
     every ``probe_every``), so each condition uses the latest value seen, and the message names
     the step of a value measured before the alert's. An alert fires once
     when the conditions become true in a block and re-arms when they stop holding.
-    Each alert is ``dict(step, layer, quantity, value, message)``.
+    Each alert is ``dict(step, layer, quantity, value, onset, message)``, ``onset`` the step the
+    collapse began at (:meth:`_onset`), where a rollback must go back before.
     """
 
     def __init__(self, entropy_floor: float = 0.1, qk_growth: float = 10.0,
