@@ -53,3 +53,16 @@ def model_of(cfg):
 def has_cpp_compiler() -> bool:
     """Inductor (``compile=true``) builds C++ kernels on a CPU."""
     return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+def alert_metrics(qk=None, ent=None, sec=None, block="blocks.0") -> dict:
+    """One block's metrics as the health watch reads them: sigma1(Wq^T Wk) max over heads, the
+    min attention entropy and SEC(d_h, s) for ``sec = {s: value}``."""
+    m = {}
+    if qk is not None:
+        m[f"sigma1/{block}/wq_t_wk_max"] = qk
+    if ent is not None:
+        m[f"entropy/{block}/min"] = ent
+    for s, v in (sec or {}).items():
+        m[f"sec/{block}/s{s}"] = v
+    return m

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from stabletrain.build import validate
 from stabletrain.errors import ConfigError
-from tests.helpers import make_cfg
+from tests.helpers import alert_metrics, make_cfg
 
 
 def _refused(*overrides):
@@ -221,15 +221,8 @@ def test_a_cosine_horizon_in_epochs_is_converted_like_warmup():
 # --- 3. health alerts -----------------------------------------------------------------------
 
 
-def _block(step, qk=None, ent=None, sec=None, block="blocks.0"):
-    m = {}
-    if qk is not None:
-        m[f"sigma1/{block}/wq_t_wk_max"] = qk
-    if ent is not None:
-        m[f"entropy/{block}/min"] = ent
-    for s, v in (sec or {}).items():
-        m[f"sec/{block}/s{s}"] = v
-    return m
+def _block(step, **kw):  # the step is the caller's, for reading
+    return alert_metrics(**kw)
 
 
 SEC_HIGH = {1: 0.9, 2: 0.99, 4: 0.999, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}  # d_h = 64, s* = 4

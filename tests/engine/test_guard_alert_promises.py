@@ -13,20 +13,11 @@ from stabletrain.engine import memory as M
 from stabletrain.engine import rundir as R
 from stabletrain.errors import ConfigError
 from stabletrain.monitor import alerts as A
+from tests.helpers import alert_metrics
 
 NO_AUTOCAST = contextlib.nullcontext
 SEC_HIGH = {1: 0.9, 2: 0.99, 4: 0.999, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}  # d_h = 64, s* = 4
 
-
-def _block(qk=None, ent=None, sec=None, block="blocks.0"):
-    m = {}
-    if qk is not None:
-        m[f"sigma1/{block}/wq_t_wk_max"] = qk
-    if ent is not None:
-        m[f"entropy/{block}/min"] = ent
-    for s, v in (sec or {}).items():
-        m[f"sec/{block}/s{s}"] = v
-    return m
 
 
 # --- health alerts ----------------------------------------------------------------------------
@@ -36,8 +27,8 @@ def test_the_alert_message_states_each_condition_with_its_values():
     """The message names the step, the block, the entropy against its floor, sigma1's growth and
     the step it grew from, and SEC(d_h, s*) against its threshold."""
     watch = A.HealthWatch()
-    assert watch.update(0, _block(qk=2.0, ent=2.0, sec=SEC_HIGH)) == []
-    (alert,) = watch.update(10, _block(qk=50.0, ent=0.01))
+    assert watch.update(0, alert_metrics(qk=2.0, ent=2.0, sec=SEC_HIGH)) == []
+    (alert,) = watch.update(10, alert_metrics(qk=50.0, ent=0.01))
     assert alert["message"] == ("step 10: malignant entropy collapse at blocks.0: min attention entropy 0.01 < 0.1 "
                                 "nats, max sigma1(Wq^h^T Wk^h) 50 = 25.0x its value at step 0, SEC(64,4) = 0.9990 "
                                 "(at step 0) > 0.99")  # the weight pass of step 0 measured it
@@ -47,9 +38,9 @@ def test_a_zero_sigma1_is_no_reference_for_growth():
     """sigma1(Wq^T Wk) = 0 (a zero-initialised query) is skipped, not divided by: growth is measured
     from the first positive value."""
     watch = A.HealthWatch()
-    assert watch.update(0, _block(qk=0.0, ent=2.0)) == []
-    assert watch.update(10, _block(qk=1.0, ent=0.05)) == []
-    (alert,) = watch.update(20, _block(qk=50.0))
+    assert watch.update(0, alert_metrics(qk=0.0, ent=2.0)) == []
+    assert watch.update(10, alert_metrics(qk=1.0, ent=0.05)) == []
+    (alert,) = watch.update(20, alert_metrics(qk=50.0))
     assert alert["step"] == 20 and "50.0x its value at step 10" in alert["message"]
 
 
@@ -57,10 +48,10 @@ def test_a_non_finite_entropy_keeps_the_last_finite_one():
     """After a recovery (entropy 1.0), a NaN entropy is ignored: the block stays recovered and no
     alert fires, though sigma1's growth and SEC still hold."""
     watch = A.HealthWatch()
-    watch.update(0, _block(qk=1.0, ent=2.0, sec=SEC_HIGH))
-    assert len(watch.update(10, _block(qk=50.0, ent=0.01))) == 1
-    assert watch.update(20, _block(ent=1.0)) == []
-    assert watch.update(30, _block(ent=float("nan"))) == []
+    watch.update(0, alert_metrics(qk=1.0, ent=2.0, sec=SEC_HIGH))
+    assert len(watch.update(10, alert_metrics(qk=50.0, ent=0.01))) == 1
+    assert watch.update(20, alert_metrics(ent=1.0)) == []
+    assert watch.update(30, alert_metrics(ent=float("nan"))) == []
     assert watch.blocks["blocks.0"].entropy_min == 1.0
 
 
@@ -69,8 +60,8 @@ def test_alerts_of_one_step_come_in_depth_order():
     watch = A.HealthWatch()
     first, then = {}, {}
     for b in ("blocks.10", "blocks.2"):
-        first.update(_block(qk=1.0, ent=2.0, sec=SEC_HIGH, block=b))
-        then.update(_block(qk=50.0, ent=0.01, block=b))
+        first.update(alert_metrics(qk=1.0, ent=2.0, sec=SEC_HIGH, block=b))
+        then.update(alert_metrics(qk=50.0, ent=0.01, block=b))
     watch.update(0, first)
     assert [a["layer"] for a in watch.update(10, then)] == ["blocks.2", "blocks.10"]
 
@@ -430,9 +421,9 @@ def test_an_alert_names_the_step_of_a_value_measured_before_it():
     """The probe found entropy 0 at step 50, SEC crossed 0.99 at the weight pass of step 80: the
     alert said 'step 80: min attention entropy 0', a step-50 value as a step-80 one."""
     w = A.HealthWatch()
-    assert w.update(0, _block(qk=1.0, sec={2: 0.4, 16: 1.0})) == []
-    assert w.update(50, _block(ent=0.0)) == []
-    (alert,) = w.update(80, _block(qk=300.0, sec={2: 0.995, 16: 1.0}))
+    assert w.update(0, alert_metrics(qk=1.0, sec={2: 0.4, 16: 1.0})) == []
+    assert w.update(50, alert_metrics(ent=0.0)) == []
+    (alert,) = w.update(80, alert_metrics(qk=300.0, sec={2: 0.995, 16: 1.0}))
     assert alert["message"] == ("step 80: malignant entropy collapse at blocks.0: min attention entropy 0 (at step 50) "
                                 "< 0.1 nats, max sigma1(Wq^h^T Wk^h) 300 = 300.0x its value at step 0, "
                                 "SEC(16,2) = 0.9950 > 0.99")
@@ -442,19 +433,19 @@ def test_an_alert_s_onset_is_where_its_collapse_began():
     """sigma1 past 10x its reference at step 10, entropy under the floor from step 50, SEC at step
     80: a rollback from the step-80 alert to the ring's step 70 restored the collapse itself."""
     w = A.HealthWatch()
-    w.update(0, _block(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
-    w.update(10, _block(qk=20.0))  # the growth: 20x
-    w.update(40, _block(ent=0.5))
-    w.update(50, _block(ent=0.0))  # the entropy's spell under the floor begins
-    w.update(60, _block(ent=0.05))
-    (alert,) = w.update(80, _block(qk=30.0, sec={2: 0.995, 16: 1.0}))
+    w.update(0, alert_metrics(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
+    w.update(10, alert_metrics(qk=20.0))  # the growth: 20x
+    w.update(40, alert_metrics(ent=0.5))
+    w.update(50, alert_metrics(ent=0.0))  # the entropy's spell under the floor begins
+    w.update(60, alert_metrics(ent=0.05))
+    (alert,) = w.update(80, alert_metrics(qk=30.0, sec={2: 0.995, 16: 1.0}))
     assert alert["onset"] == 10
     w = A.HealthWatch()
-    w.update(0, _block(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
-    w.update(50, _block(ent=0.0))
-    w.update(60, _block(ent=0.5))  # back over the floor: the spell ends
-    w.update(70, _block(ent=0.01))
-    (alert,) = w.update(80, _block(qk=30.0, sec={2: 0.995, 16: 1.0}))
+    w.update(0, alert_metrics(qk=1.0, ent=2.5, sec={2: 0.4, 16: 1.0}))
+    w.update(50, alert_metrics(ent=0.0))
+    w.update(60, alert_metrics(ent=0.5))  # back over the floor: the spell ends
+    w.update(70, alert_metrics(ent=0.01))
+    (alert,) = w.update(80, alert_metrics(qk=30.0, sec={2: 0.995, 16: 1.0}))
     assert alert["onset"] == 70  # growth first logged at 80, the present spell from 70
 
 
