@@ -24,6 +24,7 @@ class DivergenceWatch:
         self.ema: float | None = None
         self.seen = 0
         self.over = 0
+        self.above = False  # the last loss was above factor x the running mean, in the warmup too
         self.skips = 0  # consecutive skipped steps
         self.onset: int | None = None  # the first step of the trouble the last reason names
 
@@ -44,14 +45,19 @@ class DivergenceWatch:
             return f"non-finite loss ({loss}) at step {step}"
         if not self.enabled:
             return None
-        spiking = self.seen >= self.warmup and self.ema is not None and loss > self.factor * self.ema
+        self.above = self.ema is not None and loss > self.factor * self.ema
+        spiking = self.above and self.seen >= self.warmup
         self.over = self.over + 1 if spiking else 0
         if self.over >= self.window:
             self.onset = step - self.over + 1
             return (f"loss {loss:.4g} stayed above {self.factor:g}x its running mean {self.ema:.4g} "
                     f"for {self.window} steps, from step {self.onset} to step {step}")
         if not spiking:  # the running level tracks healthy steps only
-            self.ema = loss if self.ema is None else self.decay * self.ema + (1 - self.decay) * loss
+            # in the warmup a spike is not counted, but it must not poison the level it is counted
+            # against later either (one loss of 1e5 would hide every spike for hundreds of steps):
+            # it enters at factor x the level, which still lets a genuine rise lift it
+            level = loss if self.ema is None else min(loss, self.factor * self.ema)
+            self.ema = level if self.ema is None else self.decay * self.ema + (1 - self.decay) * level
             self.seen += 1
         return None
 
@@ -66,8 +72,9 @@ class DivergenceWatch:
                 f"step {self.onset} and the last {self.skips} step(s) had non-finite gradients")
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips}
+        return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
         self.skips = s.get("skips", 0)
+        self.above = bool(s.get("above", self.over))

@@ -496,6 +496,9 @@ class Trainer:
         if w.over and reason is None:
             extra["spike"] = (f"since step {self.step - w.over + 1}, the loss above {w.factor:g}x its running mean "
                               f"{w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
+        elif w.above and reason is None:  # the warmup's: no window yet, the ring alone holds back
+            extra["spike"] = (f"the loss above {w.factor:g}x its running mean {w.ema:.4g}, not counted before "
+                              f"divergence.warmup_steps={w.warmup} steps")
         elif passed:
             first, length = passed[-1]
             extra["spike"] = f"of step {first} passed after {length} step(s)"
@@ -900,9 +903,10 @@ class Trainer:
                 stream = self.data.train_iter(self.step + self.data_offset, self.shard)
                 rolled_back = True
             # no checkpoint inside a run of skipped (non-finite) steps, but for the last one; none
-            # into the ring during a spike not yet confirmed (it would push out the states before it)
+            # into the ring during a spike not yet confirmed (it would push out the states before it),
+            # nor in the divergence warmup, where a spike is watched but not counted
             save_now = save_due and not rolled_back and (self.divergence.skips == 0 or self.step == self.total_steps)
-            ring = save_now and self.divergence.over == 0
+            ring = save_now and not self.divergence.above  # above: over > 0, or a spike in the warmup
             if agreed is not None and self.step < self.total_steps:  # at the last step: the run ends anyway
                 self.stop_signal = agreed
                 if not rolled_back and not self.save(ring=ring):

@@ -393,3 +393,36 @@ def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, s
             signal.signal(s, h)
     assert t.stop_signal == signal.SIGINT
     assert capsys.readouterr().err.strip() == f"Ctrl-C: {said} (Ctrl-C again to stop at once, without one)"
+
+
+def test_a_spike_in_the_divergence_warmup_does_not_hide_later_ones():
+    """A loss of 1e5 inside the warmup entered the running mean whole (mean ~2000 from losses of 1):
+    every spike for hundreds of steps after the warmup went unseen. It enters capped at
+    spike_factor x the mean, and a sustained spike after the warmup still ends the run."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0, ema=0.9)))
+    assert w.update(1, 1.0) is None and w.update(2, 1e5) is None and w.above and w.over == 0
+    assert w.ema == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # capped at 2x the mean, not 1e4
+    for s in range(3, 30):
+        assert w.update(s, 1.0) is None and not w.above
+    assert [w.update(s, 5.0) for s in (30, 31)] == [None, None]
+    assert w.update(32, 5.0).startswith("loss 5 stayed above 2x its running mean 1")
+
+
+def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():
+    """The cap lets a genuine rise through: losses doubling once in the warmup raise the level to
+    the new loss without counting a spike once the warmup ends."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=40, spike_factor=4.0, ema=0.9)))
+    assert w.update(1, 1.0) is None
+    for s in range(2, 80):
+        assert w.update(s, 6.0) is None, s
+    assert w.ema == pytest.approx(6.0, rel=1e-3) and w.over == 0

@@ -719,3 +719,18 @@ def test_a_passed_loss_spike_is_on_record(tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert "| 1 loss spike(s) passed, the last at step 25 (1 step(s)) |" in last, last
     assert "spikes" not in train(tmp_path / "calm", *GPT, "steps=30")
+
+
+def test_a_spike_in_the_divergence_warmup_stays_out_of_the_ring(tmp_path, capsys):
+    """A spike before divergence.warmup_steps is not counted (the running mean is young), but the
+    README promises no ring checkpoint while the loss is above spike_factor x its running mean:
+    a rollback must not land on the spiked state. The progress line says it was seen."""
+    from stabletrain.engine.checkpoint import ring_checkpoints
+
+    s = train(tmp_path, *GPT, "divergence.action=rollback", "steps=8", "ckpt_every=4", "ckpt.keep=3",
+              "debug.spike_at_step=4", quiet=False)
+    assert s["status"] == "completed"
+    assert [step for step, _ in ring_checkpoints(tmp_path)] == [0, 8]
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.lstrip().startswith("step 4/") or "step 4/8" in x)
+    assert "not counted before divergence.warmup_steps=20 steps" in line, line
