@@ -343,8 +343,6 @@ def _title(run: Run, what: str) -> str:
 def _suptitle(fig, text: str, fontsize: float | None = None) -> None:
     """The figure's title, wrapped at the figure's width: a run's status, rollbacks and skipped
     steps made a title longer than a three-panel figure, cut at both sides."""
-    import textwrap
-
     size = fontsize or plt.rcParams["figure.titlesize"]
     size = size if isinstance(size, (int, float)) else 12.0
     chars = max(40, int(fig.get_figwidth() * 72 / (0.55 * size)))  # a character is about 0.55 em wide
@@ -886,7 +884,22 @@ def over_blocks(run: Run, group: str, quantity: str, reduce=np.max) -> Series | 
 
 
 def _wrapped(label: str, width: int) -> str:
-    return textwrap.fill(label, width, break_on_hyphens=False)
+    """``label`` in lines of at most ``width`` characters, broken at spaces and after the commas of
+    a sweep's ``a=1,b=2``: never inside a setting ("deescalate.alp" / "ha=0" reads as two). A word
+    longer than ``width`` keeps its own line, wider than asked: the legend then tries a smaller font."""
+    lines: list[str] = []
+    for para in label.split("\n"):
+        line = ""
+        for word in para.split(" "):
+            for j, part in enumerate(p for p in re.split(r"(?<=,)", word) if p):
+                sep = " " if j == 0 and line else ""
+                if line and len(line) + len(sep) + len(part) > width:
+                    lines.append(line)
+                    line = part
+                else:
+                    line += sep + part
+        lines.append(line)
+    return "\n".join(lines)
 
 
 _MIN_WRAP = 20  # characters: a legend column narrower than this is slivers of words

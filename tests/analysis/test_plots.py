@@ -414,6 +414,27 @@ def test_compare_runs_wraps_long_labels_inside_the_figure(tmp_path, monkeypatch)
     assert not any(box.overlaps(ax.get_window_extent()) for ax in panels)
 
 
+def test_compare_runs_never_wraps_a_label_inside_a_setting(tmp_path, monkeypatch):
+    """Twenty sweep points: the legend wrapped "deescalate.alpha=0" as "deescalate.alp" / "ha=0"
+    at the larger font rather than take a smaller one; a line now breaks only at spaces and commas."""
+    run = tmp_path / "r"  # a loss and an lr: the legend's panel is as large as it gets
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 5 - s / 50, "lr": 1e-3}) + "\n"
+                                               for s in range(0, 200, 10)))
+    (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 190}))
+    labels = [f"optim.tau={0.001 * (i + 1):g},deescalate.alpha={0.05 * (i % 5):g}" for i in range(20)]
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([run] * 20, tmp_path / "cmp", labels=labels)
+    holder = next(ax for ax in figures[0].axes if ax.get_legend())
+    texts = [t.get_text() for t in holder.get_legend().get_texts()]
+    assert [t.replace("\n", "") for t in texts] == labels
+    assert all(part.count("=") == 1 for t in texts for line in t.splitlines() for part in line.split(",") if part)
+    figures[0].canvas.draw()
+    box, room = holder.get_legend().get_window_extent(), holder.get_window_extent()
+    assert room.x0 - 1 <= box.x0 and box.x1 <= room.x1 + 1 and room.y0 - 1 <= box.y0 and box.y1 <= room.y1 + 1
+
+
 def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
     full = _write_run(tmp_path / "full", crash=False)
     bare = tmp_path / "loss_only"
