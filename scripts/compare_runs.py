@@ -3,7 +3,8 @@
     python scripts/compare_runs.py outputs/run_a outputs/run_b ... [--out DIR]   # default run_a/plots
     python scripts/compare_runs.py multirun/2025-01-01/12-00-00                  # every point of a sweep
 
-Panels: training loss, validation metric, learning rate, max over blocks of
+Panels: training loss, validation metric, learning rate (AdamW²'s share of tensors at the
+bound when every run has one schedule, as in a sweep of tau), max over blocks of
 sigma1(W_q^T W_k), min over blocks of the attention entropy; a diverged run's step is marked.
 """
 

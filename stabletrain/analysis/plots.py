@@ -783,6 +783,16 @@ def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "token_similarity.png")
 
 
+def _one_schedule(runs: list[Run]) -> bool:
+    """Whether the runs logged one and the same lr curve (more than one run)."""
+    series = [r.get(N.LR) for r in runs]
+    if len(series) < 2 or any(x is None for x in series):
+        return False
+    steps, values = series[0]
+    return all(np.array_equal(x[0], steps) and np.allclose(x[1], values, rtol=1e-9, atol=0.0, equal_nan=True)
+               for x in series[1:])
+
+
 def _decades_apart(series: list[Series | None]) -> bool:
     """Whether the peaks of ``series`` (one run's lr each) are a factor of ten apart or more; a
     schedule's own decay to zero does not count."""
@@ -946,7 +956,8 @@ def _task_loss(run: Run) -> Series | None:
 
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
                  title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
-    """Overlay loss, validation metric, scheduled lr, the largest sigma1(W_q^T W_k) and the
+    """Overlay loss, validation metric, scheduled lr (AdamW²'s share of tensors at the bound
+    instead when every run has the same schedule), the largest sigma1(W_q^T W_k) and the
     smallest attention entropy of several runs in ``out_dir/compare.png``, with one legend for
     every panel (a run has one colour throughout).
 
@@ -981,7 +992,10 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         (f"validation {val.split('/')[1]}", "cross-entropy (nats)" if val == N.VAL_LOSS else "accuracy (fraction)",
          val == N.VAL_LOSS, lambda r: r.get(val)),
         # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png);
-        # runs at rates a decade apart or more share a log axis, or the smaller lie flat on zero
+        # runs at rates a decade apart or more share a log axis, or the smaller lie flat on zero.
+        # One schedule for all (a sweep of tau): its panel would be one line, the bound's share says more
+        ("AdamW²: fraction of tensors at the bound\n(the runs share one scheduled lr)", "fraction of tensors", False,
+         lambda r: r.get(N.FRAC_BOUNDED)) if _one_schedule(runs) and any(r.has(N.FRAC_BOUNDED) for r in runs) else
         ("scheduled lr", "scheduled learning rate", _decades_apart([r.get(N.LR) for r in runs]),
          lambda r: r.get(N.LR)),
         (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
@@ -1000,7 +1014,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 for run, name in zip(runs, names)]
     missing_in: list[list[str]] = [[] for _ in runs]
     drawn = 0
-    short = ("training loss", panels[1][0], "lr", r"$\sigma_1$", "entropy")  # how the legend names a panel
+    short = ("training loss", panels[1][0], "lr" if panels[2][1] != "fraction of tensors" else "bound",
+             r"$\sigma_1$", "entropy")  # how the legend names a panel
     for k, (ax, (panel, ylabel, logy, get)) in enumerate(zip(axes.flat, panels)):
         missing = []
         for i, run in enumerate(runs):

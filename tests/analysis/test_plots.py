@@ -367,7 +367,9 @@ def test_compare_runs_draws_the_chosen_sigma1_and_entropy_on_labelled_axes(tmp_p
     P.compare_runs([a, b], tmp_path / "cmp", labels=["first", "second"], qk=N.WQ_T_WK_MAX,
                    entropy_block="blocks.2")
     panels = {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
-    assert set(panels) == {"training loss", "validation acc", "scheduled lr",
+    # one schedule for both, and AdamW²'s telemetry: the lr panel gives way to the bound's share
+    assert set(panels) == {"training loss", "validation acc",
+                           "AdamW²: fraction of tensors at the bound\n(the runs share one scheduled lr)",
                            r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$",
                            "attention entropy of blocks.2, min over heads"}
     for title, ax in panels.items():
@@ -433,6 +435,27 @@ def test_compare_runs_never_wraps_a_label_inside_a_setting(tmp_path, monkeypatch
     figures[0].canvas.draw()
     box, room = holder.get_legend().get_window_extent(), holder.get_window_extent()
     assert room.x0 - 1 <= box.x0 and box.x1 <= room.x1 + 1 and room.y0 - 1 <= box.y0 and box.y1 <= room.y1 + 1
+
+
+def test_compare_runs_draws_adamw2s_bound_when_the_runs_share_one_schedule(tmp_path, monkeypatch):
+    """A sweep of tau: the scheduled-lr panel was one line for every run, and nothing showed what tau
+    changed. With one schedule it draws the share of tensors at the bound; an lr sweep keeps its lr."""
+    def run(name, lr, frac):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0, "lr": lr, "adamw2/frac_bounded":
+                                                             frac}) + "\n" for s in range(0, 50, 10)))
+        (d / "summary.json").write_text(json.dumps({"status": "completed", "step": 40}))
+        return d
+
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
+    P.compare_runs([run("t1", 1e-3, 0.9), run("t2", 1e-3, 0.2)], tmp_path / "cmp", labels=["tau 0.01", "tau 1"])
+    ax = figures[-1].axes[2]
+    assert ax.get_title().startswith("AdamW²: fraction of tensors at the bound")
+    assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == [0.2, 0.9]
+    P.compare_runs([run("l1", 1e-3, 0.5), run("l2", 3e-3, 0.5)], tmp_path / "cmp", labels=["lr 1e-3", "lr 3e-3"])
+    assert figures[-1].axes[2].get_title() == "scheduled lr"
 
 
 def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
