@@ -49,14 +49,19 @@ class Entry:
 
 class Registry:
     def __init__(self, group: str, *modules: str, package: bool = False, declares: tuple[str, ...] = (),
-                 requires: dict[str, str] | None = None, call: str | None = None):
+                 requires: dict[str, str] | None = None, call: str | None = None,
+                 returns: tuple[Callable[[Any], bool], str] | None = None):
         """``group`` is the config key users set (``norm``, ``model.family``); ``modules``
         hold the options (a package's every submodule when ``package``); ``declares`` the
         keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments);
         ``requires`` those of them it must give, each with what it is; ``call`` how an option is
         called, ``(cfg, dim, *, bias, ln_eps)``: one of one's own that cannot be is refused
-        before the run (:meth:`check_callable`), not met as a TypeError while building."""
+        before the run (:meth:`check_callable`), not met as a TypeError while building; ``returns``
+        ``(accepts, what)``: :meth:`make` refuses a result that ``accepts`` does not, naming ``what``
+        an option returns (a builder of one's own that forgot its ``return`` or returned the class
+        met an AttributeError deep in the build)."""
         self.group, self.modules, self.package, self.call = group, modules, package, call
+        self.returns = returns
         self.declares = ("kwargs", *declares)
         self.requires = dict(requires or {})
         self._entries: dict[str, Entry] = {}
@@ -135,6 +140,16 @@ class Registry:
     def get(self, name: Any) -> Callable:
         return self.entry(name).fn
 
+    def make(self, name: Any, *args, **kwargs) -> Any:
+        """Call option ``name``'s function; what it returns, checked against :attr:`returns`."""
+        fn = self.get(name)
+        out = fn(*args, **kwargs)
+        if self.returns is not None and not self.returns[0](out):
+            article = "an" if self.group[0] in "aeiou" else "a"
+            raise ConfigError(f"{self.group}={option_value(name)}: {fn.__module__}.{fn.__qualname__} returned "
+                              f"{_described(out)}; {article} {self.group} option returns {self.returns[1]}")
+        return out
+
     def __contains__(self, name: Any) -> bool:
         self._load()
         return option_value(name) in self._entries
@@ -142,6 +157,16 @@ class Registry:
     def entries(self) -> list[Entry]:
         self._load()
         return [self._entries[n] for n in sorted(self._entries)]
+
+
+def _described(value: Any) -> str:
+    if value is None:
+        return "None (a missing return?)"
+    if inspect.isclass(value):
+        return f"the class {value.__name__}, not an instance of it"
+    if isinstance(value, tuple):
+        return f"a tuple ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
 
 
 def _near_file(path) -> str | None:

@@ -531,3 +531,79 @@ def test_a_norm_registered_without_its_layer_is_noted(tmp_path):
     validate(cfg)
     assert norm_without_layer_note(cfg).startswith("note: norm=layerless_own is registered without layer=: ")
     assert norm_without_layer_note(make_cfg("model=gpt_test", "norm=stablenorm")) is None
+
+
+@pytest.mark.parametrize("group,body,needle", [
+    ("model", """
+        from stabletrain.models.gpt import GPT
+        from stabletrain.models.registry import MODELS
+
+        @MODELS.register("gpt_tuple_own", kind="text", data="pytext")
+        def gpt_tuple_own(model_cfg, components):
+            return GPT(model_cfg, components), {"note": "extra"}
+     """, r"^model.family=gpt_tuple_own: [\w.]+\.gpt_tuple_own returned a tuple \(GPT, dict\); "
+          r"a model.family option returns the model, an nn.Module$"),
+    ("norm", """
+        import torch
+        from stabletrain.layers.norm import NORMS
+
+        @NORMS.register("class_own", layer=torch.nn.LayerNorm)
+        def class_own(cfg, dim, **kw):
+            return torch.nn.LayerNorm
+     """, r"^norm=class_own: [\w.]+\.class_own returned the class LayerNorm, not an instance of it; a norm option "
+          r"returns the norm module \(an nn.Module instance\) of width dim$"),
+    ("attention", """
+        from stabletrain.layers.attention import ATTENTIONS
+
+        @ATTENTIONS.register("none_own")
+        def none_own(attn_cfg, norm_cfg, head_dim, seq_len):
+            pass
+     """, r"^attention=none_own: [\w.]+\.none_own returned None \(a missing return\?\); an attention option returns "
+          r"\(q_norm, k_norm, scale\)"),
+    ("optim", """
+        import torch
+        from stabletrain.optim import OPTIMIZERS
+
+        @OPTIMIZERS.register("sgd_class_own")
+        def sgd_class_own(groups, cfg, lr):
+            return torch.optim.SGD
+     """, r"^optim=sgd_class_own: [\w.]+\.sgd_class_own returned the class SGD, not an instance of it; an optim "
+          r"option returns a torch.optim.Optimizer$"),
+])
+def test_an_option_of_ones_own_that_returns_the_wrong_thing_is_one_line(tmp_path, group, body, needle):
+    """A builder that forgot its return, returned the class or a tuple: an AttributeError deep in
+    the build ('tuple' object has no attribute 'to') became one line naming the function and
+    what its group returns."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, f"{group}_own_returns", body)
+    name = {"model": "model.family=gpt_tuple_own", "norm": "norm.name=class_own",
+            "attention": "attention.name=none_own", "optim": "optim.name=sgd_class_own"}[group]
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", name, "steps=1")
+    with pytest.raises(ConfigError, match=needle):
+        build_trainer(cfg, tmp_path / "run")
+
+
+def test_an_init_of_ones_own_that_returns_a_new_tensor_is_applied(tmp_path):
+    """``return xavier_normal_(w) * scale`` wrote the Xavier draw and dropped the scale: runs at
+    every scale were the same run, while the start line named the scale. The returned tensor is
+    copied in; one of another shape is one line."""
+    path = _module(tmp_path, "scaled_init", """
+        import torch
+        from stabletrain.layers.init import INITS
+
+        @INITS.register("scaled_own")
+        def scaled_own(w, gain=1.0, scale=1.0):
+            return torch.ones_like(w) * scale
+
+        @INITS.register("flat_own")
+        def flat_own(w, gain=1.0):
+            return torch.ones(w.numel())
+    """)
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "init.name=scaled_own", "+init.kwargs.scale=0.01")
+    validate(cfg)
+    net = model_of(cfg)
+    assert torch.all(net.blocks[0].attn.qkv.weight == 0.01) and torch.all(net.blocks[0].mlp.fc2.weight == 0.01)
+    with pytest.raises(ConfigError, match=r"^init=flat_own returned a tensor of shape \(\d+,\) for a weight of shape "
+                                          r"\(\d+, \d+\): an init writes the weight it is given in place, or returns"):
+        model_of(make_cfg(f"imports=[{path}]", "model=gpt_test", "init.name=flat_own"))  # imported above

@@ -138,7 +138,8 @@ class TokenWindows(Data):
 # ``reads``: which of the OPTION_KEYS it reads (undeclared: any), so that a ``data.path`` given
 # to another data set is refused rather than trained past
 DATASETS = Registry("data", __name__, declares=("kind", "check", "reads"),
-                    requires={"kind": "vision or text: the model families it fits"}, call="(data_cfg, model_cfg, seed)")
+                    requires={"kind": "vision or text: the model families it fits"}, call="(data_cfg, model_cfg, seed)",
+                    returns=(lambda d: isinstance(d, Data), "a stabletrain.data.Data"))
 # the data keys only some data sets read; the rest (img_size, mixup, ...) every one of a kind does
 OPTION_KEYS = ("path", "root", "tokenizer", "val_fraction", "num_workers", "randaug", "erasing")
 IMAGE_FILES = ("root", "num_workers", "randaug", "erasing")
@@ -147,7 +148,7 @@ IMAGE_FILES = ("root", "num_workers", "randaug", "erasing")
 def build_data(data_cfg, model_cfg, seed: int, default: str) -> Data:
     """The data set ``data_cfg.name`` (``auto``: ``default``, the model family's) shaped for
     ``model_cfg`` (image size, sequence length, vocabulary)."""
-    return DATASETS.get(resolve_name(data_cfg, default))(data_cfg, model_cfg, seed)
+    return DATASETS.make(resolve_name(data_cfg, default), data_cfg, model_cfg, seed)
 
 
 def resolve_name(data_cfg, default: str) -> str:

@@ -33,7 +33,9 @@ from stabletrain.layers.norm import StableNorm, mode_eps
 from stabletrain.registry import Registry, option_value
 
 
-ATTENTIONS = Registry("attention", __name__, call="(attn_cfg, norm_cfg, head_dim, seq_len)")
+ATTENTIONS = Registry("attention", __name__, call="(attn_cfg, norm_cfg, head_dim, seq_len)", returns=(
+    lambda t: isinstance(t, tuple) and len(t) == 3 and all(isinstance(m, nn.Module) for m in t[:2])
+    and isinstance(t[2], (int, float)), "(q_norm, k_norm, scale): two nn.Module instances and a number"))
 
 
 def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:
@@ -42,7 +44,7 @@ def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Mo
     ``seq_len`` is the model's tokens per attention, fixed at construction: GPT block size,
     ViT token count with the class token, Swin window area (what StableAtten's ``N`` defaults to).
     """
-    return ATTENTIONS.get(attn_cfg.name)(attn_cfg, norm_cfg, head_dim, seq_len)
+    return ATTENTIONS.make(attn_cfg.name, attn_cfg, norm_cfg, head_dim, seq_len)
 
 
 @ATTENTIONS.register("softmax")

@@ -73,14 +73,16 @@ class Deescalate(nn.Module):
 
 
 # name -> ``(cfg, model_causal) -> (placement, module | None)``; info ``active=False`` for none
-DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active",), call="(cfg, model_causal)")
+DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active",), call="(cfg, model_causal)", returns=(
+    lambda t: isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)
+    and (t[1] is None or isinstance(t[1], nn.Module)), "(placement, module or None)"))
 
 
 def make_deescalate(cfg, model_causal: bool) -> tuple[str, nn.Module | None]:
     """``(placement, module)`` for ``cfg`` (``deescalate`` group): ``("none", None)`` when
     ``cfg.name`` is none, else ``cfg.placement``, ``block`` (end of block) or ``ffn`` (FFN
     input). ``cfg.causal`` null follows the model."""
-    return DEESCALATIONS.get(cfg.name)(cfg, model_causal)
+    return DEESCALATIONS.make(cfg.name, cfg, model_causal)
 
 
 @DEESCALATIONS.register("none", active=False)

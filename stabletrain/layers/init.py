@@ -88,8 +88,18 @@ def init_std(name: str, n_in: int, n_out: int, gain: float = 1.0) -> float:
 @torch.no_grad()
 def init_matrix_(w: Tensor, name: str, gain: float = 1.0, kwargs: dict | None = None) -> Tensor:
     """Re-draw the matrix ``w`` (``n_out x n_in``, may be a view) in place with init ``name``;
-    ``kwargs`` (``init.kwargs``) go to an init of the user's own."""
-    return INITS.get(name)(w, gain, **(kwargs or {}))
+    ``kwargs`` (``init.kwargs``) go to an init of the user's own. An init that returns a new
+    tensor (``xavier_normal_(w) * scale``) instead of writing ``w`` has it copied in: dropped,
+    its scale was silently lost while the start line named it."""
+    out = INITS.get(name)(w, gain, **(kwargs or {}))
+    if out is None or out is w or (torch.is_tensor(out) and out.data_ptr() == w.data_ptr()
+                                   and out.shape == w.shape):
+        return w
+    if not torch.is_tensor(out) or out.shape != w.shape:
+        got = f"a tensor of shape {tuple(out.shape)}" if torch.is_tensor(out) else type(out).__name__
+        raise ConfigError(f"init={option_value(name)} returned {got} for a weight of shape {tuple(w.shape)}: "
+                          "an init writes the weight it is given in place, or returns a tensor of its shape")
+    return w.copy_(out)
 
 
 @torch.no_grad()

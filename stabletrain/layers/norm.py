@@ -61,7 +61,8 @@ def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     return EPS_BY_MODE[eps_mode] if eps is None else eps
 
 
-NORMS = Registry("norm", __name__, declares=("layer", "norm_gain"), call="(cfg, dim, *, bias, ln_eps)")
+NORMS = Registry("norm", __name__, declares=("layer", "norm_gain"), call="(cfg, dim, *, bias, ln_eps)",
+                 returns=(lambda m: isinstance(m, nn.Module), "the norm module (an nn.Module instance) of width dim"))
 
 
 def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5, **_factory_kwargs) -> nn.Module:
@@ -71,7 +72,7 @@ def make_norm(cfg, dim: int, *, bias: bool = True, ln_eps: float = 1e-5, **_fact
     so the default models stay identical to their reference; ``cfg.eps`` applies to rmsnorm and
     stablenorm (null: :func:`mode_eps`). ``bias=False`` drops the additive term (nanoGPT's LayerNorm).
     """
-    return NORMS.get(cfg.name)(cfg, dim, bias=bias, ln_eps=ln_eps)
+    return NORMS.make(cfg.name, cfg, dim, bias=bias, ln_eps=ln_eps)
 
 
 def is_norm_layer(module: nn.Module) -> bool:

@@ -22,7 +22,8 @@ from stabletrain.registry import Registry
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
 MODELS = Registry("model.family", "stabletrain.models", package=True,
                   declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau"),
-                  call="(model_cfg, components)")
+                  call="(model_cfg, components)",
+                  returns=(lambda m: isinstance(m, nn.Module), "the model, an nn.Module"))
 DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value
 KINDS = {"vision": "digits", "text": "pytext"}  # each kind's default data set
 
@@ -94,9 +95,9 @@ def build_model_and_hook(model_cfg, components: Components | None = None):
     from stabletrain.layers.reparam import REPARAMS
 
     c = components or Components()
-    model = MODELS.get(model_cfg.family)(model_cfg, c)
+    model = MODELS.make(model_cfg.family, model_cfg, c)
     apply_init(model, c.init)
-    return model, REPARAMS.get(c.reparam.name)(model, c.reparam)
+    return model, REPARAMS.make(c.reparam.name, model, c.reparam)
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -58,7 +58,8 @@ __all__ = [
 
 # name -> ``(param_groups, optim_cfg, lr) -> Optimizer``; info ``group_flag``: the per-group
 # flag the optimizer reads (AdamW²'s ``bound``, LARS's ``lars_exclude``; see param_groups)
-OPTIMIZERS = Registry("optim", __name__, declares=("group_flag",), call="(param_groups, cfg, lr)")
+OPTIMIZERS = Registry("optim", __name__, declares=("group_flag",), call="(param_groups, cfg, lr)",
+                      returns=(lambda o: isinstance(o, torch.optim.Optimizer), "a torch.optim.Optimizer"))
 
 
 def scaled_lr(optim_cfg: Any, batch_size: int | None = None) -> float:
@@ -114,7 +115,7 @@ def build_optimizer(
         g.pop("kinds")
         g["lr"] = lr * g["lr_mult"]
 
-    opt = OPTIMIZERS.get(name)(groups, optim_cfg, lr)
+    opt = OPTIMIZERS.make(name, groups, optim_cfg, lr)
     return opt, summary
 
 
