@@ -290,28 +290,30 @@ class Checkpointer:
         return theirs.keys() == mine.keys() and all(
             getattr(theirs[k], "shape", None) == getattr(v, "shape", None) for k, v in mine.items())
 
-    def command_of(self, ck: dict) -> str | None:
-        """The command that continues the run that wrote ``ck`` in this directory: its own
+    def command_of(self, ck: dict, path: Path | None = None) -> str | None:
+        """The command that continues the run that wrote ``ck`` (read from ``path``): its own
         overrides (saved in the checkpoint; None for a checkpoint without them), or a sweep
-        point's sweep command."""
+        point's sweep command. A checkpoint of another run's checkpoints/ is continued in that
+        run's directory (resume=auto here would find nothing and start from step 0), one kept
+        elsewhere in this directory by its path."""
         if sweep_dir() is not None:
             return continue_with(self.run_dir)
         theirs = ck.get("overrides")
         if theirs is None or ("launcher" not in ck and self.info.world > 1):  # written before launchers were saved
             return None
-        return command(theirs, "hydra.run.dir", self.run_dir, launcher=ck.get("launcher"))
+        where, resume = self.run_dir, "auto"
+        if path is not None and not Path(path).absolute().is_relative_to(self.run_dir.absolute()):
+            if Path(path).parent.name == "checkpoints":
+                where = Path(path).parent.parent
+            else:
+                resume = str(path)
+        return command(theirs, "hydra.run.dir", where, launcher=ck.get("launcher"), resume=resume)
 
     def _changes_refused(self, path: Path, ck: dict, changed: list[str]) -> str:
         """Why resume=auto refuses ``changed`` keys, with their values there and here, and what to
         do: the run's own command; resume_allow_changes only where the weights still fit."""
-        was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
-
-        def value(d, k):
-            return "unset" if k not in d else "null" if d[k] is None else d[k]
-
-        shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:4])
-        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
-        theirs = self.command_of(ck)
+        shown = self.changes_shown(ck, changed)
+        theirs = self.command_of(ck, path)
         own = f"its own command, {theirs}" if theirs else "the overrides it was started with"
         done = (read_json(path.parent.parent / "summary.json") or {}).get("status") == "completed"
         fits = self.fits(ck)
@@ -320,7 +322,17 @@ class Checkpointer:
         fix += ("; or pass resume_allow_changes=true to continue with the changes" if fits else
                 "; this model's weights do not fit that checkpoint, so resume_allow_changes cannot help")
         fix += f"; a new run goes in another {own_dir_key()}" if done or not fits else ""
-        return f"resume=auto would change the resumed run's {shown}{more}: {fix}"
+        return f"resume=auto would change the resumed run's {shown}: {fix}"
+
+    def changes_shown(self, ck: dict, changed: list[str], at_most: int = 4) -> str:
+        """``k (a there, b here), ...``: the first ``at_most`` changed keys with their values."""
+        was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
+
+        def value(d, k):
+            return "unset" if k not in d else "null" if d[k] is None else d[k]
+
+        shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:at_most])
+        return shown + (f" and {len(changed) - at_most} more" if len(changed) > at_most else "")
 
     # --- saving ---------------------------------------------------------------------------
 
@@ -402,8 +414,10 @@ class Checkpointer:
                               f"to continue it anyway, or give this run its own {own_dir_key()}")
         theirs = ck.get("optim_name") or optim_name_of(ck.get("config", ""))
         if theirs is not None and theirs != self.optim_name:
+            own = self.command_of(ck, path)
             raise ConfigError(f"{path} was written with optim={theirs}, this run uses optim={self.optim_name}: an "
-                              f"optimizer's state does not carry over; resume with optim={theirs} or start a new run")
+                              f"optimizer's state does not carry over; resume with optim={theirs}"
+                              + (f" (its own command: {own})" if own else "") + ", or start a new run")
         if bool(ck.get("dcp")) != self.sharded:  # before the changed keys: resume_allow_changes cannot help
             def par(sharded):
                 return "fsdp" if sharded else "ddp"
@@ -427,7 +441,7 @@ class Checkpointer:
         except (torch.OutOfMemoryError, ConfigError):
             raise
         except (RuntimeError, ValueError, KeyError) as e:  # load_state_dict's mismatches
-            theirs = self.command_of(ck)
+            theirs = self.command_of(ck, path)
             fix = (f"resume it with the command it was written with, {theirs}" if theirs else
                    f"resume it with the config it was written with ({path.parent.parent / 'config.yaml'})")
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({mismatch(e)}); {fix}") from None

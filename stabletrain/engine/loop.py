@@ -596,7 +596,7 @@ class Trainer:
         else:
             ck = self.ckpt.load(path)
         if ck["step"] > self.total_steps:
-            theirs = self.ckpt.command_of(ck)
+            theirs = self.ckpt.command_of(ck, path)
             raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: "
                               + (f"continue it with its own command, {theirs}; or " if theirs else "")
                               + f"pass steps={ck['step']} to end it there, more to train on (steps counts from "
@@ -655,11 +655,13 @@ class Trainer:
             return []
         notes = []
         changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes"))
-        if self.settings.resume not in (None, "auto"):
-            keys = [k for k in changed if not may_change(k)]
-            if keys:
-                notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
-                             f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
+        keys = [k for k in changed if not may_change(k)]
+        if keys and self.settings.resume not in (None, "auto"):
+            notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
+                         f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
+        elif keys and self.settings.resume_allow_changes:  # a norm of one's own swapped for LayerNorm: silent
+            notes.append(f"resume_allow_changes=true: the run goes on with changes: "
+                         f"{self.ckpt.changes_shown(ck, keys, at_most=8)}")
         if {"steps", "epochs"} & {k.split(".")[0] for k in changed}:
             step, scale = ck["step"], float((ck.get("survival") or {}).get("lr_scale", 1.0))
             notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "

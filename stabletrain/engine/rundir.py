@@ -71,13 +71,14 @@ def interpreter() -> str:
     return sys.executable or "python"
 
 
-def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launcher: str | None = None) -> str:
+def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launcher: str | None = None,
+            resume: str = "auto") -> str:
     """``python train.py OVERRIDES resume=auto DIR_KEY=DIR``, quoted for a POSIX shell: this
     interpreter, and train.py as the user named it; ``launcher`` (``torchrun ...``) in place
-    of the interpreter."""
+    of the interpreter; ``resume`` a checkpoint's path in place of auto."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
-    args = [script, *(["-m"] if multirun else []), *kept, "resume=auto", f"{dir_key}={dir_value}"]
+    args = [script, *(["-m"] if multirun else []), *kept, f"resume={resume}", f"{dir_key}={dir_value}"]
     return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
 
 

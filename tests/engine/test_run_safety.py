@@ -316,3 +316,34 @@ def test_a_dry_run_with_resume_says_what_it_would_continue_or_refuses_as_the_run
     capsys.readouterr()
     assert train(tmp_path, *own, "steps=6", "resume=auto")["step"] == 6
     assert length in capsys.readouterr().err.splitlines()
+
+
+def test_the_command_that_continues_another_runs_checkpoint_goes_where_it_lies(tmp_path):
+    """resume=PATH from another run's checkpoints/, past this run's steps: the command offered
+    continued it here with resume=auto, which found nothing and trained from step 0. It names the
+    checkpoint's own run directory; a checkpoint kept elsewhere is named by its path."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import QUIET, make_cfg
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=2"), tmp_path / "new")
+    ck = {"overrides": ["model=gpt_test", "steps=8"], "launcher": None}
+    old = tmp_path / "old"
+    assert t.ckpt.command_of(ck, old / "checkpoints" / "last.pt").endswith(
+        f"train.py model=gpt_test steps=8 resume=auto hydra.run.dir={old}")
+    assert t.ckpt.command_of(ck, tmp_path / "kept.pt").endswith(
+        f"steps=8 resume={tmp_path / 'kept.pt'} hydra.run.dir={tmp_path / 'new'}")
+    assert t.ckpt.command_of(ck, tmp_path / "new" / "checkpoints" / "step_000002.pt").endswith(
+        f"steps=8 resume=auto hydra.run.dir={tmp_path / 'new'}")
+
+
+def test_resume_allow_changes_says_what_changed(tmp_path, capsys):
+    """resume_allow_changes=true took a norm of one's own swapped for LayerNorm (the same
+    parameter names) without a word: the start lines name each changed key with both values."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    capsys.readouterr()
+    train(tmp_path, *GPT, "steps=4", "optim=adamw", "optim.lr=0.002", "norm=rmsnorm", "resume=auto",
+          "resume_allow_changes=true", quiet=False)
+    err = capsys.readouterr().err
+    assert "resume_allow_changes=true: the run goes on with changes: " in err, err
+    line = next(x for x in err.splitlines() if "resume_allow_changes=true:" in x)
+    assert "norm.name (layernorm there, rmsnorm here)" in line and "optim.lr (" in line, line
