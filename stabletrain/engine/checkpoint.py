@@ -455,7 +455,19 @@ class Checkpointer:
 
     def _load_weights(self, path: Path, ck: dict) -> str | None:
         """The model and optimizer: from ``ck``, or from its DCP directory when sharded (with the
-        weight average's model). Returns a note when the shards were found elsewhere."""
+        weight average's model). The optimizer's settings stay this run's: loading a state dict
+        puts the checkpoint's param-group values back, so a weight decay, betas or tau changed on
+        resume (which config.yaml and the notes then claim) was silently dropped; its state (the
+        moments, the step counts) is the checkpoint's. Returns a note when the shards were found
+        elsewhere."""
+        settings = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                    for g in self.optimizer.param_groups]  # the lr is the schedule's, set every step
+        note = self._load_weights_and_state(path, ck)
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
+        return note
+
+    def _load_weights_and_state(self, path: Path, ck: dict) -> str | None:
         if not self.sharded:
             self.model.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optimizer"])

@@ -347,3 +347,24 @@ def test_resume_allow_changes_says_what_changed(tmp_path, capsys):
     assert "resume_allow_changes=true: the run goes on with changes: " in err, err
     line = next(x for x in err.splitlines() if "resume_allow_changes=true:" in x)
     assert "norm.name (layernorm there, rmsnorm here)" in line and "optim.lr (" in line, line
+
+
+@pytest.mark.parametrize("how", ["allow_changes", "path"])
+def test_optimizer_settings_changed_on_resume_take_effect(tmp_path, how):
+    """Loading the optimizer's state dict put the checkpoint's param-group values back: a weight
+    decay, betas or tau changed on resume was silently dropped while config.yaml and the notes
+    claimed it. The settings are this run's; the moments are the checkpoint's."""
+    train(tmp_path / "a", *GPT, "steps=2", "optim=adamw2")
+    before = torch.load(tmp_path / "a/checkpoints/last.pt", weights_only=False)["optimizer"]
+    changed = ["optim.weight_decay=0.5", "optim.betas=[0.8,0.9]", "optim.tau=0.05"]
+    resume = (["resume=auto", "resume_allow_changes=true"] if how == "allow_changes"
+              else [f"resume={tmp_path / 'a/checkpoints/last.pt'}"])
+    run = tmp_path / "a" if how == "allow_changes" else tmp_path / "b"
+    train(run, *GPT, "steps=3", "optim=adamw2", *changed, *resume)
+    after = torch.load(run / "checkpoints/last.pt", weights_only=False)["optimizer"]
+    for group in after["param_groups"]:
+        assert (group["weight_decay"], tuple(group["betas"]), group["tau"]) in {(0.5, (0.8, 0.9), 0.05),
+                                                                                (0.0, (0.8, 0.9), 0.05)}, group
+    assert [g["params"] for g in after["param_groups"]] == [g["params"] for g in before["param_groups"]]
+    steps = {int(s["step"]) for s in after["state"].values() if "step" in s}
+    assert steps == {3}  # the moments went on from the checkpoint's two steps
