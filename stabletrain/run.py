@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import RunDirLock, continue_with, figures_command, sweep_dir, task_overrides
+from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
+                                      figures_command, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -124,6 +125,7 @@ def refuse_point(run_dir: Path, reason: str) -> None:
     """A sweep point refused before it trained: said in one line, and in its summary.json where
     the directory holds no run (a refused resume leaves the run it refused as it was)."""
     print(f"error: {reason} (this sweep point is skipped; the sweep goes on)", file=sys.stderr)
+    _REFUSED[0] = reason  # for SweepReport.on_job_end, in this process
     if D.detect().rank > 0 or any((run_dir / f).exists() for f in ("summary.json", "metrics.jsonl", "checkpoints")):
         return
     try:
@@ -133,12 +135,46 @@ def refuse_point(run_dir: Path, reason: str) -> None:
     write_json(run_dir / "summary.json", {"status": "refused", "step": 0, "reason": reason})
 
 
+_REFUSED: list[str | None] = [None]  # the reason this process's sweep point was refused
+
+
 class SweepReport(Callback):
     """A Hydra callback (train.yaml's ``hydra.callbacks``): a sweep's last lines are a tally of
     its points (completed, diverged, refused with the first refusal's reason, not finished) and
     the commands that draw its table and curves, where a single run names its figures' command.
     A refused point's line had scrolled away in a long sweep's log, and the sweep's directory was
-    only in each point's start line."""
+    only in each point's start line.
+
+    A sweep run again into its directory (resume=auto) has its multirun.yaml and each point's
+    ``.hydra/`` rewritten by Hydra before a point may refuse the new command: they are kept at
+    the start and put back for the points that refused it, which the tally counts as refused
+    this time (their runs' own summaries said completed), so that the table and labels still
+    read the overrides each run trained with."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        if D.detect().rank > 0:
+            return
+        root = Path(str(config.hydra.sweep.dir))
+        if not root.is_dir():
+            return
+        if (root / "multirun.yaml").is_file():
+            shutil.copyfile(root / "multirun.yaml", root / KEPT_MULTIRUN)
+        for record in root.glob("*/.hydra"):
+            kept = record.parent / KEPT_HYDRA
+            shutil.rmtree(kept, ignore_errors=True)  # one a killed sweep left: what is there now is newer
+            shutil.copytree(record, kept)
+            (record.parent / REFUSED_NOW).unlink(missing_ok=True)
+
+    def on_job_end(self, config, job_return=None, **kwargs) -> None:
+        reason, _REFUSED[0] = _REFUSED[0], None
+        if reason is None or D.detect().rank > 0:
+            return
+        point = Path(str(config.hydra.runtime.output_dir))
+        kept = point / KEPT_HYDRA
+        if kept.is_dir():  # the record of the run this point holds, not of the command it refused
+            shutil.rmtree(point / ".hydra", ignore_errors=True)
+            kept.rename(point / ".hydra")
+            (point / REFUSED_NOW).write_text(reason + "\n")
 
     def on_multirun_end(self, config, **kwargs) -> None:
         from stabletrain.analysis.sweeps import find_runs
@@ -150,15 +186,33 @@ class SweepReport(Callback):
             runs = find_runs(root)
         except OSError:
             return
+        refused_now = {}
+        for r in runs:
+            mark = r.path / REFUSED_NOW
+            if mark.is_file():
+                refused_now[r.path] = mark.read_text().strip()
+                mark.unlink()
+        for kept in root.glob(f"*/{KEPT_HYDRA}"):
+            shutil.rmtree(kept, ignore_errors=True)
+        if (root / KEPT_MULTIRUN).is_file():  # no point took this command: the sweep's is the earlier one
+            started = [r for r in runs if r.summary.get("status") != "not started"]
+            if started and all(r.path in refused_now for r in started):
+                (root / KEPT_MULTIRUN).replace(root / "multirun.yaml")
+            else:
+                (root / KEPT_MULTIRUN).unlink()
         if not runs:
             return
         counts: dict[str, int] = {}
         for r in runs:
-            counts[r.summary.get("status", "unfinished")] = counts.get(r.summary.get("status", "unfinished"), 0) + 1
+            status = "refused this time" if r.path in refused_now else r.summary.get("status", "unfinished")
+            counts[status] = counts.get(status, 0) + 1
         tally = ", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-        refused = next((r for r in runs if r.summary.get("status") in ("refused", "failed")), None)
-        why = (f"; {refused.path.name}/ {refused.summary['status']}: {refused.summary.get('reason') or '?'}"
-               if refused is not None else "")
+        refused = next((r for r in runs if r.path in refused_now or r.summary.get("status") in ("refused", "failed")),
+                       None)
+        why = ("" if refused is None else
+               f"; {refused.path.name}/ refused this time (its run is as it was): {refused_now[refused.path]}"
+               if refused.path in refused_now else
+               f"; {refused.path.name}/ {refused.summary['status']}: {refused.summary.get('reason') or '?'}")
         say(f"sweep {root}: {len(runs)} point{'s' * (len(runs) != 1)}, {tally}{why}")
         say(f"its table: python scripts/summarize_sweep.py {root}; its curves: python scripts/compare_runs.py {root}")
 

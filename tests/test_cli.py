@@ -503,3 +503,27 @@ def test_a_group_option_whose_name_is_not_its_file_name_is_kept_beside_a_recipe(
     check_overrides(args.split())
     cfg = compose_config(args.split())
     assert {k: str(getattr(cfg[key][k], "value", cfg[key][k])) for k in value} == value
+
+
+def test_a_sweep_resumed_with_a_change_its_points_refuse_keeps_their_records(tmp_path):
+    """Run again with optim.lr changed and resume=auto, every point refused, yet Hydra had rewritten
+    each point's .hydra/ and multirun.yaml to the refused command (the table then read lr 0.003 for
+    runs trained at 0.001), the tally said '2 completed' and the refusal's 'own command' was the
+    refused one. The records stay the runs', the tally says refused, the command is the earlier one."""
+    base = ["-m", "model=gpt_test", "steps=2", "batch_size=8", "logger=none", "monitor=off", "optim.tau=0.01,0.02",
+            f"hydra.sweep.dir={tmp_path}"]
+    assert cli(*base).returncode == 0
+    records = {p: p.read_bytes() for p in sorted(tmp_path.glob("*/.hydra/*"))} | {
+        tmp_path / "multirun.yaml": (tmp_path / "multirun.yaml").read_bytes()}
+    r = cli(*base, "optim.lr=0.003", "resume=auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert {p: p.read_bytes() for p in records} == records
+    assert not [p.name for p in tmp_path.rglob("*") if p.name.endswith((".kept", ".kept.yaml", "refused_now"))]
+    refusal = next(x for x in r.stderr.splitlines() if "would change the resumed run's optim.lr" in x)
+    assert "optim.tau=0.01,0.02" in refusal and "optim.lr=0.003" not in refusal.split("its own command")[1], refusal
+    assert f"sweep {tmp_path}: 2 points, 2 refused this time; 0/ refused this time (its run is as it was): " in r.stderr
+    r = cli(*base[:2], "steps=3", *base[3:], "resume=auto")  # a change they take: the records are the new command's
+    assert r.returncode == 0 and f"sweep {tmp_path}: 2 points, 2 completed" in r.stderr, r.stderr[-2000:]
+    assert "steps=3" in (tmp_path / "0" / ".hydra" / "overrides.yaml").read_text()
+    assert "steps=3" in (tmp_path / "multirun.yaml").read_text()
+    assert not [p.name for p in tmp_path.rglob("*") if p.name.endswith((".kept", ".kept.yaml", "refused_now"))]

@@ -296,8 +296,8 @@ class Checkpointer:
         point's sweep command. A checkpoint of another run's checkpoints/ is continued in that
         run's directory (resume=auto here would find nothing and start from step 0), one kept
         elsewhere in this directory by its path."""
-        if sweep_dir() is not None:
-            return continue_with(self.run_dir)
+        if sweep_dir() is not None:  # the command that made the point, not the one it is refusing
+            return continue_with(self.run_dir, earlier=True)
         theirs = ck.get("overrides")
         if theirs is None or ("launcher" not in ck and self.info.world > 1):  # written before launchers were saved
             return None

@@ -115,25 +115,35 @@ def launcher_of_this_job() -> str | None:
     return f"srun <its options> {shlex.quote(interpreter())}"
 
 
-def _sweep_overrides(sweep: Path) -> list[str] | None:
-    """The sweep's own command-line overrides (comma lists and all), from its multirun.yaml."""
+# A sweep run again into its directory: Hydra rewrites multirun.yaml and each point's .hydra/
+# before a point can refuse the new command (a resume that would change it). What they held is
+# kept beside them while the sweep runs (run.SweepReport) and put back for a refused point.
+KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW = ".hydra.kept", ".multirun.kept.yaml", ".refused_now"
+
+
+def _sweep_overrides(sweep: Path, earlier: bool = False) -> list[str] | None:
+    """The sweep's own command-line overrides (comma lists and all), from its multirun.yaml
+    (``earlier``: the one this invocation found, where it kept it)."""
     try:
         import yaml
 
-        given = yaml.safe_load((sweep / "multirun.yaml").read_text())["hydra"]["overrides"]
+        found = sweep / KEPT_MULTIRUN
+        given = yaml.safe_load((found if earlier and found.is_file() else sweep / "multirun.yaml").read_text())
+        given = given["hydra"]["overrides"]
         return [*_own(given.get("hydra") or []), *(str(o) for o in given["task"])]
     except Exception:  # not written (another launcher), unreadable
         return None
 
 
-def continue_with(run_dir: str | Path, overrides=None) -> str:
+def continue_with(run_dir: str | Path, overrides=None, earlier: bool = False) -> str:
     """The command that continues the run in ``run_dir``, started with ``overrides``. A sweep
     point is continued by running its sweep again into the same directory: finished points stay
-    as they are, the others go on. Under torchrun or srun it starts with the launcher, its
+    as they are, the others go on (``earlier``: the sweep command that ran before this one, for
+    a point that refuses this one). Under torchrun or srun it starts with the launcher, its
     options beyond the process count left to the user (:func:`launcher_of_this_job`)."""
     sweep = sweep_dir()
     if sweep is not None:
-        ov = _sweep_overrides(sweep)
+        ov = _sweep_overrides(sweep, earlier)
         return (command(ov, "hydra.sweep.dir", sweep, multirun=True) if ov is not None
                 else f"the sweep's command plus resume=auto hydra.sweep.dir={sweep}")
     if overrides is not None:
