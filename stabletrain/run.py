@@ -280,11 +280,12 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
              1, every_rank=True)
         return None
     except Exception as e:
-        if not (D.detect().enabled and D.is_timeout(e)):  # one process has no other rank to wait for
+        if not (D.detect().enabled and (D.is_timeout(e) or D.is_peer_gone(e))):  # one process has no other rank
             raise
-        fail(f"a collective waited dist_timeout={cfg.dist_timeout:g} s for another rank, which stopped "
-             f"answering (hung, stopped or dead); the job ends here, and resume=auto continues it from "
-             f"its last checkpoint", 1, every_rank=True)
+        why = (f"a collective waited dist_timeout={cfg.dist_timeout:g} s for another rank, which stopped answering "
+               f"(hung, stopped or dead)" if D.is_timeout(e) else
+               f"another rank went away in a collective (killed or crashed: {first_line(e)[:120]})")
+        fail(f"{why}; the job ends here, and resume=auto continues it from its last checkpoint", 1, every_rank=True)
         return None
     except StoppedAtOnce as e:
         then = (f"continue it with: {continue_with(run_dir, task_overrides())}" if e.saved_step is not None

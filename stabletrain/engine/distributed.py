@@ -168,3 +168,14 @@ def is_timeout(err: BaseException) -> bool:
     """A collective that gave up waiting for another rank (gloo's and NCCL's wordings)."""
     text = f"{type(err).__name__}: {err}".lower()
     return isinstance(err, (RuntimeError, dist.DistError)) and ("timed out" in text or "timeout" in text)
+
+
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "remote process exited", "ncclremoteerror", "socket closed")
+
+
+def is_peer_gone(err: BaseException) -> bool:
+    """A collective whose other end went away (a rank killed or crashed): gloo's "Connection
+    closed by peer", NCCL's remote error."""
+    text = f"{type(err).__name__}: {err}".lower()
+    return isinstance(err, (RuntimeError, dist.DistError)) and any(w in text for w in _PEER_GONE)

@@ -40,6 +40,32 @@ def test_a_stopped_rank_ends_the_job_with_one_line(tmp_path):
     assert (run_dir / "checkpoints" / "last.pt").is_file()
 
 
+def test_a_killed_rank_ends_the_job_with_one_line(tmp_path):
+    """SIGKILL of rank 1: rank 0 met gloo's "Connection closed by peer" in a collective and ended
+    in Hydra's traceback, without the resume hint a stopped rank gets."""
+    run_dir = tmp_path / "run"
+    args = [*GPT, "batch_size=16", "steps=400", "ckpt_every=2", "dist_timeout=60", f"hydra.run.dir={run_dir}"]
+    job = str(free_port() - 20000)
+    env = clean_env(**fake_slurm_tools(tmp_path / "bin", tmp_path / "scontrol.log"), SLURM_JOB_ID=job,
+                    SLURM_JOB_NODELIST="localhost")
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    ranks = srun_like(2, [sys.executable, str(ROOT / "train.py"), *args], tmp_path, env, logs)
+    try:
+        signal_once_running(ranks[1], run_dir, signal.SIGKILL, after_step=3)
+        code = ranks[0].wait(timeout=120)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = logs[0].read_text()
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "rank 0: another rank went away in a collective (killed or crashed" in errors[0], errors[0]
+    assert errors[0].endswith("the job ends here, and resume=auto continues it from its last checkpoint")
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+
+
 def test_a_config_error_found_while_building_is_printed_once(tmp_path):
     """A data file that fails while every rank builds: one line from rank 0, exit 2 on both."""
     (tmp_path / "train.bin").write_bytes(b"\x01\x02\x03")  # not a whole number of uint16 tokens
