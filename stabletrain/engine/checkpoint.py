@@ -400,8 +400,13 @@ class Checkpointer:
         try:
             return load_checkpoint(path, map_location=self.device)
         except Exception as e:  # a directory, a file that is no checkpoint, a torn write
+            ring = ring_checkpoints(Path(path).parent.parent)
+            mine = [k for k, p in ring if p == Path(path)]  # a torn ring checkpoint: one before it
+            ring = [p for k, p in ring if k < mine[0]] if mine else [p for _, p in ring]
+            fix = (f"resume={ring[-1]} (the newest ring checkpoint beside it)" if ring else
+                   "pass a last.pt written by a run, or start a new run")
             raise ConfigError(f"resume={path}: not a readable checkpoint ({type(e).__name__}: {first_line(e)}); "
-                              f"pass a last.pt written by a run, or resume=auto") from None
+                              f"{fix}") from None
 
     def check_resumable(self, path: Path, ck: dict, *, auto: bool, requeued: bool, allow_changes: bool) -> None:
         """Refuse, in one line, to resume a checkpoint into a run it does not fit: another config

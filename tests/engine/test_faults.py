@@ -91,6 +91,20 @@ def test_metrics_history_is_kept_when_the_checkpoint_is_unreadable(tmp_path):
     assert (tmp_path / "config.yaml").is_file()
 
 
+def test_an_unreadable_last_checkpoint_names_the_ring_checkpoint_to_resume(tmp_path):
+    """A torn last.pt under resume=auto: the advice was 'pass a last.pt written by a run, or
+    resume=auto', which is what failed; the ring's newest checkpoint is named instead."""
+    train(tmp_path, *GPT, "steps=6", "ckpt_every=2", "ckpt.keep=2")
+    ck = tmp_path / "checkpoints"
+    (ck / "last.pt").write_bytes((ck / "last.pt").read_bytes()[:1000])
+    with pytest.raises(ConfigError, match=rf"; resume={ck / 'step_000006.pt'} \(the newest ring checkpoint beside "
+                                          r"it\)$"):
+        train(tmp_path, *GPT, "steps=6", "resume=auto")
+    (ck / "step_000006.pt").write_bytes(b"torn")
+    with pytest.raises(ConfigError, match=rf"; resume={ck / 'step_000004.pt'} \(the newest ring"):
+        train(tmp_path, *GPT, "steps=6", f"resume={ck / 'step_000006.pt'}")
+
+
 def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
     (tmp_path / "checkpoints").mkdir(parents=True)
     stale = tmp_path / "checkpoints/.last.pt.tmp99999"
