@@ -108,6 +108,10 @@ def explain(err: Exception, overrides: list[str]) -> str:
     msg = str(cause).strip().splitlines()
     first = msg[0] if msg else type(cause).__name__
     key = next((ln.split(":", 1)[1].strip() for ln in msg if ln.strip().startswith("full_key:")), None)
+    within = re.match(r"In '([\w./-]+)': ValidationError raised while composing config:", first)
+    if within and len(msg) > 1:  # a value in a yaml (of one's own): the reason is the next line
+        wrong = _wrong_type(key, msg[1]) if key else None
+        return f"{within.group(1)}.yaml: {wrong or (f'{key}: ' if key else '') + msg[1].strip()}"
     yaml = re.match(r"In '([\w./-]+)': ConfigKeyError", first)
     if yaml and key:  # a yaml of the user's own sets a key the schema lacks
         hint = _nearest_key(key) or "not in the config schema (`python train.py --cfg job` prints every key)"

@@ -303,6 +303,24 @@ def test_a_yaml_of_your_own_with_a_wrong_key_is_one_whole_line(tmp_path):
     assert explain(e.value, ovs) == "norm/mine.yaml sets unknown key 'norm.alhpa': did you mean norm.alpha?"
 
 
+@pytest.mark.parametrize("group,body,line", [
+    ("monitor", "name: gradnoise\n", "monitor/mine.yaml: monitor.name=gradnoise is not one of: standard, full, off"),
+    ("norm", "name: layernorm\nplacement: middle\n", "norm/mine.yaml: norm.placement=middle is not one of: pre, post"),
+    ("optim", "name: adamw\nlr: fast\n", "optim/mine.yaml: optim.lr=fast must be a number, e.g. optim.lr=0.001"),
+])
+def test_a_yaml_of_your_own_with_a_wrong_value_says_which(tmp_path, group, body, line):
+    """Hydra's message stopped at 'ValidationError raised while composing config:', the reason
+    (the value and what it may be) on the next line, which was dropped."""
+    from stabletrain.cli import compose_config, explain
+
+    (tmp_path / group).mkdir()
+    (tmp_path / group / "mine.yaml").write_text(body)
+    ovs = [f"hydra.searchpath=[file://{tmp_path}]", f"{group}=mine"]
+    with pytest.raises(Exception) as e:
+        compose_config(ovs)
+    assert explain(e.value, ovs) == line
+
+
 MLP = """
     from torch import nn
     from stabletrain.models.registry import MODELS
