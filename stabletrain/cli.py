@@ -141,6 +141,8 @@ def explain(err: Exception, overrides: list[str]) -> str:
             near = difflib.get_close_matches(term[2], given, n=1, cutoff=0.6)
             if near:
                 return f"unknown key '{bad}': did you mean {group}.kwargs.{near[0]}?"
+            if (refused := _own_kwarg_refused(rest, group, term[2])) is not None:
+                return refused  # the '+' would only meet this refusal
             return f"{bad} is a new argument in {group}.kwargs: add it with a '+', +{bad}=VALUE"
         hint = _nearest_key(bad.lstrip("+~")) if bad else None
         if hint:
@@ -153,6 +155,30 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if key and (wrong := _wrong_type(key, first)):
         return wrong
     return f"{key}: {first}" if key else first
+
+
+def _own_kwarg_refused(cfg, group: str, name: str) -> str | None:
+    """Why ``<group>.kwargs.<name>`` is refused by the option chosen, which declares its
+    arguments, from the check the run makes; None where it may be, or the config holds another
+    mistake."""
+    from omegaconf import OmegaConf, open_dict
+
+    from stabletrain.build import validate
+    from stabletrain.errors import ConfigError
+
+    if cfg is None:
+        return None
+    trial = OmegaConf.create(OmegaConf.to_container(cfg))
+    with open_dict(trial):
+        trial[group].kwargs = {**(trial[group].get("kwargs") or {}), name: 0}
+    try:
+        validate(trial)
+    except ConfigError as e:
+        # not stabletrain's own option's refusal of any kwargs: in a sweep over the group the '+' is right
+        return str(e) if str(e).startswith(f"{group}.kwargs.{name}: ") else None
+    except Exception:
+        return None
+    return None
 
 
 def _composed(overrides: list[str]):

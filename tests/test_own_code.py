@@ -277,8 +277,8 @@ def test_the_command_line_finds_options_in_the_searchpath_folders(tmp_path):
     kw = [*OWN, "model=conv_vit_test", "model.kwargs.extra=1"]
     with pytest.raises(Exception) as e:
         compose_config(kw)
-    assert explain(e.value, kw) == "model.kwargs.extra is a new argument in model.kwargs: add it with a '+', " \
-                                   "+model.kwargs.extra=VALUE"
+    # the family declares its arguments: the '+' would only meet its refusal
+    assert explain(e.value, kw) == "model.kwargs.extra: conv_vit takes no such argument (it takes: stem_channels)"
     typo = [*OWN, "model=conv_vit_test", "model.kwargs.stem_chanels=8"]  # a misspelling is not a new argument
     with pytest.raises(Exception) as e:
         compose_config(typo)
@@ -625,3 +625,25 @@ def test_an_init_of_ones_own_that_returns_a_new_tensor_is_applied(tmp_path):
     with pytest.raises(ConfigError, match=r"^init=flat_own returned a tensor of shape \(\d+,\) for a weight of shape "
                                           r"\(\d+, \d+\): an init writes the weight it is given in place, or returns"):
         model_of(make_cfg(f"imports=[{path}]", "model=gpt_test", "init.name=flat_own"))  # imported above
+
+
+def test_an_argument_without_its_plus_that_the_option_would_refuse_says_so_at_once(tmp_path):
+    """norm.kwargs.g1=2 (no '+') was told to add a '+', and +norm.kwargs.g1=2 then met 'gain_own
+    takes no such argument': the refusal comes first. A declared argument keeps the '+' hint."""
+    from stabletrain.cli import compose_config, explain
+
+    path = _module(tmp_path, "gain_norm_plus", GAIN_NORM)
+
+    def said(*ovs):
+        ovs = [f"imports=[{path}]", "model=gpt_test", *ovs]
+        with pytest.raises(Exception) as e:
+            compose_config(ovs)
+        return explain(e.value, ovs)
+
+    assert said("norm.name=gain_own", "norm.kwargs.g1=2") == ("norm.kwargs.g1: gain_own takes no such argument "
+                                                              "(it takes: g0)")
+    assert said("norm.name=gain_own", "norm.kwargs.g0=2") == ("norm.kwargs.g0 is a new argument in norm.kwargs: add "
+                                                              "it with a '+', +norm.kwargs.g0=VALUE")
+    # stabletrain's own norm takes none, but in a sweep over norm= its other points may: the '+' stands
+    assert said("norm.kwargs.g0=2") == "norm.kwargs.g0 is a new argument in norm.kwargs: add it with a '+', " \
+                                       "+norm.kwargs.g0=VALUE"
