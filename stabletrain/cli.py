@@ -664,9 +664,10 @@ def check_keys(overrides: list[str]) -> None:
             if missing:
                 raise ConfigError(f"hydra.searchpath: {missing[0]} is not a folder; give file://DIR, DIR holding "
                                   f"one folder per group (model/, norm/, ...) with your options' yaml files")
-        if ov.startswith("hydra/launcher=slurm") and shutil.which("sbatch") is None:
-            raise ConfigError("hydra/launcher=slurm submits through SLURM, but there is no sbatch on this "
-                              "machine; run on the cluster's login node, or drop it to sweep locally")
+        missing = [t for t in ("sbatch", "srun") if shutil.which(t) is None]  # submitit needs both
+        if ov.startswith("hydra/launcher=slurm") and missing:
+            raise ConfigError(f"hydra/launcher=slurm submits through SLURM, but there is no {' nor '.join(missing)} "
+                              f"on this machine; run on the cluster's login node, or drop it to sweep locally")
 
 
 def _check_output_dir(key: str, value: str) -> None:

@@ -14,7 +14,7 @@ from tests.helpers import cli, make_cfg, model_of
     (["optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
     (["optim.betas=0.9"], "optim.betas takes a list: write it in brackets, optim.betas=[x,y,...]"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
-    (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch on this machine"),
+    (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch nor srun on this machine"),
     # Hydra launches sweeps only: without -m the run trained on the login node, without a word
     (["hydra/launcher=slurm", "optim.lr=1"], "hydra/launcher=slurm launches the points of a sweep: add -m (a single "
                                              "run is a one-point sweep), or drop it to train here"),

@@ -117,9 +117,26 @@ def test_printing_the_config_of_a_slurm_run_needs_no_m(monkeypatch):
     from stabletrain.cli import check_overrides
 
     which = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/sbatch" if name == "sbatch" else
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}" if name in ("sbatch", "srun") else
                         which(name, *a, **k))
     assert check_overrides(["--cfg", "job", "hydra/launcher=slurm", "model=vit_test"]) is None
+
+
+def test_a_slurm_sweep_without_srun_is_one_line(monkeypatch, capsys):
+    """sbatch without srun (a machine that has only the client): submitit's traceback 'Could not
+    detect "srun"', after the sweep was composed."""
+    import shutil
+
+    from stabletrain.cli import check_overrides
+
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: "/usr/bin/sbatch" if name == "sbatch" else
+                        None if name == "srun" else which(name, *a, **k))
+    with pytest.raises(SystemExit):
+        check_overrides(["-m", "hydra/launcher=slurm", "model=gpt_test", "optim.lr=1,2"])
+    assert capsys.readouterr().err.strip() == (
+        "error: hydra/launcher=slurm submits through SLURM, but there is no srun on this machine; run on the "
+        "cluster's login node, or drop it to sweep locally")
 
 
 def test_c_job_is_the_short_cfg_flag_and_still_checks(capsys):
