@@ -340,7 +340,8 @@ def check_parallel(cfg, world: int | None = None) -> None:
         world = detect().world
     if world < 2:
         raise ConfigError("parallel=fsdp shards over the ranks of a distributed launch (torchrun / srun with "
-                          "2+ processes); a single process trains with parallel=ddp")
+                          "2+ processes); a single process trains with parallel=ddp (a run written with "
+                          "parallel=fsdp resumes only under such a launch, of any number of processes)")
 
 
 def check_compiler(device: torch.device) -> None:
@@ -626,8 +627,12 @@ def _shard(cfg, info: D.DistInfo) -> Shard:
         sizes = " or ".join(f"batch_size={b}" for b in dict.fromkeys((lower, upper)) if b > 0)
         split = (f"micro_batch_size={micro}" if cfg.micro_batch_size else
                  f"its {world} rank(s)")
+        # a resumed run cannot change its batch: the process counts that divide it, nearest first
+        procs = sorted((n for n in range(1, 129) if n != world and cfg.batch_size % (n * (cfg.micro_batch_size or 1))
+                        == 0), key=lambda n: (abs(n - world), n))[:2]
+        launch = f", or launch {' or '.join(map(str, sorted(procs)))} process(es)" if procs else ""
         raise ConfigError(f"batch_size={cfg.batch_size} does not split evenly over {split}"
-                          + (f" x {world} rank(s)" if cfg.micro_batch_size else "") + f": use {sizes}")
+                          + (f" x {world} rank(s)" if cfg.micro_batch_size else "") + f": use {sizes}{launch}")
     if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
         raise ConfigError(f"mixup/cutmix pair the samples of a micro-batch: micro-batch {micro} must be even "
                           f"(set batch_size or micro_batch_size so that each rank's micro-batch is even)")

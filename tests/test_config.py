@@ -175,13 +175,18 @@ def test_resume_reads_imports_as_the_modules_they_name(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("overrides,world,error", [
     (["batch_size=15"], 2,
-     "batch_size=15 does not split evenly over its 2 rank(s): use batch_size=14 or batch_size=16"),
+     "batch_size=15 does not split evenly over its 2 rank(s): use batch_size=14 or batch_size=16, or launch 1 or 3 "
+     "process(es)"),
     (["batch_size=16", "micro_batch_size=3"], 2,
      "batch_size=16 does not split evenly over micro_batch_size=3 x 2 rank(s): use batch_size=12 or batch_size=18"),
-    (["batch_size=1"], 2, "batch_size=1 does not split evenly over its 2 rank(s): use batch_size=2"),
+    (["batch_size=1"], 2, "batch_size=1 does not split evenly over its 2 rank(s): use batch_size=2, or launch 1 "
+                          "process(es)"),
+    (["batch_size=24"], 5, "batch_size=24 does not split evenly over its 5 rank(s): use batch_size=20 or "
+                           "batch_size=25, or launch 4 or 6 process(es)"),
 ])
 def test_a_batch_that_does_not_split_names_the_sizes_that_do(overrides, world, error):
-    """It named micro_batch_size=7, a value derived, not given, and no size that works."""
+    """It named micro_batch_size=7, a value derived, not given, and no size that works; a resumed
+    run, which cannot change its batch, is told the process counts that split it."""
     from stabletrain.build import _shard
     from stabletrain.topology import DistInfo
 
