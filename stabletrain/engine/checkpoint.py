@@ -341,6 +341,7 @@ class Checkpointer:
         return {"step": step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
                 "config": self.config_yaml, "overrides": self.overrides, "optim_name": self.optim_name,
                 "launcher": launcher_of_this_job(),  # how the command that continues it starts
+                "world": self.info.world,
                 "survival": survival,
                 "monitor": self.monitor.state_dict() if self.monitor is not None else {}}
 

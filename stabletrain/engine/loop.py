@@ -666,6 +666,11 @@ class Trainer:
             step, scale = ck["step"], float((ck.get("survival") or {}).get("lr_scale", 1.0))
             notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
                          f"from step 0, so at step {step} the lr is {self.schedule.lr_at(step) * scale:.3g}")
+        world = ck.get("world")
+        if world is not None and world != self.info.world:  # allowed: the global batch is the same
+            notes.append(f"resumed on {self.info.world} process(es), written on {world}: the global batch and its data "
+                         f"are the same; dropout, drop path and mixup, where on, draw per process, so from here the "
+                         f"run is not bit for bit the one it would have been")
         if "ema.decay" in changed:  # allowed on resume, but val_ema/* then means something else
             notes.append("the weight average changed on resume (ema.decay): " + (
                 "it starts now, from the resumed weights" if self.ema is not None and ck.get("ema") is None

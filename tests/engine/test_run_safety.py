@@ -368,3 +368,20 @@ def test_optimizer_settings_changed_on_resume_take_effect(tmp_path, how):
     assert [g["params"] for g in after["param_groups"]] == [g["params"] for g in before["param_groups"]]
     steps = {int(s["step"]) for s in after["state"].values() if "step" in s}
     assert steps == {3}  # the moments went on from the checkpoint's two steps
+
+
+def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
+    """Allowed (the global batch is the same), but stochastic layers draw per process: the start
+    lines said nothing, and the run differed from the one it would have been."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    ck = tmp_path / "checkpoints/last.pt"
+    state = torch.load(ck, weights_only=False)
+    assert state["world"] == 1
+    state["world"] = 2  # as a 2-process run writes it
+    torch.save(state, ck)
+    capsys.readouterr()
+    train(tmp_path, *GPT, "steps=3", "optim=adamw", "resume=auto", quiet=False)
+    err = capsys.readouterr().err
+    assert "resumed on 1 process(es), written on 2: the global batch and its data are the same" in err
+    train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", quiet=False)
+    assert "written on" not in capsys.readouterr().err
