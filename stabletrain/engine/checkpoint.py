@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, optim_name_of
+from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, may_change, optim_name_of
 from stabletrain.engine import distributed as D
 from stabletrain.engine.rundir import command, continue_with, launcher_of_this_job, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
@@ -415,8 +415,11 @@ class Checkpointer:
         ``allow_changes``), another ``parallel``."""
         changed = self.changed_keys(ck["config"], allowed=("resume",)) if requeued else []
         if changed:
+            # keys a resume may change (a larger steps=) need only the resume asked for
+            fix = ("resume=auto" if all(may_change(k) for k in changed) else
+                   "resume=auto resume_allow_changes=true")
             raise ConfigError(f"{path} was written by a run with another {', '.join(changed[:8])}"
-                              f"{' ...' if len(changed) > 8 else ''}; pass resume=auto resume_allow_changes=true "
+                              f"{' ...' if len(changed) > 8 else ''}; pass {fix} "
                               f"to continue it anyway, or give this run its own {own_dir_key()}")
         theirs = ck.get("optim_name") or optim_name_of(ck.get("config", ""))
         if theirs is not None and theirs != self.optim_name:

@@ -385,3 +385,15 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
     assert "resumed on 1 process(es), written on 2: the global batch and its data are the same" in err
     train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", quiet=False)
     assert "written on" not in capsys.readouterr().err
+
+
+def test_a_requeued_job_with_a_larger_steps_is_told_resume_auto_suffices(tmp_path, monkeypatch):
+    """Under SLURM a run given no resume= continues its run dir's last.pt only with the same config;
+    a larger steps= was told to pass resume_allow_changes=true, which a key a resume may change
+    does not need. A changed lr still needs it."""
+    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    with pytest.raises(ConfigError, match=r"was written by a run with another steps; pass resume=auto to continue"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw")
+    with pytest.raises(ConfigError, match=r"another optim.lr, steps; pass resume=auto resume_allow_changes=true to"):
+        train(tmp_path, *GPT, "steps=4", "optim=adamw", "optim.lr=0.01")
