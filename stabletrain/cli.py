@@ -282,7 +282,10 @@ def _nearest_key(bad: str) -> str | None:
     parent, _, leaf = bad.rpartition(".")
     if parent not in nodes:  # otpim.lr: the node misspelt
         near = difflib.get_close_matches(parent, sorted(nodes - {""}), n=1, cutoff=0.6)
-        return f"did you mean {near[0]}.{leaf}?" if near and f"{near[0]}.{leaf}" in keys else None
+        if near and f"{near[0]}.{leaf}" in keys:
+            return f"did you mean {near[0]}.{leaf}?"
+        rest = bad.partition(".")[2]  # train.imports, cfg.steps: a prefix that is no node of the config
+        return f"did you mean {rest}?" if rest in keys else None  # (top-level keys have no prefix)
     leaves = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
     near = [x for x in leaves if x.startswith(leaf)] if leaf else []
     near = near if len(near) == 1 else difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)

@@ -12,6 +12,8 @@ from tests.helpers import cli, make_cfg, model_of
 @pytest.mark.parametrize("args,needle", [
     (["+foo=1"], "unknown key 'foo'"),
     (["optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
+    # a prefix that is no node (train.yaml's name, or cfg.): the key without it
+    (["train.imports=[x.py]"], "unknown key 'train.imports': did you mean imports?"),
     (["optim.betas=0.9"], "optim.betas takes a list: write it in brackets, optim.betas=[x,y,...]"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch nor srun on this machine"),
