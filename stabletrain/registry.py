@@ -84,7 +84,8 @@ class Registry:
             if name in self._entries and self._entries[name].fn is not fn:
                 theirs = self._entries[name].fn
                 raise ConfigError(f"{self.group} option {name!r} is registered twice (by {theirs.__module__} and "
-                                  f"{fn.__module__}): give yours another name")
+                                  f"{fn.__module__}): give yours another name (a sweep over imports= checks every "
+                                  f"point in one process: two versions of an option need two names)")
             self._entries[name] = Entry(name, fn, info)
             return fn
 

@@ -20,7 +20,8 @@ def test_registry_lists_and_refuses_in_one_line():
                                             r"own registers itself in a Python module named in imports=\["):
         reg.get("c")
     with pytest.raises(ConfigError, match=r"^thing option 'a' is registered twice \(by [\w.]+ and [\w.]+\): give yours "
-                                          r"another name$"):
+                                          r"another name \(a sweep over imports= checks every point in one "
+                                          r"process: two versions of an option need two names\)$"):
         reg.register("a")(lambda: 3)
 
 
