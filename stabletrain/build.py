@@ -324,9 +324,16 @@ def stablenorm_note(cfg) -> str | None:
             f"recipes train with optim=adamw (docs/methods.md §5)")
 
 
-def own_groups(cfg) -> tuple[str, ...]:
-    """The component groups whose chosen option the user registered (``imports``)."""
-    return tuple(g for g, (reg, name) in _chosen_options(cfg).items() if not is_builtin(reg.entry(name)))
+def own_groups(cfg) -> dict[str, tuple[str, ...] | None]:
+    """The component groups whose chosen option the user registered (``imports``), each with the
+    keys of its group the option declared it reads (``register(keys=...)``; None: any)."""
+    out = {}
+    for group, (reg, name) in _chosen_options(cfg).items():
+        entry = reg.entry(name)
+        if not is_builtin(entry):
+            keys = entry.info.get("keys")
+            out[group] = None if keys is None else tuple(keys)
+    return out
 
 
 def check_parallel(cfg, world: int | None = None) -> None:

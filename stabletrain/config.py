@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
@@ -557,15 +558,25 @@ def _name(group_cfg: Any) -> str:
     return str(getattr(group_cfg.name, "value", group_cfg.name))
 
 
-def unread_reasons(cfg: Any, own: tuple[str, ...] = ()) -> dict[str, str]:
+def unread_reasons(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str, ...] = ()) -> dict[str, str]:
     """Every key this config's choices leave unread, set or not, with why: the keys of options
     not chosen (READ_BY: ``norm.alpha`` with ``norm=layernorm``), every key of a group whose option
     is off (OFF) and the keys another key turns off (READ_WHEN). ``own``: the groups whose chosen
-    option is the user's (``imports``), which may read any key of its group: none of theirs is
-    here. The model family's are :func:`stabletrain.models.registry.model_unread_reasons`'."""
+    option is the user's (``imports``), each with the keys it declared it reads (None, or ``own``
+    a tuple of groups: it may read any key of its group, and none of theirs is here). The model
+    family's are :func:`stabletrain.models.registry.model_unread_reasons`'."""
     out = {}
+    declared = own if isinstance(own, Mapping) else dict.fromkeys(own)
+    for group, reads in declared.items():
+        if reads is None:
+            continue
+        for leaf in cfg[group]:
+            if leaf not in ("name", "kwargs", *reads):
+                out[f"{group}.{leaf}"] = (f"{group}={_name(cfg[group])} is your own and reads only "
+                                          f"{', '.join(f'{group}.{k}' for k in reads) or 'none of them'} "
+                                          f"(its register(keys=...))")
     for key, readers in READ_BY.items():
-        if any(r.split("=")[0] in own for r in readers):
+        if any(r.split("=")[0] in declared for r in readers):
             continue
         if not any(_name(cfg[r.split("=")[0]]) == r.split("=")[1] for r in readers):
             groups = dict.fromkeys(r.split("=")[0] for r in readers)
@@ -583,7 +594,7 @@ def unread_reasons(cfg: Any, own: tuple[str, ...] = ()) -> dict[str, str]:
     return out
 
 
-def unread_keys(cfg: Any, own: tuple[str, ...] = ()) -> list[str]:
+def unread_keys(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str, ...] = ()) -> list[str]:
     """One note per key set away from its default that nothing reads in this run, because the
     option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
     share such keys across options, so they are said, not refused (but a key a sweep varies that

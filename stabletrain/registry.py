@@ -53,7 +53,9 @@ class Registry:
                  returns: tuple[Callable[[Any], bool], str] | None = None):
         """``group`` is the config key users set (``norm``, ``model.family``); ``modules``
         hold the options (a package's every submodule when ``package``); ``declares`` the
-        keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments);
+        keywords an option may give :meth:`register` besides ``kwargs`` (its own arguments; a
+        component group's ``keys``: those of its group's keys it reads, the others noted as
+        changing nothing and refused as a sweep's swept key; undeclared, any);
         ``requires`` those of them it must give, each with what it is; ``call`` how an option is
         called, ``(cfg, dim, *, bias, ln_eps)``: one of one's own that cannot be is refused
         before the run (:meth:`check_callable`), not met as a TypeError while building; ``returns``

@@ -116,7 +116,7 @@ def test_a_norm_of_your_own_is_an_option_in_every_slot(tmp_path, monkeypatch, ho
     from stabletrain.config import unread_keys
 
     mine = make_cfg(*args, "norm.eps=1e-6")  # which the user's norm may read: no "changes nothing"
-    assert own_groups(mine) == ("norm",) and unread_keys(mine, own_groups(mine)) == []
+    assert own_groups(mine) == {"norm": None} and unread_keys(mine, own_groups(mine)) == []
     assert unread_keys(mine) != []  # as a built-in norm that reads no eps would be told
 
 
@@ -647,3 +647,31 @@ def test_an_argument_without_its_plus_that_the_option_would_refuse_says_so_at_on
     # stabletrain's own norm takes none, but in a sweep over norm= its other points may: the '+' stands
     assert said("norm.kwargs.g0=2") == "norm.kwargs.g0 is a new argument in norm.kwargs: add it with a '+', " \
                                        "+norm.kwargs.g0=VALUE"
+
+
+def test_an_option_of_ones_own_that_declares_its_keys_has_the_others_noted_and_unswept(tmp_path, capsys):
+    """norm=scale_own norm.alpha=0.1,0.4 launched two identical points: an option of one's own may
+    read any key of its group. One that declares them (register(keys=...)) gets the notes and the
+    sweep check stabletrain's own options get."""
+    from stabletrain.cli import check_overrides
+    from stabletrain.config import unread_keys
+    from stabletrain.build import own_groups
+
+    path = _module(tmp_path, "scale_norm_keys", SCALE_NORM.replace('@NORMS.register("scale_own", layer=ScaleNorm)',
+                                                                   '@NORMS.register("scale_own", layer=ScaleNorm, '
+                                                                   'keys=("eps",))'))
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "norm.name=scale_own", "norm.alpha=0.4", "norm.eps=1e-3")
+    validate(cfg)
+    assert own_groups(cfg) == {"norm": ("eps",)}
+    notes = unread_keys(cfg, own_groups(cfg))
+    assert "note: norm.alpha=0.4 changes nothing: norm=scale_own is your own and reads only norm.eps (its " \
+           "register(keys=...))" in notes
+    assert not any(n.startswith("note: norm.eps") for n in notes)
+    with pytest.raises(SystemExit):
+        check_overrides(["-m", f"imports=[{path}]", "model=gpt_test", "norm.name=scale_own", "norm.alpha=0.1,0.4"])
+    assert "norm.alpha=0.1,0.4 is swept, but no point of the sweep reads it: norm=scale_own is your own and reads " \
+           "only norm.eps" in capsys.readouterr().err
+    undeclared = _module(tmp_path, "scale_norm_any", SCALE_NORM.replace("scale_own", "scale_any"))
+    cfg = make_cfg(f"imports=[{undeclared}]", "model=gpt_test", "norm.name=scale_any", "norm.alpha=0.4")
+    validate(cfg)
+    assert own_groups(cfg) == {"norm": None} and not unread_keys(cfg, own_groups(cfg))

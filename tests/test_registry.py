@@ -30,9 +30,9 @@ def test_a_misspelt_registration_keyword_is_refused_with_the_nearest():
     from stabletrain.layers.attention import ATTENTIONS
 
     with pytest.raises(ConfigError, match=r"^attention option 'capped': register\(\) takes no kwarg= \(it takes "
-                                          r"kwargs=\); did you mean kwargs=\?$"):
+                                          r"kwargs=, keys=\); did you mean kwargs=\?$"):
         ATTENTIONS.register("capped", kwarg=("cap",))
-    with pytest.raises(ConfigError, match=r"register\(\) takes no check= \(it takes kwargs=\)$"):
+    with pytest.raises(ConfigError, match=r"register\(\) takes no check= \(it takes kwargs=, keys=\)$"):
         ATTENTIONS.register("capped", check=print)
     assert "capped" not in ATTENTIONS
 

@@ -33,9 +33,13 @@ from stabletrain.layers.norm import StableNorm, mode_eps
 from stabletrain.registry import Registry, option_value
 
 
-ATTENTIONS = Registry("attention", __name__, call="(attn_cfg, norm_cfg, head_dim, seq_len)", returns=(
-    lambda t: isinstance(t, tuple) and len(t) == 3 and all(isinstance(m, nn.Module) for m in t[:2])
-    and isinstance(t[2], (int, float)), "(q_norm, k_norm, scale): two nn.Module instances and a number"))
+def _is_qk_transform(t) -> bool:
+    return (isinstance(t, tuple) and len(t) == 3 and all(isinstance(m, nn.Module) for m in t[:2])
+            and isinstance(t[2], (int, float)))
+
+
+ATTENTIONS = Registry("attention", __name__, declares=("keys",), call="(attn_cfg, norm_cfg, head_dim, seq_len)",
+                      returns=(_is_qk_transform, "(q_norm, k_norm, scale): two nn.Module instances and a number"))
 
 
 def qk_transform(attn_cfg, norm_cfg, head_dim: int, seq_len: int) -> tuple[nn.Module, nn.Module, float]:

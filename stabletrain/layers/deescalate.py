@@ -73,7 +73,7 @@ class Deescalate(nn.Module):
 
 
 # name -> ``(cfg, model_causal) -> (placement, module | None)``; info ``active=False`` for none
-DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active",), call="(cfg, model_causal)", returns=(
+DEESCALATIONS = Registry("deescalate.name", __name__, declares=("active", "keys"), call="(cfg, model_causal)", returns=(
     lambda t: isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)
     and (t[1] is None or isinstance(t[1], nn.Module)), "(placement, module or None)"))
 

@@ -44,7 +44,7 @@ TRUNC_STDS = 2.0  # trunc_xavier cuts at +-2 std (our reading)
 
 # name -> the matrix init ``(w, gain) -> w``, drawn in place; ``std=`` declares the untruncated
 # std ``(n_in, n_out, gain) -> float`` it draws with. ``family`` keeps the model's own init.
-INITS = Registry("init", __name__, declares=("std",), call="(weight, gain)")
+INITS = Registry("init", __name__, declares=("std", "keys"), call="(weight, gain)")
 
 
 def _xavier_std(n_in: int, n_out: int, gain: float) -> float:

@@ -61,7 +61,7 @@ def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     return EPS_BY_MODE[eps_mode] if eps is None else eps
 
 
-NORMS = Registry("norm", __name__, declares=("layer", "norm_gain"), call="(cfg, dim, *, bias, ln_eps)",
+NORMS = Registry("norm", __name__, declares=("layer", "norm_gain", "keys"), call="(cfg, dim, *, bias, ln_eps)",
                  returns=(lambda m: isinstance(m, nn.Module), "the norm module (an nn.Module instance) of width dim"))
 
 

@@ -196,7 +196,7 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
 
 # name -> ``(model, cfg) -> step hook | None``: installs the reparametrisation in place and
 # returns what the trainer calls after every optimizer step
-REPARAMS = Registry("reparam", __name__, call="(model, cfg)", returns=(
+REPARAMS = Registry("reparam", __name__, declares=("keys",), call="(model, cfg)", returns=(
     lambda hook: hook is None or callable(hook), "the hook to run after each optimizer step, or None"))
 
 

@@ -58,7 +58,7 @@ __all__ = [
 
 # name -> ``(param_groups, optim_cfg, lr) -> Optimizer``; info ``group_flag``: the per-group
 # flag the optimizer reads (AdamW²'s ``bound``, LARS's ``lars_exclude``; see param_groups)
-OPTIMIZERS = Registry("optim", __name__, declares=("group_flag",), call="(param_groups, cfg, lr)",
+OPTIMIZERS = Registry("optim", __name__, declares=("group_flag", "keys"), call="(param_groups, cfg, lr)",
                       returns=(lambda o: isinstance(o, torch.optim.Optimizer), "a torch.optim.Optimizer"))
 
 

@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from stabletrain.registry import Registry, option_value
 
 # name -> ``(schedule, step) -> lr`` for steps after the warmup
-SCHEDULES = Registry("schedule", __name__, call="(schedule, step)")
+SCHEDULES = Registry("schedule", __name__, declares=("keys",), call="(schedule, step)")
 
 
 def to_steps(value: float, unit: Any, steps_per_epoch: int | None = None) -> int:
