@@ -25,6 +25,7 @@ class DivergenceWatch:
         self.seen = 0
         self.over = 0
         self.above = False  # the last loss was above factor x the running mean, in the warmup too
+        self.level: float | None = None  # the running mean the last loss was measured against
         self.skips = 0  # consecutive skipped steps
         self.onset: int | None = None  # the first step of the trouble the last reason names
 
@@ -46,6 +47,7 @@ class DivergenceWatch:
         if not self.enabled:
             return None
         self.above = self.ema is not None and loss > self.factor * self.ema
+        self.level = self.ema  # what the last loss was measured against
         spiking = self.above and self.seen >= self.warmup
         self.over = self.over + 1 if spiking else 0
         if self.over >= self.window:

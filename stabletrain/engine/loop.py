@@ -497,8 +497,8 @@ class Trainer:
             extra["spike"] = (f"since step {self.step - w.over + 1}, the loss above {w.factor:g}x its running mean "
                               f"{w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
         elif w.above and reason is None:  # the warmup's: no window yet, the ring alone holds back
-            extra["spike"] = (f"the loss above {w.factor:g}x its running mean {w.ema:.4g}, not counted before "
-                              f"divergence.warmup_steps={w.warmup} steps")
+            extra["spike"] = (f"at step {self.step}, above {w.factor:g}x the running mean {w.level:.4g}; not counted "
+                              f"in the first divergence.warmup_steps={w.warmup} steps")
         elif passed:
             first, length = passed[-1]
             extra["spike"] = f"of step {first} passed after {length} step(s)"

@@ -733,4 +733,5 @@ def test_a_spike_in_the_divergence_warmup_stays_out_of_the_ring(tmp_path, capsys
     assert [step for step, _ in ring_checkpoints(tmp_path)] == [0, 8]
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.lstrip().startswith("step 4/") or "step 4/8" in x)
-    assert "not counted before divergence.warmup_steps=20 steps" in line, line
+    assert "| spike at step 4, above 4x the running mean " in line, line
+    assert "; not counted in the first divergence.warmup_steps=20 steps |" in line, line
