@@ -409,7 +409,7 @@ def _equivalent_values(cfg) -> dict:
 def data_from_config(cfg) -> Data:
     """The data set of ``cfg``, as the trainer gets it, its ``source`` the option and its files."""
     entry = _data_entry(cfg)
-    data = entry.fn(cfg.data, cfg.model, cfg.seed)
+    data = DATASETS.make(entry.name, cfg.data, cfg.model, cfg.seed)
     files = next((cfg.data[k] for k in ("path", "root") if k in (entry.info.get("reads") or ())), None)
     auto = " (data=auto)" if option_value(cfg.data.name) == "auto" else ""
     data.source = f"{entry.name}{auto}" + (f" at {files}" if files else "") + (

@@ -567,15 +567,20 @@ def unread_reasons(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[s
     family's are :func:`stabletrain.models.registry.model_unread_reasons`'."""
     out = {}
     declared = own if isinstance(own, Mapping) else dict.fromkeys(own)
-    for group, reads in declared.items():
-        if reads is None:
-            continue
-        for leaf in cfg[group]:
-            if leaf not in ("name", "kwargs", *reads):
-                out[f"{group}.{leaf}"] = (f"{group}={_name(cfg[group])} is your own and reads only "
-                                          f"{', '.join(f'{group}.{k}' for k in reads) or 'none of them'} "
-                                          f"(its register(keys=...))")
     for key, readers in READ_BY.items():
+        group, _, leaf = key.partition(".")
+        if group in declared:
+            # one's own option that declared its keys: the options' keys it did not declare are
+            # unread, unless an option chosen in another group reads it (StableAtten's norm.alpha);
+            # the keys the framework reads whatever the option (norm.placement, optim.lr) are not here
+            reads = declared[group]
+            if reads is None or leaf in reads or any(_name(cfg[r.split("=")[0]]) == r.split("=")[1]
+                                                      for r in readers if r.split("=")[0] != group):
+                continue
+            out[key] = (f"{group}={_name(cfg[group])} is your own and reads only "
+                        f"{', '.join(f'{group}.{k}' for k in reads) or f'no {group}.* key of an option'} "
+                        f"(its register(keys=...))")
+            continue
         if any(r.split("=")[0] in declared for r in readers):
             continue
         if not any(_name(cfg[r.split("=")[0]]) == r.split("=")[1] for r in readers):

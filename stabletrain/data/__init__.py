@@ -145,12 +145,6 @@ OPTION_KEYS = ("path", "root", "tokenizer", "val_fraction", "num_workers", "rand
 IMAGE_FILES = ("root", "num_workers", "randaug", "erasing")
 
 
-def build_data(data_cfg, model_cfg, seed: int, default: str) -> Data:
-    """The data set ``data_cfg.name`` (``auto``: ``default``, the model family's) shaped for
-    ``model_cfg`` (image size, sequence length, vocabulary)."""
-    return DATASETS.make(resolve_name(data_cfg, default), data_cfg, model_cfg, seed)
-
-
 def resolve_name(data_cfg, default: str) -> str:
     name = option_value(data_cfg.name)
     return default if name == "auto" else name

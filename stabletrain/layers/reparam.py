@@ -197,7 +197,8 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
 # name -> ``(model, cfg) -> step hook | None``: installs the reparametrisation in place and
 # returns what the trainer calls after every optimizer step
 REPARAMS = Registry("reparam", __name__, declares=("keys",), call="(model, cfg)", returns=(
-    lambda hook: hook is None or callable(hook), "the hook to run after each optimizer step, or None"))
+    lambda hook: hook is None or (callable(hook) and not isinstance(hook, (type, nn.Module))),
+    "the hook to run after each optimizer step (a function, not the model or a class), or None"))
 
 
 @REPARAMS.register("none")
