@@ -74,9 +74,11 @@ class DivergenceWatch:
                 f"step {self.onset} and the last {self.skips} step(s) had non-finite gradients")
 
     def state_dict(self) -> dict:
-        return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above}
+        return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above,
+                "level": self.level}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
         self.skips = s.get("skips", 0)
         self.above = bool(s.get("above", self.over))
+        self.level = s.get("level", self.ema)

@@ -426,3 +426,25 @@ def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():
     for s in range(2, 80):
         assert w.update(s, 6.0) is None, s
     assert w.ema == pytest.approx(6.0, rel=1e-3) and w.over == 0
+
+
+def test_the_divergence_watchs_spike_state_survives_a_resume():
+    """A last.pt written during a warm-up spike holds above=True: the progress line of a resumed
+    run whose first steps are skipped reads the level the spike was measured against, which the
+    state did not keep (None formatted as a number)."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    cfg = OmegaConf.structured(DivergenceConfig(warmup_steps=5, spike_factor=2.0))
+    w = DivergenceWatch(cfg)
+    w.update(1, 1.0)
+    w.update(2, 10.0)
+    again = DivergenceWatch(cfg)
+    again.load_state_dict(w.state_dict())
+    assert (again.above, again.level, again.ema) == (True, 1.0, w.ema)
+    assert again.update(3, float("nan"), skipped=True) is None and again.level == 1.0
+    old = {k: v for k, v in w.state_dict().items() if k not in ("above", "level")}  # written before they were kept
+    again.load_state_dict(old)
+    assert again.level == w.ema
