@@ -66,3 +66,36 @@ def alert_metrics(qk=None, ent=None, sec=None, block="blocks.0") -> dict:
     for s, v in (sec or {}).items():
         m[f"sec/{block}/s{s}"] = v
     return m
+
+
+def _registries():
+    from stabletrain.data import DATASETS
+    from stabletrain.layers.attention import ATTENTIONS
+    from stabletrain.layers.deescalate import DEESCALATIONS
+    from stabletrain.layers.init import INITS
+    from stabletrain.layers.norm import NORMS
+    from stabletrain.layers.reparam import REPARAMS
+    from stabletrain.losses import LOSS_TERMS
+    from stabletrain.models.registry import MODELS
+    from stabletrain.optim import OPTIMIZERS
+    from stabletrain.optim.schedule import SCHEDULES
+
+    return [DATASETS, ATTENTIONS, DEESCALATIONS, INITS, NORMS, REPARAMS, LOSS_TERMS, MODELS, OPTIMIZERS, SCHEDULES]
+
+
+def forget_own_code(monkeypatch):
+    """A fixture's body (``yield from``): what a test imports registers into the process's
+    registries; taken out again after it, so that other tests in this worker see stabletrain's
+    own options only, and the modules it imported are dropped."""
+    regs = _registries()
+    for r in regs:
+        r.names()  # stabletrain's own options, loaded before the snapshot
+    before = [dict(r._entries) for r in regs]
+    modules = set(sys.modules)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    for r, entries in zip(regs, before):
+        r._entries = entries
+    for name in set(sys.modules) - modules:
+        if not name.startswith(("stabletrain", "torch", "timm", "omegaconf", "hydra")):
+            sys.modules.pop(name)

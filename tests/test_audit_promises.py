@@ -4,49 +4,22 @@ fails on one deliberate bug in stabletrain/ that the rest of the suite let throu
 import json
 import re
 import shutil
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from stabletrain.errors import ConfigError
-from tests.helpers import cli, make_cfg, model_of, train
+from tests.helpers import cli, forget_own_code, make_cfg, model_of, train
 
 GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 
 
-def _registries():
-    from stabletrain.data import DATASETS
-    from stabletrain.layers.attention import ATTENTIONS
-    from stabletrain.layers.deescalate import DEESCALATIONS
-    from stabletrain.layers.init import INITS
-    from stabletrain.layers.norm import NORMS
-    from stabletrain.layers.reparam import REPARAMS
-    from stabletrain.losses import LOSS_TERMS
-    from stabletrain.models.registry import MODELS
-    from stabletrain.optim import OPTIMIZERS
-    from stabletrain.optim.schedule import SCHEDULES
-
-    return [DATASETS, ATTENTIONS, DEESCALATIONS, INITS, NORMS, REPARAMS, LOSS_TERMS, MODELS, OPTIMIZERS, SCHEDULES]
-
-
 @pytest.fixture
 def own_code_is_forgotten(monkeypatch):
-    """As in test_own_code.py: what a test imports is taken out of the registries after it (not
-    autouse here: the modules it drops would include matplotlib's, which the plot tests import)."""
-    regs = _registries()
-    for r in regs:
-        r.names()
-    before = [dict(r._entries) for r in regs]
-    modules = set(sys.modules)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    yield
-    for r, entries in zip(regs, before):
-        r._entries = entries
-    for name in set(sys.modules) - modules:
-        if not name.startswith(("stabletrain", "torch", "timm", "omegaconf", "hydra")):
-            sys.modules.pop(name)
+    """As in test_own_code.py, but not autouse here: the modules it drops would include
+    matplotlib's, which the plot tests import."""
+    yield from forget_own_code(monkeypatch)
 
 
 def _module(tmp_path, name: str, body: str):

@@ -10,43 +10,15 @@ import torch
 
 from stabletrain.build import validate
 from stabletrain.errors import ConfigError
-from tests.helpers import ROOT, cli, make_cfg, model_of
+from tests.helpers import ROOT, cli, forget_own_code, make_cfg, model_of
 
 EXAMPLE = ROOT / "examples" / "conv_stem"
 OWN = [f"imports=[{EXAMPLE}/conv_stem_vit.py]", f"hydra.searchpath=[file://{EXAMPLE}/configs]"]
 
 
-def _registries():
-    from stabletrain.data import DATASETS
-    from stabletrain.layers.attention import ATTENTIONS
-    from stabletrain.layers.deescalate import DEESCALATIONS
-    from stabletrain.layers.init import INITS
-    from stabletrain.layers.norm import NORMS
-    from stabletrain.layers.reparam import REPARAMS
-    from stabletrain.losses import LOSS_TERMS
-    from stabletrain.models.registry import MODELS
-    from stabletrain.optim import OPTIMIZERS
-    from stabletrain.optim.schedule import SCHEDULES
-
-    return [DATASETS, ATTENTIONS, DEESCALATIONS, INITS, NORMS, REPARAMS, LOSS_TERMS, MODELS, OPTIMIZERS, SCHEDULES]
-
-
 @pytest.fixture(autouse=True)
 def own_code_is_forgotten(monkeypatch):
-    """What a test imports registers into the process's registries: taken out again after it, so
-    that other tests in this worker see stabletrain's own options only."""
-    regs = _registries()
-    for r in regs:
-        r.names()  # stabletrain's own options, loaded before the snapshot
-    before = [dict(r._entries) for r in regs]
-    modules = set(sys.modules)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    yield
-    for r, entries in zip(regs, before):
-        r._entries = entries
-    for name in set(sys.modules) - modules:
-        if not name.startswith(("stabletrain", "torch", "timm", "omegaconf", "hydra")):
-            sys.modules.pop(name)
+    yield from forget_own_code(monkeypatch)
 
 
 def _module(tmp_path, name: str, body: str):

@@ -13,14 +13,20 @@ from tests.distributed.test_ddp import srun_like
 from tests.helpers import ROOT
 
 
-def test_a_stopped_rank_ends_the_job_with_one_line(tmp_path):
+def _two_ranks(tmp_path, dist_timeout: int):
+    """Two ranks of a long run under a stand-in SLURM: (their processes, their logs, the run dir)."""
     run_dir = tmp_path / "run"
-    args = [*GPT, "batch_size=16", "steps=400", "ckpt_every=2", "dist_timeout=5", f"hydra.run.dir={run_dir}"]
+    args = [*GPT, "batch_size=16", "steps=400", "ckpt_every=2", f"dist_timeout={dist_timeout}",
+            f"hydra.run.dir={run_dir}"]
     job = str(free_port() - 20000)
     env = clean_env(**fake_slurm_tools(tmp_path / "bin", tmp_path / "scontrol.log"), SLURM_JOB_ID=job,
                     SLURM_JOB_NODELIST="localhost")
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    ranks = srun_like(2, [sys.executable, str(ROOT / "train.py"), *args], tmp_path, env, logs)
+    return srun_like(2, [sys.executable, str(ROOT / "train.py"), *args], tmp_path, env, logs), logs, run_dir
+
+
+def test_a_stopped_rank_ends_the_job_with_one_line(tmp_path):
+    ranks, logs, run_dir = _two_ranks(tmp_path, dist_timeout=5)
     try:
         signal_once_running(ranks[1], run_dir, signal.SIGSTOP, after_step=3)
         stopped_at = time.monotonic()
@@ -43,13 +49,7 @@ def test_a_stopped_rank_ends_the_job_with_one_line(tmp_path):
 def test_a_killed_rank_ends_the_job_with_one_line(tmp_path):
     """SIGKILL of rank 1: rank 0 met gloo's "Connection closed by peer" in a collective and ended
     in Hydra's traceback, without the resume hint a stopped rank gets."""
-    run_dir = tmp_path / "run"
-    args = [*GPT, "batch_size=16", "steps=400", "ckpt_every=2", "dist_timeout=60", f"hydra.run.dir={run_dir}"]
-    job = str(free_port() - 20000)
-    env = clean_env(**fake_slurm_tools(tmp_path / "bin", tmp_path / "scontrol.log"), SLURM_JOB_ID=job,
-                    SLURM_JOB_NODELIST="localhost")
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    ranks = srun_like(2, [sys.executable, str(ROOT / "train.py"), *args], tmp_path, env, logs)
+    ranks, logs, run_dir = _two_ranks(tmp_path, dist_timeout=60)
     try:
         signal_once_running(ranks[1], run_dir, signal.SIGKILL, after_step=3)
         code = ranks[0].wait(timeout=120)
