@@ -113,22 +113,12 @@ def test_an_own_options_kwargs_are_no_unread_key_when_it_declares_its_keys(tmp_p
     from stabletrain.build import own_groups, validate
     from stabletrain.config import unread_keys
 
-    path = _module(tmp_path, "gain_keys_norm", """
-        import torch
-        from stabletrain.layers.norm import NORMS
+    from tests.test_own_code import GAIN_NORM
 
-        class GainNorm(torch.nn.Module):
-            def __init__(self, dim, g0):
-                super().__init__()
-                self.weight = torch.nn.Parameter(torch.full((dim,), float(g0)))
-
-            def forward(self, x):
-                return self.weight * torch.nn.functional.rms_norm(x, x.shape[-1:])
-
-        @NORMS.register("gain_keys_own", layer=GainNorm, kwargs=("g0",), keys=("eps",))
-        def gain_keys_own(cfg, dim, **kw):
-            return GainNorm(dim, cfg.kwargs.get("g0", 1.0))
-    """)
+    path = _module(tmp_path, "gain_keys_norm", GAIN_NORM.replace(
+        '@NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))',
+        '@NORMS.register("gain_keys_own", layer=GainNorm, kwargs=("g0",), keys=("eps",))').replace(
+        "def gain_own(", "def gain_keys_own("))
     cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "norm.name=gain_keys_own", "+norm.kwargs.g0=2")
     validate(cfg)
     assert own_groups(cfg) == {"norm": ("eps",)}
