@@ -986,6 +986,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
     # runs with loss terms (LocAteR's can be 100x the task's) beside runs without: their task losses
     task = any(r.has(N.LOSS_PENALTY) for r in runs)
+    bound_panel = _one_schedule(runs) and any(r.has(N.FRAC_BOUNDED) for r in runs)
     panels = [  # title, y label, log y, series
         ("training loss" + (" of the task (loss terms left out)" if task else ""), "loss (nats)", True,
          _task_loss if task else lambda r: r.get(N.LOSS)),
@@ -995,7 +996,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         # runs at rates a decade apart or more share a log axis, or the smaller lie flat on zero.
         # One schedule for all (a sweep of tau): its panel would be one line, the bound's share says more
         ("AdamW²: fraction of tensors at the bound\n(the runs share one scheduled lr)", "fraction of tensors", False,
-         lambda r: r.get(N.FRAC_BOUNDED)) if _one_schedule(runs) and any(r.has(N.FRAC_BOUNDED) for r in runs) else
+         lambda r: r.get(N.FRAC_BOUNDED)) if bound_panel else
         ("scheduled lr", "scheduled learning rate", _decades_apart([r.get(N.LR) for r in runs]),
          lambda r: r.get(N.LR)),
         (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
@@ -1014,8 +1015,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 for run, name in zip(runs, names)]
     missing_in: list[list[str]] = [[] for _ in runs]
     drawn = 0
-    short = ("training loss", panels[1][0], "lr" if panels[2][1] != "fraction of tensors" else "bound",
-             r"$\sigma_1$", "entropy")  # how the legend names a panel
+    short = ("training loss", panels[1][0], "bound" if bound_panel else "lr", r"$\sigma_1$",
+             "entropy")  # how the legend names a panel
     for k, (ax, (panel, ylabel, logy, get)) in enumerate(zip(axes.flat, panels)):
         missing = []
         for i, run in enumerate(runs):
