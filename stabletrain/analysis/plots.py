@@ -571,11 +571,19 @@ def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
         if quantity == N.ENT_MIN and run.alerts:
             ax.plot([], [], "v", color="white", markeredgecolor="crimson", markersize=9, ls="",
                     label="health alert (entropy collapse)")
-        ref = run.get(N.metric(N.ENTROPY, layers[0], N.ENT_LOG_T))
-        if ref is not None:
-            # beneath the curves: an entropy at the uniform level (a model at init) stays visible
-            ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1, zorder=1,
+        # beneath the curves: an entropy at the uniform level (a model at init) stays visible.
+        # Blocks over different numbers of keys (Swin's stages, its shifted windows' masks) each get
+        # their own level, in their colour: one block's level read against another's curve misleads
+        levels = {b: float(np.nanmean(ref[1])) for b in layers
+                  if (ref := run.get(N.metric(N.ENTROPY, b, N.ENT_LOG_T))) is not None}
+        if len({round(v, 2) for v in levels.values()}) == 1:
+            ax.axhline(next(iter(levels.values())), color="gray", ls="--", lw=1, zorder=1,
                        label="uniform over each query's keys")
+        elif levels:
+            for b, c in zip(layers, colors):
+                if b in levels:
+                    ax.axhline(levels[b], color=c, ls="--", lw=1, zorder=1)
+            ax.plot([], [], color="gray", ls="--", lw=1, label="uniform over each query's keys, per block")
         _mark_divergence(ax, run)
         _min_span(ax, 0.1)
         ax.set_title(f"attention entropy, {title}")
@@ -881,11 +889,35 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
 # --- several runs ----------------------------------------------------------------------
 
 
-def over_blocks(run: Run, group: str, quantity: str, reduce=np.max) -> Series | None:
-    """Per step, ``reduce`` over the blocks that logged ``group/<block>/quantity`` then."""
+def _entropy(run: Run, block: str, relative: bool = False, quantity: str = N.ENT_MIN) -> Series | None:
+    """A block's entropy; ``relative``: over its uniform entropy ``log_T`` at the same steps
+    (none where the block logged no ``log_T``)."""
+    ent = run.get(N.metric(N.ENTROPY, block, quantity))
+    if not relative or ent is None:
+        return ent
+    ref = run.get(N.metric(N.ENTROPY, block, N.ENT_LOG_T))
+    if ref is None:
+        return None
+    steps, at_ent, at_ref = np.intersect1d(ent[0], ref[0], return_indices=True)
+    return steps, ent[1][at_ent] / ref[1][at_ref]
+
+
+def _uniform_entropy(run: Run) -> float | None:
+    """The run's uniform entropy, mean over blocks and steps (None when it logged none)."""
+    levels = [np.nanmean(ref[1]) for b in _blocks_with(run, N.ENTROPY, N.ENT_LOG_T)
+              if (ref := run.get(N.metric(N.ENTROPY, b, N.ENT_LOG_T))) is not None]
+    return float(np.mean(levels)) if levels else None
+
+
+def over_blocks(run: Run, group: str, quantity: str, reduce=np.max, relative: bool = False) -> Series | None:
+    """Per step, ``reduce`` over the blocks that logged ``group/<block>/quantity`` then;
+    ``relative`` (entropy only): each block's value over its uniform entropy."""
     by_step: dict[float, list[float]] = defaultdict(list)
     for b in _blocks_with(run, group, quantity):
-        for x, y in zip(*_finite(run.get(N.metric(group, b, quantity)))):
+        series = _entropy(run, b, relative, quantity) if relative else run.get(N.metric(group, b, quantity))
+        if series is None:
+            continue
+        for x, y in zip(*_finite(series)):
             by_step[x].append(y)
     if not by_step:
         return None
@@ -958,7 +990,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                  title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
     """Overlay loss, validation metric, scheduled lr (AdamW²'s share of tensors at the bound
     instead when every run has the same schedule), the largest sigma1(W_q^T W_k) and the
-    smallest attention entropy of several runs in ``out_dir/compare.png``, with one legend for
+    smallest attention entropy (as a fraction of each block's uniform entropy log T when the runs
+    attend over different numbers of keys) of several runs in ``out_dir/compare.png``, with one legend for
     every panel (a run has one colour throughout).
 
     ``labels``: the runs' names (default: the settings that differ between them, else their
@@ -976,12 +1009,17 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     qk_title = {N.WQ_T_WK_FULL: r"max over blocks of $\sigma_1(W_q^\top W_k)$ (full width)",
                 N.WQ_T_WK_MAX: r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"
                 }.get(qk, f"max over blocks of sigma1/<block>/{qk}")
+    # a ViT's 197 keys beside a Swin's 49-token windows or a GPT's causal rows: their nats are not on
+    # one scale (uniform is log T), so such runs are compared as a fraction of their uniform entropy
+    relative = len({round(u, 2) for r in runs if (u := _uniform_entropy(r)) is not None}) > 1
     if entropy_block is None:
         ent_title, ent = ("min over blocks and heads of attention entropy",
-                          lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min))
+                          lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min, relative))
     else:
         ent_title, ent = (f"attention entropy of {entropy_block}, min over heads",
-                          lambda r: r.get(N.metric(N.ENTROPY, entropy_block, N.ENT_MIN)))
+                          lambda r: _entropy(r, entropy_block, relative))
+    if relative:
+        ent_title += "\nover log T (the runs attend over different numbers of keys)"
     # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
     val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
     # runs with loss terms (LocAteR's can be 100x the task's) beside runs without: their task losses
@@ -1000,7 +1038,7 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         ("scheduled lr", "scheduled learning rate", _decades_apart([r.get(N.LR) for r in runs]),
          lambda r: r.get(N.LR)),
         (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
-        (ent_title, "entropy (nats)", False, ent),
+        (ent_title, "entropy / uniform entropy" if relative else "entropy (nats)", False, ent),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = plt.get_cmap("tab10").colors

@@ -485,6 +485,22 @@ def test_compare_runs_draws_the_smallest_entropy_over_blocks(tmp_path, monkeypat
     assert [list(ln.get_ydata()) for ln in curves] == [[1.0, 0.9, 0.8]] * 2
 
 
+def test_compare_runs_sets_runs_over_different_numbers_of_keys_on_one_scale(tmp_path, monkeypatch):
+    """A ViT (uniform log 197) beside a Swin (log 49): each block's entropy over its own log_T, the
+    min over blocks of those fractions; runs over the same keys keep their nats."""
+    vit = {"entropy/blocks.0/min": lambda s: 2.6, "entropy/blocks.0/log_T": lambda s: 5.2,
+           "entropy/blocks.1/min": lambda s: 4.0 - 0.1 * s, "entropy/blocks.1/log_T": lambda s: 5.2}
+    swin = {"entropy/layers.0.blocks.0/min": lambda s: 1.9, "entropy/layers.0.blocks.0/log_T": lambda s: 3.8,
+            "entropy/layers.0.blocks.1/min": lambda s: 3.0, "entropy/layers.0.blocks.1/log_T": lambda s: 3.0}
+    panels = _compare(tmp_path / "mixed", monkeypatch, _two_runs(tmp_path / "mixed", vit, swin))
+    title = next(t for t in panels if t.startswith("min over blocks and heads of attention entropy"))
+    assert "over log T" in title and panels[title].get_ylabel() == "entropy / uniform entropy"
+    curves = [ln.get_ydata() for ln in panels[title].get_lines() if len(ln.get_xdata()) == 3]
+    assert np.allclose(curves[0], [0.5, 0.5, 2.0 / 5.2]) and np.allclose(curves[1], [0.5] * 3)
+    same = _compare(tmp_path / "same", monkeypatch, _two_runs(tmp_path / "same", vit, vit))
+    assert same["min over blocks and heads of attention entropy"].get_ylabel() == "entropy (nats)"
+
+
 def test_compare_runs_sets_task_losses_side_by_side_when_one_run_has_loss_terms(tmp_path, monkeypatch):
     """A run with a z-loss beside one without: the task's loss of each, the terms left out."""
     dirs = _two_runs(tmp_path, {"loss/penalty": lambda s: 0.5}, {})

@@ -693,6 +693,25 @@ def test_a_bound_far_below_the_entropy_is_said_and_the_uniform_line_lies_beneath
     assert all(uniform.get_zorder() < ln.get_zorder() for ln in mean_ax.get_lines() if ln is not uniform)
 
 
+def test_blocks_over_different_numbers_of_keys_each_get_their_uniform_level(tmp_path, monkeypatch):
+    """Swin's stages attend over different windows: one block's uniform level drawn for all would
+    read another's entropy against the wrong reference."""
+    import numpy as np
+    steps = np.array([0.0, 10.0])
+    metrics = {}
+    for b, level in (("layers.0.blocks.0", 3.89), ("layers.1.blocks.0", 2.77)):
+        metrics[f"entropy/{b}/mean"] = metrics[f"entropy/{b}/min"] = (steps, np.array([level - 0.1, level - 0.5]))
+        metrics[f"entropy/{b}/log_T"] = (steps, np.array([level, level]))
+    figures = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    P.plot_entropy(P.Run("r", tmp_path, metrics, None), [], tmp_path)
+    mean_ax = figures["entropy.png"].axes[0]
+    dashed = [ln for ln in mean_ax.get_lines() if ln.get_linestyle() == "--" and len(ln.get_xdata())]
+    levels = sorted(ln.get_ydata()[0] for ln in dashed)
+    assert np.allclose(levels, [2.77, 3.89])
+    assert "uniform over each query's keys, per block" in [t.get_text() for t in mean_ax.get_legend().get_texts()]
+
+
 def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(tmp_path):
     """Two rollbacks, the second to an earlier step: the first one's record went with the history
     it dropped, so one orange line is drawn, and the title says why there are not two."""
