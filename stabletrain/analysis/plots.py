@@ -109,9 +109,12 @@ class Run:
 
     @property
     def skipped_at(self) -> list[float]:
-        """The log steps whose interval skipped a non-finite update."""
-        series = self.get(N.SKIPPED_STEPS)
-        return [] if series is None else [float(x) for x, n in zip(*series) if n > 0]
+        """The steps whose non-finite update was skipped; in a run recorded before each had a
+        record of its own, the log steps whose interval skipped one."""
+        series = self.get(N.SKIPPED_STEP)
+        if series is None:
+            series = self.get(N.SKIPPED_STEPS)
+        return [] if series is None else sorted({float(x) for x, n in zip(*series) if n > 0})
 
 
 _NONFINITE = ("nan", "inf", "-inf")
@@ -224,7 +227,7 @@ _FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
 def _mark_divergence(ax, run: Run) -> None:
     """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
     steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
-    the log steps whose interval skipped a non-finite update (grey), and the steps a resume
+    the steps whose non-finite update was skipped (grey), and the steps a resume
     continued from (green, dash-dot). Not on a panel that drew nothing (:func:`_empty`): lines
     across its note would read as data."""
     if not ax.get_lines():

@@ -357,6 +357,9 @@ class Trainer:
         reason, passed = self._verdict(steps, got)
         self.spikes += [{"step": first, "steps": length} for first, length in passed]
         rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
+        for s, skip in zip(steps, got.skipped):  # the figures mark each where it happened, not at the log step
+            if skip:
+                self.metrics.log(s + 1, {N.SKIPPED_STEP: 1})
         self.metrics.log(self.step, rec)
         self._progress(rec, steps, got.skipped, passed, reason, last_vals)
         return reason

@@ -32,6 +32,7 @@ PEAK_MEMORY = "memory/peak_gb"
 MFU = "throughput/mfu"  # model FLOPs utilisation (CUDA only)
 BAD_SAMPLES = "data/bad_samples"  # unreadable files replaced so far (image folders)
 SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
+SKIPPED_STEP = "train/skipped_step"  # 1, in a record of its own at each step whose update was skipped
 RESUMED_AT = "run/resumed_at"  # the step a resumed run continued from, logged at that step
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"

@@ -444,6 +444,15 @@ def test_the_title_counts_skipped_steps_the_records_show_when_the_summary_has_no
     assert "2 non-finite step(s) skipped (grey)]" in P._title(run, "x")
 
 
+def test_a_skipped_step_is_marked_at_its_own_step_not_its_intervals_log_step(tmp_path):
+    per_interval = (np.array([10.0, 20.0]), np.array([2.0, 0.0]))
+    own = (np.array([7.0, 9.0]), np.array([1.0, 1.0]))
+    run = P.Run("r", tmp_path, {N.SKIPPED_STEPS: per_interval, N.SKIPPED_STEP: own}, {"status": "completed"})
+    assert run.skipped_at == [7.0, 9.0]
+    older = P.Run("r", tmp_path, {N.SKIPPED_STEPS: per_interval}, {"status": "completed"})
+    assert older.skipped_at == [10.0]  # a run recorded before: its interval's log step, the best it has
+
+
 def test_the_largest_sigma1_over_blocks_leaves_out_a_blocks_non_finite_value(tmp_path):
     steps = np.array([0.0, 10.0])
     run = P.Run("r", tmp_path, {"sigma1/blocks.0/wq_t_wk_full": (steps, np.array([1.0, np.nan])),

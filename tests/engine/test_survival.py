@@ -63,11 +63,13 @@ def test_nan_step_leaves_weights_and_state_untouched(tmp_path, extra):
 
 
 def test_nan_in_the_middle_is_skipped_and_the_run_goes_on(tmp_path):
-    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "logger.log_every=3")
+    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=2", "logger.log_every=3")
     assert s["status"] == "completed" and s["step"] == 6
     recs = [r for r in _records(tmp_path) if "loss" in r]
     assert [r["train/skipped_steps"] for r in recs] == [1, 0]
     assert all(isinstance(r["loss"], float) for r in recs)  # the mean of the healthy steps
+    # the step itself, in a record of its own, for the figures' grey line: not the interval's log step 3
+    assert [r["step"] for r in _records(tmp_path) if "train/skipped_step" in r] == [2]
 
 
 def test_persistent_nan_stops_without_rollback(tmp_path):
