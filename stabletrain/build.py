@@ -485,8 +485,9 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
     seed_all(cfg.seed)
     data = data_from_config(cfg)
-    notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg)) + unread_data_notes(cfg)
-             + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model))
+    given = C.given_keys(task_overrides())  # a sweep's point at a key's default is noted as the others are
+    notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg), given) + unread_data_notes(cfg)
+             + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)
     notes += unbuilt_components(model, cfg) + [n for n in [norm_without_layer_note(cfg)] if n]

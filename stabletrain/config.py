@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Optional
@@ -599,17 +599,25 @@ def unread_reasons(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[s
     return out
 
 
-def unread_keys(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str, ...] = ()) -> list[str]:
-    """One note per key set away from its default that nothing reads in this run, because the
-    option that reads it is not chosen (``norm.alpha=0.3`` with ``norm=layernorm``): a sweep may
-    share such keys across options, so they are said, not refused (but a key a sweep varies that
-    none of its points reads is: cli.check_overrides)."""
+def unread_keys(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str, ...] = (),
+                given: Collection[str] = ()) -> list[str]:
+    """One note per key set away from its default, or ``given`` on the command line, that nothing
+    reads in this run, because the option that reads it is not chosen (``norm.alpha=0.3`` with
+    ``norm=layernorm``): a sweep may share such keys across options, so they are said, not refused
+    (but a key a sweep varies that none of its points reads is: cli.check_overrides). A sweep's
+    point at the key's default value is noted too: its results match the other values' there."""
     def value(key):
         group, _, leaf = key.partition(".")
         return cfg[group][leaf]
 
     return [f"note: {key}={shown_value(value(key))} changes nothing: {why}"
-            for key, why in unread_reasons(cfg, own).items() if differs(value(key), schema_default(key))]
+            for key, why in unread_reasons(cfg, own).items()
+            if key in given or differs(value(key), schema_default(key))]
+
+
+def given_keys(overrides: Iterable[str] | None) -> set[str]:
+    """The dotted keys of command-line overrides (``+norm.alpha=0.5`` -> ``norm.alpha``)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides or () if "=" in o}
 
 
 def schema_default(key: str) -> Any:

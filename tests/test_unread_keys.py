@@ -94,6 +94,25 @@ def test_the_run_prints_the_note(tmp_path, capsys):
     assert "note: optim.tau=0.01 changes nothing" in capsys.readouterr().err
 
 
+def test_a_key_given_at_its_default_is_noted_too():
+    """A sweep's point norm.alpha=0.5 (the default) beside 0.25, under norm=layernorm: both change
+    nothing, and both are said; without the command line, the default is not news."""
+    cfg = make_cfg("norm.alpha=0.5", "model.dropout=0.0", "model=vit_test")
+    assert unread_keys(cfg) == [] and unread_model_keys(cfg.model) == []
+    assert [n.split(": ")[1] for n in unread_keys(cfg, given={"norm.alpha"})] == ["norm.alpha=0.5 changes nothing"]
+    assert "model.dropout=0.0 changes nothing" in unread_model_keys(cfg.model, given={"model.dropout"})[0]
+
+
+def test_the_run_notes_a_key_its_command_line_sets_to_the_default(tmp_path, capsys, monkeypatch):
+    import stabletrain.build as B
+    from tests.helpers import train
+
+    monkeypatch.setattr(B, "task_overrides", lambda: ("+norm.alpha=0.5", "optim=adamw"))
+    train(tmp_path, "model=gpt_test", "steps=1", "batch_size=4", "optim=adamw", "logger=none", "monitor=off",
+          quiet=False)
+    assert "note: norm.alpha=0.5 changes nothing: only norm=stablenorm" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("overrides,error", [
     (["model=gpt_test", "data.path=/some/train.bin"],
      "data.path=/some/train.bin is read by data=tokens only, and data=auto picks pytext for a gpt model: "

@@ -68,15 +68,15 @@ def model_unread_reasons(model_cfg) -> dict[str, str]:
     return out
 
 
-def unread_model_keys(model_cfg) -> list[str]:
-    """One note per ``model.*`` key set away from its default that the family does not read
-    (``model.dropout=0.1`` on a ViT), naming the families that do."""
+def unread_model_keys(model_cfg, given=()) -> list[str]:
+    """One note per ``model.*`` key set away from its default, or ``given`` on the command line,
+    that the family does not read (``model.dropout=0.1`` on a ViT), naming the families that do."""
     from stabletrain.config import ModelConfig, differs, shown_value
 
     default = ModelConfig()
     return [f"note: {key}={shown_value(model_cfg[key[6:]])} changes nothing: {why}"
             for key, why in model_unread_reasons(model_cfg).items()
-            if differs(model_cfg[key[6:]], getattr(default, key[6:]))]
+            if key in given or differs(model_cfg[key[6:]], getattr(default, key[6:]))]
 
 
 def build_model(model_cfg, components: Components | None = None) -> nn.Module:
