@@ -574,6 +574,39 @@ def test_an_option_of_ones_own_that_returns_the_wrong_thing_is_one_line(tmp_path
         build_trainer(cfg, tmp_path / "run")
 
 
+@pytest.mark.parametrize("model,body,needle", [
+    ("model=vit_test", """
+        from torch import nn
+        from stabletrain.models.registry import MODELS
+
+        @MODELS.register("narrow_own", kind="vision")
+        def narrow_own(m, components):  # a head of 5 classes whatever model.num_classes says
+            return nn.Sequential(nn.Flatten(), nn.Linear(m.in_chans * m.img_size ** 2, 5))
+     """, r"^the model's output has shape \(4, 5\) for an input of \(4, 1, \d+, \d+\); the loss needs "
+          r"\(batch, 10\): build its head with model.num_classes, which the data sets \(10 classes\)$"),
+    ("model=gpt_test", """
+        from torch import nn
+        from stabletrain.models.registry import MODELS
+
+        @MODELS.register("narrow_own", kind="text", data="pytext")
+        def narrow_own(m, components):  # 100 logits for a vocabulary of model.vocab_size
+            return nn.Sequential(nn.Embedding(m.vocab_size, 8), nn.Linear(8, 100))
+     """, r"^the model's output has shape \(4, \d+, 100\) .* the loss needs \(batch, sequence, at least \d+\): "
+          r"build its output layer with model.vocab_size"),
+])
+def test_a_model_whose_output_does_not_fit_the_data_is_one_line(tmp_path, model, body, needle):
+    """A head that ignores model.num_classes: an IndexError inside the loss on a CPU (a
+    device-side assert on a GPU) became one line at the first step."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, "narrow_own", body)
+    cfg = make_cfg(f"imports=[{path}]", model, "model.family=narrow_own", "steps=1", "batch_size=4",
+                   "monitor=off", "logger=none", "optim=adamw")
+    trainer = build_trainer(cfg, tmp_path / "run")
+    with pytest.raises(ConfigError, match=needle):
+        trainer.fit()
+
+
 def test_an_init_of_ones_own_that_returns_a_new_tensor_is_applied(tmp_path):
     """``return xavier_normal_(w) * scale`` wrote the Xavier draw and dropped the scale: runs at
     every scale were the same run, while the start line named the scale. The returned tensor is

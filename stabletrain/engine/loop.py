@@ -145,6 +145,7 @@ class Trainer:
         model.train()  # once: evaluation and the monitors restore the mode they found
         self.train_model: nn.Module = model
         self.objective = self._objective
+        self.output_checked = False  # the first step checks the logits' shape (:meth:`_check_output`)
         if settings.compile:
             # The loss is compiled too: for a GPT, an fp32 copy of the logits (and of their gradient)
             # would otherwise be written to memory, the largest activation of the step.
@@ -208,6 +209,8 @@ class Trainer:
         """The task loss plus every loss term; each term's share is added to ``term_sums``."""
         with self.autocast():
             out = model(x)
+        if not self.output_checked:
+            self._check_output(out, x)
         loss, terms = self.objective(self.model, out, x, y)
         if self.weight_terms:
             extra = torch.stack([t(self.model, out, x, y, whole_weights=self._sharding.with_whole_weights)
@@ -217,6 +220,23 @@ class Trainer:
         if terms is not None:
             self.term_sums += terms / self.shard.accum
         return loss
+
+    def _check_output(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Once: logits of the shape the loss needs. A model of one's own whose head ignores
+        model.num_classes (or model.vocab_size) would otherwise fail inside the loss, as an index
+        error on a CPU and a device-side assert on a GPU."""
+        d, shape = self.data, tuple(out.shape)
+        if d.kind == "vision":
+            ok, want = len(shape) == 2 and shape == (x.shape[0], d.num_classes), f"(batch, {d.num_classes})"
+            fix = f"build its head with model.num_classes, which the data sets ({d.num_classes} classes)"
+        else:
+            ok = len(shape) == 3 and shape[:2] == tuple(x.shape[:2]) and shape[-1] >= d.vocab_size
+            want = f"(batch, sequence, at least {d.vocab_size})"
+            fix = f"build its output layer with model.vocab_size (the data's vocabulary is {d.vocab_size} ids)"
+        if not ok:
+            raise ConfigError(f"the model's output has shape {shape} for an input of {tuple(x.shape)}; the loss "
+                              f"needs {want}: {fix}")
+        self.output_checked = True
 
     def _objective(self, model: nn.Module, out: torch.Tensor, x: torch.Tensor, y: torch.Tensor):
         """``(task loss + loss terms, the terms' values or None)`` of the logits ``out``; the
