@@ -91,7 +91,9 @@ class SigmaReparam(nn.Module):
         super().__init__()
         if gamma_init not in ("one", "svd"):
             raise ConfigError(f"reparam.gamma_init={gamma_init!r} must be 'one' or 'svd'")
-        self.power_iters = int(power_iters)
+        if isinstance(power_iters, bool) or not isinstance(power_iters, int) or power_iters < 1:
+            raise ConfigError(f"reparam.power_iters={power_iters!r} must be an integer >= 1")
+        self.power_iters = power_iters
         m = weight.detach().reshape(weight.shape[0], -1)
         if m.shape[0] % len(layout):
             raise ConfigError(f"cannot split {m.shape[0]} rows into {len(layout)} equal slices")

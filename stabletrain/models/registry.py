@@ -84,8 +84,12 @@ def build_model(model_cfg, components: Components | None = None) -> nn.Module:
     re-initialised per ``components.init`` and reparametrised per ``components.reparam``.
 
     Returns the model; its reparametrisation's per-step hook, if any, is ``model.step_hook``
-    (see :func:`build_model_and_hook` for the pair)."""
-    return build_model_and_hook(model_cfg, components)[0]
+    (None without one; see :func:`build_model_and_hook` for the pair). A loop of one's own must
+    call ``model.step_hook()`` after every optimizer step: sigmaReparam's ``sigma`` is otherwise
+    never iterated past its first estimate."""
+    model, hook = build_model_and_hook(model_cfg, components)
+    model.step_hook = hook
+    return model
 
 
 def build_model_and_hook(model_cfg, components: Components | None = None):
@@ -95,6 +99,9 @@ def build_model_and_hook(model_cfg, components: Components | None = None):
     from stabletrain.layers.reparam import REPARAMS
 
     c = components or Components()
+    check = MODELS.entry(model_cfg.family).info.get("check")
+    if check is not None:  # the family's one-line refusals (build.validate runs them for train.py)
+        check(model_cfg, c)
     model = MODELS.make(model_cfg.family, model_cfg, c)
     apply_init(model, c.init)
     return model, REPARAMS.make(c.reparam.name, model, c.reparam)

@@ -63,7 +63,10 @@ class MonitorRunner:
     def __init__(self, model: nn.Module, cfg, probe_batch: tuple[torch.Tensor, torch.Tensor], *,
                  device: torch.device, autocast=contextlib.nullcontext, with_bound: bool = True,
                  active: bool = True, sharding: Sharding | None = None):
-        self.model, self.cfg, self.device, self.autocast = model, cfg, device, autocast
+        for key in ("weight_every", "probe_every"):  # train.py's config check says the same
+            if getattr(cfg, key) < 1:
+                raise ValueError(f"MonitorRunner: monitor.{key}={getattr(cfg, key)} must be >= 1")
+        self.model, self.cfg, self.device, self.autocast = model, cfg, torch.device(device), autocast
         self.active, self.with_bound = active, with_bound
         self.sharding = sharding
         self.sharded = sharding is not None  # every rank takes part in the passes
@@ -120,6 +123,9 @@ class MonitorRunner:
         probe_due = done % self.cfg.probe_every == 0 or last
         if not ((self.active or self.sharded) and (weight_due or probe_due)):
             return  # most steps: nothing to do, and nothing to set up
+        if self.active and self.sink is None:
+            raise RuntimeError("MonitorRunner: call attach(sink) before after_step; sink has message(text) "
+                               "and log(step, values)")
         rec: dict[str, float] = {}
         with self._isolated():
             if weight_due:

@@ -82,6 +82,7 @@ construction.
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -194,6 +195,8 @@ class AdamW2(Optimizer):
         fused: bool | None = None,
         overlap_sigma_w: bool = False,
     ):
+        if fused not in (None, True, False):
+            raise ValueError(f"AdamW2: fused={fused!r} must be None (where it applies), True or False")
         if overlap_sigma_w and not warm_start:
             raise ValueError("AdamW2: overlap_sigma_w=True needs warm_start=True (set one of them differently)")
         defaults = {
@@ -640,6 +643,11 @@ def _check_hyperparameters(group: dict, where: str) -> None:
     """The constructor's arguments and each param group's own values, in one line naming the key."""
     def number(key: str, ok, need: str) -> None:
         value = group[key]
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            value = group[key] = float(value)  # a NumPy scalar, as torch.optim.AdamW takes it
+        if isinstance(value, Tensor):
+            raise ValueError(f"AdamW2: {where}{key}={value!r} must be a Python number, not a tensor "
+                             f"(pass {key}=float(...))")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
             hint = " (a YAML 1e-3 is a string: write 1.0e-3)" if isinstance(value, str) else ""
             raise ValueError(f"AdamW2: {where}{key}={value!r} must be {need}{hint}")
@@ -650,8 +658,11 @@ def _check_hyperparameters(group: dict, where: str) -> None:
     number("tau", lambda x: x > 0, "a finite number > 0")
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            and all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"AdamW2: {where}betas={betas!r} must be two numbers in [0, 1), e.g. (0.9, 0.999)")
+    for key in ("warm_start", "eps_inside_sqrt"):
+        if not isinstance(group[key], bool):  # "false" would read as true
+            raise ValueError(f"AdamW2: {where}{key}={group[key]!r} must be True or False")
     iters = group["power_iters"]
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"AdamW2: {where}power_iters={iters!r} must be an integer >= 1")

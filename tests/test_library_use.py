@@ -1,0 +1,99 @@
+"""stabletrain's pieces used from a loop of one's own (no Trainer): what a library user meets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from stabletrain.config import Components, DeescConfig, ModelConfig, MonitorConfig, ReparamConfig
+from stabletrain.errors import ConfigError
+from stabletrain.layers.reparam import PowerStep, apply_reparam
+from stabletrain.models.registry import build_model
+from stabletrain.monitor.runner import MonitorRunner
+from stabletrain.optim import AdamW2
+
+
+def _vit(**kw) -> ModelConfig:
+    base = dict(name="t", family="vit", img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_build_model_exposes_the_reparam_hook_it_documents():
+    model = build_model(_vit(), Components(reparam=ReparamConfig(name="sigma")))
+    assert isinstance(model.step_hook, PowerStep) and model.step_hook.model is model
+    assert build_model(_vit(), Components()).step_hook is None
+
+
+def test_build_model_runs_the_family_check():
+    with pytest.raises(ConfigError, match="deescalate.causal=false"):
+        build_model(ModelConfig(name="g", family="gpt", vocab_size=32, block_size=8, embed_dim=32, depth=1,
+                                num_heads=2), Components(deescalate=DeescConfig(name="deescalate", causal=False)))
+    with pytest.raises(ConfigError, match="img_size=18 is not a multiple"):
+        build_model(_vit(img_size=18), Components())
+
+
+@pytest.mark.parametrize("iters", [0, -1, 1.5, "2", True])
+def test_sigma_reparam_refuses_a_bad_power_iters_in_one_line(iters):
+    with pytest.raises(ConfigError, match="reparam.power_iters"):
+        apply_reparam(nn.Linear(4, 4), ReparamConfig(name="sigma", power_iters=iters))
+
+
+def test_adamw2_takes_numpy_scalars_as_torch_adamw_does():
+    opt = AdamW2(nn.Linear(3, 3).parameters(), lr=np.float32(1e-3), tau=np.float32(0.01),
+                 betas=(np.float32(0.9), 0.999))
+    assert isinstance(opt.param_groups[0]["lr"], float) and isinstance(opt.param_groups[0]["tau"], float)
+
+
+@pytest.mark.parametrize("kw, key", [({"warm_start": "false"}, "warm_start"),
+                                     ({"eps_inside_sqrt": "yes"}, "eps_inside_sqrt"),
+                                     ({"fused": "auto"}, "fused"), ({"lr": torch.tensor(1e-3)}, "not a tensor")])
+def test_adamw2_refuses_values_of_the_wrong_type(kw, key):
+    with pytest.raises(ValueError, match=key):
+        AdamW2(nn.Linear(3, 3).parameters(), **kw)
+
+
+def test_monitor_runner_in_a_loop_of_ones_own():
+    model = build_model(_vit(), Components())
+    batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,)))
+    with pytest.raises(ValueError, match="monitor.weight_every=0"):
+        MonitorRunner(model, MonitorConfig(weight_every=0), batch, device="cpu")
+    runner = MonitorRunner(model, MonitorConfig(weight_every=1, probe_every=1), batch, device="cpu")
+    with pytest.raises(RuntimeError, match="attach"):
+        runner.after_step(0)
+    logged = []
+    runner.attach(type("Sink", (), {"message": lambda self, t: None,
+                                     "log": lambda self, step, v: logged.append((step, v))})())
+    runner.after_step(0)
+    assert logged and logged[0][0] == 1 and "sigma1/blocks.0/wq" in logged[0][1]
+
+
+def test_the_readmes_own_loop_block_builds_the_options_values_and_iterates_sigma():
+    """README's "The fixes on a model in your own loop": norm=stablenorm's alpha is 0.25 (the
+    dataclass default, 0.5, is RMSNorm), and model.step_hook() moves sigmaReparam's estimate."""
+    import re
+
+    from stabletrain.layers.norm import StableNorm
+    from tests.helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The fixes on a model in your own loop"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    torch.manual_seed(0)
+    loader = [(torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))) for _ in range(3)]
+    calls = []
+    scope = {"loader": loader, "loss_fn": nn.functional.cross_entropy}
+    real = None
+
+    def counted(model):  # the hook build_model attached, counted
+        nonlocal real
+        real = model.step_hook
+        model.step_hook = lambda: calls.append(1) or real()
+        return model
+
+    exec(code.replace("model = build_model(cfg.model, Components.of(cfg))",
+                      "model = counted(build_model(cfg.model, Components.of(cfg)))"), {**scope, "counted": counted})
+    assert isinstance(real, PowerStep) and len(calls) == 3
+    norms = [m for m in real.model.modules() if isinstance(m, StableNorm)]
+    assert norms and all(m.alpha == 0.25 for m in norms)
