@@ -1071,8 +1071,11 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 ax.axvline(step, color=styles[i]["color"], ls="-.", lw=1)
             if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
                 steps = sorted({a["step"] for a in run.alerts})
-                ax.plot(steps, [1.0] * len(steps), "v", color=styles[i]["color"], markersize=8, ls="",
-                        transform=ax.get_xaxis_transform(), clip_on=False)
+                # runs alert at the same probe steps: each alerted run's triangles one row lower
+                # than the previous one's, so that one run's cannot hide another's
+                row = sum(1 for r in runs[:i] if r.alerts)
+                ax.plot(steps, [1.0 - 0.045 * row] * len(steps), "v", color=styles[i]["color"], markersize=8,
+                        ls="", transform=ax.get_xaxis_transform(), clip_on=False)
         if len(missing) < len(runs):
             drawn += 1
             ax.set_ylabel(ylabel)

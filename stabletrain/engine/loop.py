@@ -981,7 +981,7 @@ class Trainer:
             summary["rollbacks"] = self.rollbacks
             summary["lr_scale"] = self.lr_scale  # divergence.lr_scale_on_rollback, compounded
         if self.monitor is not None and not quiet:
-            summary.update(self.monitor.summary(status))
+            summary.update(self.monitor.summary(status, self.step))
         if self.info.is_main:
             try:
                 write_json(self.run_dir / "summary.json", summary)

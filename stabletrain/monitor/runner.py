@@ -78,6 +78,7 @@ class MonitorRunner:
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
         self.history: list[dict] = []
+        self.weight_step: int | None = None  # of the last weight pass, on every rank
         self.alerts: list[dict] = []
         self.stop_reason: str | None = None
         self.stop_onset: int | None = None
@@ -129,6 +130,7 @@ class MonitorRunner:
         rec: dict[str, float] = {}
         with self._isolated():
             if weight_due:
+                self.weight_step = done
                 rec.update(self.weight_metrics())
                 if self.active:
                     self.history = (self.history + [{"step": done, **rec}])[-HISTORY:]
@@ -240,10 +242,20 @@ class MonitorRunner:
 
     # --- results --------------------------------------------------------------------
 
-    def summary(self, status: str) -> dict:
+    def summary(self, status: str, step: int | None = None) -> dict:
+        """``step``: the step the run stopped at. A diverged run whose weights are still finite there
+        (its last steps were skipped, or it stopped on a spike or an alert between weight passes) gets
+        one more weight pass at that step, so that the forensics describe the weights it ended with,
+        not the last scheduled pass, which may be step 0."""
         out: dict = {"alerts": self.alerts}
         if status == "diverged" and (self.active or self.sharded):
             forensics: dict = {}
+            # decided alike on every rank (a sharded pass is collective): rank 0 alone keeps the history
+            if step is not None and self.weight_step != step and self._weights_finite():
+                with self._isolated():
+                    rec = self.weight_metrics()
+                if self.active and rec:
+                    self.history = (self.history + [{"step": step, **rec}])[-HISTORY:]
             finite = [h for h in self.history if not any(k.endswith("/nonfinite_weights") for k in h)]
             if finite:
                 forensics["last_finite_snapshot"] = finite[-1]

@@ -816,3 +816,24 @@ def test_training_curves_show_a_loss_that_went_non_finite_and_where_the_run_dive
     assert [t.get_text() for t in loss_ax.texts] == ["nan"]
     lr_ax = next(ax for ax in figures[0].axes if ax.get_title() == "scheduled learning rate")
     assert not [ln for ln in lr_ax.get_lines() if ln.get_marker() == "^"]  # every lr finite
+
+
+def test_compare_keeps_every_runs_alert_visible_when_they_share_a_step(tmp_path, monkeypatch):
+    """Runs of a sweep alert at the same probe steps: their triangles on the entropy panel's top
+    edge must not sit on one another, or only the last run's colour shows."""
+    runs = []
+    for name in ("a", "b"):
+        run = _write_run(tmp_path / name)
+        summary = json.loads((run / "summary.json").read_text())
+        summary["alerts"] = [{"step": 250, "layer": "blocks.2", "value": 0.01, "message": "m"}]
+        (run / "summary.json").write_text(json.dumps(summary))
+        runs.append(run)
+    figs = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
+    P.compare_runs(runs, tmp_path / "cmp")
+    ax = next(a for a in figs["compare.png"].axes if "entropy" in a.get_title())
+    edge = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
+    assert len(edge) == 2
+    assert {tuple(ln.get_xdata()) for ln in edge} == {(250,)}
+    assert len({tuple(ln.get_ydata()) for ln in edge}) == 2  # two rows, not one triangle on the other
+    assert len({ln.get_color() for ln in edge}) == 2

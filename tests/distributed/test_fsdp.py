@@ -227,3 +227,15 @@ def test_fsdp_alert_stops_both_ranks_at_the_same_step(tmp_path):
     assert s["status"] == "diverged" and s["step"] == 3, (s["status"], s["step"], s["reason"])
     assert s["reason"].startswith("entropy collapse at blocks.") and s["alerts"][0]["step"] == 3
     assert s["forensics"]["last_finite_snapshot"]["step"] == 3 and "grew" in s["forensics"]["growth"]
+
+
+def test_fsdp_forensics_take_their_last_weight_pass_on_both_ranks(tmp_path):
+    """A run that diverges between weight passes (its NaN step skipped, its weights finite) takes
+    one more pass at the step it stopped: a collective on sharded weights, which both ranks must
+    decide alike, or one waits in the gather until the timeout."""
+    run(torchrun_cmd(2, *GPT, "steps=6", "debug.nan_at_step=3", "divergence.max_skips=1", "monitor=standard",
+                     "monitor.weight_every=100", "parallel=fsdp", f"hydra.run.dir={tmp_path}"), cwd=tmp_path,
+        timeout=120)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["step"] == 3, (s["status"], s["step"], s["reason"])
+    assert s["forensics"]["last_finite_snapshot"]["step"] == 3

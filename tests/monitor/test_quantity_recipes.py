@@ -293,3 +293,25 @@ def test_forensics_keep_the_latest_snapshots_and_skip_non_finite_ones():
                       {"step": 6, "sigma1/blocks.0/nonfinite_weights": 1.0}]
     forensics = runner.summary("diverged")["forensics"]
     assert forensics["last_finite_snapshot"] == {"step": 4, "sigma1/blocks.0/wq": 2.0}
+
+
+def test_forensics_take_a_weight_pass_at_the_step_a_diverged_run_stopped():
+    """A run that diverges between weight passes (skipped steps leave its weights finite) reports
+    the weights it stopped with, not the last scheduled pass (step 0 with the default cadence)."""
+    runner, _, _ = _runner("vit_test", "monitor.weight_every=100", "monitor.probe_every=100000",
+                           "monitor.alerts=false")
+    runner.attach(_Sink())
+    runner.after_step(-1)  # the initial pass, at step 0
+    assert [h["step"] for h in runner.history] == [0]
+    with torch.no_grad():  # the weights move after it
+        for p in runner.model.parameters():
+            p.mul_(3.0)
+    forensics = runner.summary("diverged", 30)["forensics"]
+    snap = forensics["last_finite_snapshot"]
+    assert snap["step"] == 30
+    assert snap["sigma1/blocks.0/wq"] == pytest.approx(3.0 * runner.history[0]["sigma1/blocks.0/wq"], rel=1e-3)
+    assert "grew" in forensics["growth"] and "at step 30" in forensics["growth"]
+    # without the step (or with non-finite weights) nothing is added
+    before = len(runner.history)
+    runner.summary("diverged")
+    assert len(runner.history) == before
