@@ -9,7 +9,8 @@ with a printed note (``logits.png`` silently). Figures:
 - ``training.png``: loss, validation metrics, lr, gradient norm, AdamW² bounded fraction;
 - ``dynamics_<block>.png``: the 15 quantities of AdamW² Eq. 1 per block (000 Fig. 1);
 - ``entropy.png``: attention entropy per layer (001 Fig. 2/3), the Theorem 3.1 bound, the health alerts;
-- ``heads.png``: per head (``monitor.per_head=true``), entropy and sigma1(W_q^h^T W_k^h) of up to four blocks;
+- ``heads.png``: per head (``monitor.per_head=true``), entropy and sigma1(W_q^h^T W_k^h) of up to four
+  blocks (those that alerted, then those whose entropy fell lowest);
 - ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
@@ -626,13 +627,38 @@ def _heads(run: Run, group: str, block: str, stem: str) -> list[Series]:
     return out
 
 
+HEAD_COLUMNS = 4  # blocks side by side in heads.png
+
+
+def _heads_worth_showing(run: Run, blocks: list[str]) -> list[str]:
+    """Up to :data:`HEAD_COLUMNS` of ``blocks``, in depth order: those that raised an alert, then
+    those whose min entropy fell lowest; a deep block that collapsed is not left out for being deep."""
+    if len(blocks) <= HEAD_COLUMNS:
+        return blocks
+    alerted = {a.get("layer") for a in run.alerts}
+
+    def lowest(b: str) -> float:
+        series = _finite(run.get(N.metric(N.ENTROPY, b, N.ENT_MIN)) or (np.array([]), np.array([])))
+        return float(np.min(series[1])) if len(series[1]) else math.inf
+
+    ranked = sorted(blocks, key=lambda b: (b not in alerted, lowest(b), blocks.index(b)))
+    keep = set(ranked[:HEAD_COLUMNS])
+    shown = [b for b in blocks if b in keep]
+    _skip(f"{', '.join(b for b in blocks if b not in keep)} in heads.png",
+          f"it has room for {HEAD_COLUMNS} blocks, those that alerted or whose entropy fell lowest "
+          f"({', '.join(shown)}); --blocks names others")
+    return shown
+
+
 @_styled
 def plot_heads(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     """Per head (``monitor.per_head=true``, as monitor=full sets): which head's entropy fell, and
-    which head's sigma1(W_q^h^T W_k^h) grew. One column per block, heads coloured by index."""
+    which head's sigma1(W_q^h^T W_k^h) grew. One column per block, heads coloured by index: of
+    more than four blocks, the four :func:`_heads_worth_showing` picks."""
     shown = [b for b in blocks if _heads(run, N.ENTROPY, b, "head") or _heads(run, N.SIGMA1, b, N.WQ_T_WK + "_head")]
     if not shown:
         return None  # per-head metrics are opt-in: no note on every run without them
+    shown = _heads_worth_showing(run, shown)
     rows = [(N.ENTROPY, "head", "attention entropy (nats)", False),
             (N.SIGMA1, N.WQ_T_WK + "_head", r"$\sigma_1(W_q^{h\top} W_k^h)$", True)]
     rows = [r for r in rows if any(_heads(run, r[0], b, r[1]) for b in shown)]
@@ -883,7 +909,7 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
     written = [plot_training(run, out)]
     for b in chosen:
         written.append(plot_block_dynamics(run, b, out))
-    written += [plot_entropy(run, chosen, out), plot_heads(run, chosen[:4], out), plot_sec(run, chosen, out),
+    written += [plot_entropy(run, chosen, out), plot_heads(run, chosen, out), plot_sec(run, chosen, out),
                 plot_adamw2_lr(run, out),
                 plot_token_similarity(run, out), plot_qk_spectrum(run, out), plot_logits(run, out)]
     return [p for p in written if p is not None]

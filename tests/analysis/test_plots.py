@@ -837,3 +837,21 @@ def test_compare_keeps_every_runs_alert_visible_when_they_share_a_step(tmp_path,
     assert {tuple(ln.get_xdata()) for ln in edge} == {(250,)}
     assert len({tuple(ln.get_ydata()) for ln in edge}) == 2  # two rows, not one triangle on the other
     assert len({ln.get_color() for ln in edge}) == 2
+
+
+def test_heads_png_shows_the_blocks_that_alerted_or_fell_lowest_and_names_the_rest(tmp_path, monkeypatch, capsys):
+    """Of six blocks, four columns: not the first four, which left out the deep blocks that collapsed."""
+    import numpy as np
+    steps = np.array([0.0, 10.0])
+    metrics = {}
+    lowest = {0: 3.0, 1: 2.9, 2: 0.5, 3: 2.8, 4: 0.2, 5: 2.7}  # blocks.5 alerted, blocks.2 and 4 fell lowest
+    for i, low in lowest.items():
+        metrics[f"entropy/blocks.{i}/min"] = (steps, np.array([3.4, low]))
+        metrics[f"entropy/blocks.{i}/head0"] = (steps, np.array([3.4, low]))
+    summary = {"status": "completed", "alerts": [{"step": 10, "layer": "blocks.5", "value": 2.7}]}
+    figures = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    P.plot_heads(P.Run("r", tmp_path, metrics, summary), [f"blocks.{i}" for i in range(6)], tmp_path)
+    titles = [ax.get_title() for ax in figures["heads.png"].axes if ax.get_title()]
+    assert [t.split(":")[0] for t in titles] == ["blocks.2", "blocks.3", "blocks.4", "blocks.5"]
+    assert "note: skipping blocks.0, blocks.1 in heads.png" in capsys.readouterr().out
