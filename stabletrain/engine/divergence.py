@@ -28,6 +28,9 @@ class DivergenceWatch:
         self.level: float | None = None  # the running mean the last loss was measured against
         self.skips = 0  # consecutive skipped steps
         self.onset: int | None = None  # the first step of the trouble the last reason names
+        # skipped steps may fall inside a spike: its steps are not counted back from the last one
+        self.spike_from: int | None = None  # the first step of the spike under watch (while over > 0)
+        self.above_at: int | None = None  # the step of the last loss above factor x its running mean
 
     def update(self, step: int, loss: float, skipped: bool = False) -> str | None:
         """Feed one step's loss (``skipped``: its update was not applied); returns the reason
@@ -48,10 +51,14 @@ class DivergenceWatch:
             return None
         self.above = self.ema is not None and loss > self.factor * self.ema
         self.level = self.ema  # what the last loss was measured against
+        if self.above:
+            self.above_at = step
         spiking = self.above and self.seen >= self.warmup
+        if spiking and not self.over:
+            self.spike_from = step
         self.over = self.over + 1 if spiking else 0
         if self.over >= self.window:
-            self.onset = step - self.over + 1
+            self.onset = self.spike_start(step)
             return (f"loss {loss:.4g} stayed above {self.factor:g}x its running mean {self.ema:.4g} "
                     f"for {self.window} steps, from step {self.onset} to step {step}")
         if not spiking:  # the running level tracks healthy steps only
@@ -69,16 +76,22 @@ class DivergenceWatch:
         they are no final state to save. A lone skipped step, without a spike, is not."""
         if not (self.skips and self.over):
             return None
-        self.onset = step - self.skips - self.over + 1
+        self.onset = self.spike_start(step - self.skips)
         return (f"the run ended inside a loss spike: the loss rose above {self.factor:g}x its running mean at "
                 f"step {self.onset} and the last {self.skips} step(s) had non-finite gradients")
 
+    def spike_start(self, last: int) -> int:
+        """The first step of the spike under watch, whose last spiking step is ``last`` (a
+        checkpoint from before ``spike_from`` was kept: counted back from ``last``)."""
+        return self.spike_from if self.spike_from is not None else last - self.over + 1
+
     def state_dict(self) -> dict:
         return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above,
-                "level": self.level}
+                "level": self.level, "spike_from": self.spike_from, "above_at": self.above_at}
 
     def load_state_dict(self, s: dict) -> None:
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
         self.skips = s.get("skips", 0)
         self.above = bool(s.get("above", self.over))
         self.level = s.get("level", self.ema)
+        self.spike_from, self.above_at = s.get("spike_from"), s.get("above_at")

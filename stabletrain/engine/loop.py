@@ -431,10 +431,10 @@ class Trainer:
         self.trigger = None
         passed = []
         for s, value, skip in zip(steps, got.losses, got.skipped):
-            over = self.divergence.over
+            over, start = self.divergence.over, self.divergence.spike_from
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
             if over and not self.divergence.over and not skip:
-                passed.append((s + 1 - over, over))
+                passed.append((start if start is not None else s + 1 - over, over))
             if reason:
                 self.diverged_at = self.divergence.onset if skip else s + 1  # the first non-finite step
                 self.trigger = (self.divergence.onset or s + 1, "divergence")
@@ -517,11 +517,13 @@ class Trainer:
         # what the divergence watch sees: a spike is a divergence only once it lasts divergence.window steps
         w = self.divergence
         if w.over and reason is None:
-            extra["spike"] = (f"since step {self.step - w.over + 1}, the loss above {w.factor:g}x its running mean "
-                              f"{w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
-        elif w.above and reason is None:  # the warmup's: no window yet, the ring alone holds back
-            extra["spike"] = (f"at step {self.step}, above {w.factor:g}x the running mean {w.level:.4g}; not counted "
-                              f"in the first divergence.warmup_steps={w.warmup} steps")
+            extra["spike"] = (f"since step {w.spike_start(self.step)}, the loss above {w.factor:g}x its running "
+                              f"mean {w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
+        elif w.above and reason is None and (w.above_at or 0) > self.step - len(steps):
+            # the warmup's: no window yet, the ring alone holds back. Said in the interval of its
+            # step only: the skipped (non-finite) steps after it leave `above` as it was
+            extra["spike"] = (f"at step {w.above_at}, above {w.factor:g}x the running mean {w.level:.4g}; not "
+                              f"counted in the first divergence.warmup_steps={w.warmup} steps")
         elif passed:
             first, length = passed[-1]
             extra["spike"] = f"of step {first} passed after {length} step(s)"

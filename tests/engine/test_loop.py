@@ -428,6 +428,26 @@ def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():
     assert w.ema == pytest.approx(6.0, rel=1e-3) and w.over == 0
 
 
+def test_a_spike_with_skipped_steps_inside_starts_where_its_first_step_was():
+    """Skipped (non-finite) steps feed nothing to the watch: a spike at 10, a skip at 11, and
+    spikes at 12 and 13 is a spike from step 10, not one counted back from 13 (step 11)."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0)))
+    for s in range(10):
+        assert w.update(s, 1.0) is None
+    assert w.update(10, 5.0) is None and w.update(11, math.nan, skipped=True) is None
+    assert w.update(12, 5.0) is None and (w.spike_start(12), w.above_at) == (10, 12)
+    assert w.update(13, 5.0) == "loss 5 stayed above 2x its running mean 1 for 3 steps, from step 10 to step 13"
+    assert w.onset == 10
+    again = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3)))
+    again.load_state_dict(w.state_dict())
+    assert (again.spike_from, again.above_at) == (10, 13)
+
+
 def test_the_divergence_watchs_spike_state_survives_a_resume():
     """A last.pt written during a warm-up spike holds above=True: the progress line of a resumed
     run whose first steps are skipped reads the level the spike was measured against, which the

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 import shutil
 import signal
 
@@ -737,3 +738,13 @@ def test_a_spike_in_the_divergence_warmup_stays_out_of_the_ring(tmp_path, capsys
     line = next(x for x in err.splitlines() if x.lstrip().startswith("step 4/") or "step 4/8" in x)
     assert "| spike at step 4, above 4x the running mean " in line, line
     assert "; not counted in the first divergence.warmup_steps=20 steps |" in line, line
+
+
+def test_the_steps_skipped_after_a_warmup_spike_do_not_repeat_it_on_their_lines(tmp_path, capsys):
+    """A NaN step after a warm-up spike leaves the watch's verdict on the spike as it was: its
+    line names the skipped step, not a spike "at step 5"."""
+    train(tmp_path, *GPT, "steps=6", "debug.spike_at_step=4", "debug.nan_at_step=5", quiet=False)
+    lines = {int(m.group(1)): x for x in capsys.readouterr().err.splitlines()
+             if (m := re.search(r"step (\d+)/6 \|", x))}
+    assert "| spike at step 4, above 4x" in lines[4], lines[4]
+    assert "skipped 1 non-finite step(s) (step 5)" in lines[5] and "spike" not in lines[5], lines[5]
