@@ -21,6 +21,7 @@ nothing, and a forward that is not probed does no extra work.
 from __future__ import annotations
 
 import math
+from numbers import Real
 from typing import Optional
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from timm.models.swin_transformer import WindowAttention
 
 from stabletrain.errors import ConfigError
-from stabletrain.layers.norm import StableNorm, mode_eps
+from stabletrain.layers.norm import StableNorm, check_eps, mode_eps
 from stabletrain.registry import Registry, option_value
 
 
@@ -60,6 +61,7 @@ def softmax(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
 def qknorm(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
     """Our added baseline, not one of the papers' runs: RMSNorm with gains on q and k (eps
     ``attn_cfg.eps``), scale ``1/sqrt(d_h)``."""
+    check_eps(attn_cfg.eps, "attention.eps")
     eps = mode_eps(attn_cfg.eps)
     return nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps), head_dim**-0.5
 
@@ -75,6 +77,9 @@ def stable(attn_cfg, norm_cfg, head_dim: int, seq_len: int):
     n = attn_cfg.seq_len if attn_cfg.seq_len is not None else seq_len
     if n < 2:
         raise ConfigError(f"attention=stable needs a sequence length N >= 2, got {n}")
+    if not (isinstance(attn_cfg.c, Real) and attn_cfg.c > 0):
+        raise ConfigError(f"attention.c={attn_cfg.c} must be > 0")
+    check_eps(attn_cfg.eps, "attention.eps")
     tau = attn_cfg.c * math.log2(n)
     mode = option_value(norm_cfg.eps_mode)
     qn = StableNorm(head_dim, alpha=alpha, eps=attn_cfg.eps, eps_mode=mode)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry, option_value
 
 
@@ -44,11 +45,16 @@ def token_similarity(x: Tensor) -> Tensor:
 
 
 class Deescalate(nn.Module):
-    """``x - lambda * mean_tokens(x)``; the prefix mean if ``causal`` (x of shape B, T, d)."""
+    """``x - lambda * mean_tokens(x)``; the prefix mean if ``causal`` (x of shape B, T, d).
+
+    ``lambda_`` outside [0, 1] raises :class:`ConfigError`, unless ``learnable`` (not clamped)."""
 
     def __init__(self, lambda_: float = 1.0, learnable: bool = False, causal: bool = False):
         super().__init__()
         self.causal = causal
+        if not learnable and not 0.0 <= float(lambda_) <= 1.0:
+            raise ConfigError(f"deescalate.lambda_={lambda_} must be in [0, 1] (0 none, 1 complete; learnable is not "
+                              "clamped)")
         lam = torch.tensor(float(lambda_))
         if learnable:
             self.lambda_ = nn.Parameter(lam)

@@ -32,6 +32,7 @@ Decisions:
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import torch
 from torch import Tensor, nn
@@ -104,12 +105,18 @@ def init_matrix_(w: Tensor, name: str, gain: float = 1.0, kwargs: dict | None = 
 
 @torch.no_grad()
 def apply_init(model: nn.Module, init_cfg) -> nn.Module:
-    """Re-initialise ``model``'s linear layers per ``init_cfg`` (``name``, ``gain``); returns it."""
+    """Re-initialise ``model``'s linear layers per ``init_cfg`` (``name``, ``gain``); returns it.
+    ``gain`` <= 0 or a ``fused_qkv`` other than slices or matrix raises :class:`ConfigError`."""
     name = option_value(init_cfg.name)
     if INITS.get(name) is family:
         return model
+    if not (isinstance(init_cfg.gain, Real) and init_cfg.gain > 0):
+        raise ConfigError(f"init.gain={init_cfg.gain} must be > 0")
+    fused_qkv = option_value(getattr(init_cfg, "fused_qkv", "slices"))
+    if fused_qkv not in ("slices", "matrix"):
+        raise ConfigError(f"init.fused_qkv={fused_qkv} is not an option: use slices or matrix")
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    fused = fused_qkv_layers(model) if option_value(getattr(init_cfg, "fused_qkv", "slices")) == "slices" else set()
+    fused = fused_qkv_layers(model) if fused_qkv == "slices" else set()
     kwargs = dict(getattr(init_cfg, "kwargs", None) or {})
     for mod in model.modules():
         if not isinstance(mod, nn.Linear):

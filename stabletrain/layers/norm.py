@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from numbers import Real
+
 import torch
 from torch import Tensor, nn
 
@@ -15,8 +17,8 @@ class StableNorm(nn.Module):
     ``alpha`` in [0, 0.5] (default 0.25, StableViT's, as under ``norm=stablenorm``): the output
     norm is ``d^alpha`` (times gamma); 0.5 is RMSNorm up to
     where eps enters (here ``eps`` sits beside ``||x||^2``, RMSNorm's beside ``mean(x^2)``, so
-    StableNorm(alpha=0.5, eps) equals RMSNorm(eps / d)). ``alpha`` outside [0, 0.5] raises
-    :class:`ConfigError`.
+    StableNorm(alpha=0.5, eps) equals RMSNorm(eps / d)). ``alpha`` not a number in [0, 0.5], or
+    ``eps`` negative, raises :class:`ConfigError` (``eps=0`` is allowed here; ``norm.eps`` must be > 0).
 
     ``eps_mode`` (docs/methods.md §5 decision): ``'sqrt'`` (default) follows the text, eps inside
     the root (004); ``'add'`` is the demo's ``||x|| + eps`` (004). ``eps``
@@ -28,8 +30,10 @@ class StableNorm(nn.Module):
     def __init__(self, dim: int, alpha: float = 0.25, eps: float | None = None, eps_mode: str = "sqrt",
                  bias: bool = False):
         super().__init__()
-        if not 0.0 <= alpha <= 0.5:
-            raise ConfigError(f"StableNorm alpha={alpha} must be in [0, 0.5] (0.5 is RMSNorm)")
+        if not (isinstance(alpha, Real) and 0.0 <= alpha <= 0.5):
+            raise ConfigError(f"StableNorm alpha={alpha!r} must be a number in [0, 0.5] (0.5 is RMSNorm)")
+        if eps is not None and not (isinstance(eps, Real) and eps >= 0):
+            raise ConfigError(f"StableNorm eps={eps!r} must be >= 0, or None for the eps_mode's default")
         if eps_mode not in ("sqrt", "add"):
             raise ConfigError(f"StableNorm eps_mode={eps_mode!r} must be 'sqrt' or 'add'")
         self.dim, self.alpha, self.eps, self.eps_mode = dim, alpha, mode_eps(eps, eps_mode), eps_mode
@@ -59,6 +63,13 @@ def mode_eps(eps: float | None, eps_mode: str = "sqrt") -> float:
     """``eps``, or where it is None the default of ``eps_mode``: 1e-5 inside the root (the
     text), 1e-8 added to ``||x||`` (the demo; docs/methods.md §5)."""
     return EPS_BY_MODE[eps_mode] if eps is None else eps
+
+
+def check_eps(eps, key: str) -> None:
+    """The config's range for an eps key read by a builder (``norm.eps``, ``attention.eps``):
+    > 0, or None for the eps mode's default (:func:`stabletrain.config.validate`'s message)."""
+    if eps is not None and not (isinstance(eps, Real) and eps > 0):
+        raise ConfigError(f"{key}={eps} must be > 0 or null")
 
 
 NORMS = Registry("norm", __name__, declares=("layer", "norm_gain", "keys"), call="(cfg, dim, *, bias, ln_eps)",
@@ -93,11 +104,13 @@ def layernorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
 
 @NORMS.register("rmsnorm", layer=nn.RMSNorm)
 def rmsnorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    check_eps(cfg.eps, "norm.eps")
     return nn.RMSNorm(dim, eps=mode_eps(cfg.eps))
 
 
 @NORMS.register("stablenorm", layer=StableNorm)
 def stablenorm(cfg, dim: int, *, bias: bool, ln_eps: float) -> nn.Module:
+    check_eps(cfg.eps, "norm.eps")
     return StableNorm(dim, alpha=cfg.alpha, eps=cfg.eps, eps_mode=option_value(cfg.eps_mode))
 
 

@@ -19,7 +19,7 @@ from stabletrain.layers.block import Block
 from stabletrain.layers.deescalate import DEESCALATIONS
 from stabletrain.layers.norm import make_norm
 from stabletrain.models.registry import MODELS
-from stabletrain.models.vit import check_heads
+from stabletrain.models.vit import act_layer, check_heads
 from stabletrain.registry import option_value
 
 
@@ -61,7 +61,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             Block(m.embed_dim, m.num_heads, m.mlp_ratio, components=cfg, seq_len=m.block_size, causal=True,
                   qkv_bias=m.bias, proj_bias=m.bias, mlp_hidden=m.mlp_hidden, norm_bias=m.bias,
-                  act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
+                  act_layer=act_layer(m.act),
                   proj_drop=m.dropout, attn_drop=m.dropout, mlp_drop=(0.0, m.dropout), ln_eps=1e-5)
             for _ in range(m.depth)
         )

@@ -33,10 +33,10 @@ def is_builtin(entry) -> bool:
     return entry.fn.__module__.startswith("stabletrain.")
 
 
-def family_tau(family: str) -> float:
+def family_tau(family: str | None) -> float:
     """AdamW²'s bound for ``optim.tau=null``: the family's (000 Table 2: 0.01 for GPT, 0.004 for
-    ViT and Swin), DEFAULT_TAU for one registered without it."""
-    return float(MODELS.entry(family).info.get("tau", DEFAULT_TAU))
+    ViT and Swin), DEFAULT_TAU for one registered without it or for None (a model of no family)."""
+    return DEFAULT_TAU if family is None else float(MODELS.entry(family).info.get("tau", DEFAULT_TAU))
 
 
 def family_entry(name):

@@ -25,6 +25,16 @@ def check_heads(m, components: Components) -> None:
         raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
 
 
+ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}  # model.act: the MLP's activation (ViT and GPT)
+
+
+def act_layer(act: str) -> type[nn.Module]:
+    """The MLP activation named by ``model.act`` (gelu | relu); another name raises :class:`ConfigError`."""
+    if act not in ACTS:
+        raise ConfigError(f"model.act={act} is not an option: use gelu or relu")
+    return ACTS[act]
+
+
 def check_vit(m, components: Components) -> None:
     check_heads(m, components)
     if m.img_size % m.patch_size:
@@ -68,7 +78,7 @@ def build_vit(m, components: Components) -> VisionTransformer:
         embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads, mlp_ratio=m.mlp_ratio,
         qkv_bias=m.qkv_bias, class_token=m.class_token, global_pool="token" if m.class_token else "avg",
         drop_path_rate=m.drop_path, norm_layer=norm_layer, block_fn=block_fn,
-        act_layer=nn.ReLU if m.act == "relu" else nn.GELU,
+        act_layer=act_layer(m.act),
     )
     if post:  # a post-LN stack already ends in a norm
         model.norm = nn.Identity()

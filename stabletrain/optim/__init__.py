@@ -85,15 +85,18 @@ def build_optimizer(
     ``optim_cfg.tau`` null under AdamW² is set to the model family's (:func:`family_tau`). Groups
     follow :mod:`stabletrain.optim.param_groups` and carry ``names`` and ``lr_mult``; the
     initial ``lr`` of each group is ``scaled_lr * lr_mult``. Returns the optimizer and a short
-    text summary of the split for the trainer to print.
+    text summary of the split for the trainer to print. ``family`` None takes a model of no
+    registered family (an nn.Module of one's own): decay on >= 2-D weights only, none on its
+    ``no_weight_decay()`` names if it has that method, AdamW²'s default tau.
     """
     name = option_value(optim_cfg.name)
     OPTIMIZERS.entry(name)  # an unknown name fails here, in one line
     lr = scaled_lr(optim_cfg, batch_size)
     gamma_lr_mult = float(reparam_cfg.gamma_lr_mult) if reparam_cfg is not None else 1.0
+    family = None if family is None else option_value(family)  # None: a module of one's own, no family
     groups = make_param_groups(
         model,
-        option_value(family),
+        family,
         float(optim_cfg.weight_decay),
         optimizer=name,
         bound_norm_gains=bool(optim_cfg.bound_norm_gains),
@@ -106,7 +109,7 @@ def build_optimizer(
         from stabletrain.models.registry import family_tau
 
         # written into the config, so that config.yaml records the bound the run had
-        tau = optim_cfg.tau = family_tau(option_value(family))
+        tau = optim_cfg.tau = family_tau(family)
     own = optim_cfg.get("kwargs") if hasattr(optim_cfg, "get") else getattr(optim_cfg, "kwargs", None)
     args = f" ({', '.join(f'{k}={v}' for k, v in own.items())})" if own else ""  # an optimizer of one's own
     summary = summarize_groups(groups, header=f"optimizer {name}{args} lr {lr:g}: ",

@@ -54,13 +54,15 @@ def _norm_gain_ids(model: nn.Module) -> set[int]:
 
 
 def classify(
-    model: nn.Module, family: str, *, bound_norm_gains: bool = True, gamma_lr_mult: float = 1.0
+    model: nn.Module, family: str | None, *, bound_norm_gains: bool = True, gamma_lr_mult: float = 1.0
 ) -> list[tuple[str, nn.Parameter, ParamRole]]:
-    """``(name, param, role)`` for every trainable parameter, in ``named_parameters`` order."""
+    """``(name, param, role)`` for every trainable parameter, in ``named_parameters`` order.
+    ``family`` None: a model of no registered family, grouped as one that registers no ``no_decay``."""
     from stabletrain.layers.reparam import gamma_parameters
     from stabletrain.models.registry import MODELS
 
-    no_decay = MODELS.entry(family).info.get("no_decay")  # an unknown family: one line
+    # an unknown family: one line; None (a module of one's own, no family): as a family registering none
+    no_decay = MODELS.entry(family).info.get("no_decay") if family is not None else None
     if no_decay is None:  # a family of the user's own that registers none: timm's convention, if it has it
         no_decay = model.no_weight_decay() if callable(getattr(model, "no_weight_decay", None)) else ()
     no_decay = frozenset(no_decay)
@@ -88,7 +90,7 @@ def classify(
 
 def make_param_groups(
     model: nn.Module,
-    family: str,
+    family: str | None,
     weight_decay: float,
     *,
     optimizer: str = "adamw",
