@@ -489,6 +489,17 @@ def plot_training(run: Run, out_dir: Path) -> Path | None:
     return _finish(fig, axes, len(panels), _title(run, "training curves"), out_dir, "training.png")
 
 
+def _why_absent(run: Run, block: str, q: N.Quantity) -> str:
+    """Why a block's norm quantity is missing: the block has no norm with gains (norm=none,
+    sigmaReparam's recipe), or its norm has no bias (RMSNorm, StableNorm, a bias-free LayerNorm)."""
+    if q.group != N.NORM:
+        return ""
+    gains = any(run.has(N.metric(N.NORM, block, g)) for g in (N.NORM1_GAMMA, N.NORM2_GAMMA))
+    if not gains:
+        return "\n(no norm gains in this block,\ne.g. norm=none)"
+    return "\n(the norm has no bias)" if q.quantity in (N.NORM1_BETA, N.NORM2_BETA) else ""
+
+
 @_styled
 def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     """000 Fig. 1: one panel per Eq. 1 quantity of ``block`` (absent ones say so), plus the loss."""
@@ -508,7 +519,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
             ax.legend(loc="best")
             ok = True
         if not ok:
-            _empty(ax, "not logged\n(e.g. no norm bias)")
+            _empty(ax, "not logged" + _why_absent(run, block, q))
         _mark_divergence(ax, run)
         ax.set_title(q.label)
         ax.set_xlabel("step")

@@ -855,3 +855,20 @@ def test_heads_png_shows_the_blocks_that_alerted_or_fell_lowest_and_names_the_re
     titles = [ax.get_title() for ax in figures["heads.png"].axes if ax.get_title()]
     assert [t.split(":")[0] for t in titles] == ["blocks.2", "blocks.3", "blocks.4", "blocks.5"]
     assert "note: skipping blocks.0, blocks.1 in heads.png" in capsys.readouterr().out
+
+
+def test_a_missing_norm_panel_says_why(tmp_path, monkeypatch):
+    """norm=none has no gains at all: its panels said "e.g. no norm bias", a gain being no bias."""
+    import numpy as np
+    steps = np.array([0.0, 10.0])
+    base = {"sigma1/blocks.0/wq": (steps, np.array([1.0, 2.0]))}
+    gains = {"norm/blocks.0/norm1_gamma": (steps, np.array([1.0, 1.1])),
+             "norm/blocks.0/norm2_gamma": (steps, np.array([1.0, 1.1]))}
+    notes, figures = {}, []
+    monkeypatch.setattr(P, "_save", lambda fig, out, n: figures.append(fig))
+    for name, metrics in (("none", base), ("rms", {**base, **gains})):
+        P.plot_block_dynamics(P.Run("r", tmp_path, metrics, None), "blocks.0", tmp_path)
+        notes[name] = {ax.get_title(): " ".join(t.get_text() for t in ax.texts) for ax in figures[-1].axes}
+    assert "no norm gains in this block" in notes["none"][r"$\|\gamma_1\|_2$"]
+    assert "bias" not in notes["none"][r"$\|\gamma_1\|_2$"]
+    assert "the norm has no bias" in notes["rms"][r"$\|\beta_1\|_2$"]
