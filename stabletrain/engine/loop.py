@@ -703,6 +703,20 @@ class Trainer:
                 else "it is off from here"))
         return notes
 
+    def _no_checkpoint_before(self, onset: int, kind: str) -> str:
+        """Why no rollback: what the ring holds, and the ckpt.keep that would have kept the last
+        checkpoint from before ``onset`` (the ring's steps every ckpt_every, from the run's start)."""
+        held = D.broadcast_object([s for s, _ in ring_checkpoints(self.run_dir)] if self.info.is_main else None,
+                                  self.info)
+        where = ", where the collapse began," if kind == "alert" else ""
+        line = (f"no ring checkpoint before step {onset}{where} to roll back to: the ring holds "
+                f"{'step(s) ' + ', '.join(map(str, held)) if held else 'none'} (ckpt.keep={self.settings.ckpt_keep})")
+        every = self.settings.ckpt_every
+        wanted = (onset - 1) // every * every  # the last ring step before the onset (the start's is step 0)
+        if held and wanted < held[0]:
+            line += f"; ckpt.keep={(held[-1] - wanted) // every + 1} would have kept step {wanted}"
+        return line
+
     def survive(self, reason: str, refused_save: bool = False) -> str | None:
         """``divergence.action=rollback``: restore the newest ring checkpoint from before the
         trouble began, skip the data from there to the trouble (at least ``skip_window`` steps),
@@ -719,11 +733,8 @@ class Trainer:
         if len(self.rollbacks) >= w.max_rollbacks:
             return f"{reason}; divergence.max_rollbacks={w.max_rollbacks} reached"
         found = self.ckpt.ring_before(onset)
-        if found is None and kind == "alert":  # one from inside the collapse would restore it
-            return (f"{reason}; no ring checkpoint before step {onset}, where the collapse began, to roll back to "
-                    f"(ckpt_every at most monitor.probe_every, and a larger ckpt.keep, keep one)")
-        if found is None:
-            return f"{reason}; no ring checkpoint before step {onset} to roll back to"
+        if found is None:  # one from inside the trouble would restore it
+            return f"{reason}; {self._no_checkpoint_before(onset, kind)}"
         again = self.rollbacks and found[0] == self.rollbacks[-1]["restored_step"]
         if again and (earlier := self.ckpt.ring_before(found[0])) is not None:
             found = earlier  # the state restored last time went wrong again: it may hold the trouble's start

@@ -474,5 +474,7 @@ def test_a_rollback_on_an_alert_goes_back_before_the_collapse_began_or_stops(tmp
         if outcome == "completed":
             assert [r["restored_step"] for r in s["rollbacks"]] == [4]  # the newest ring checkpoint before step 5
         else:
+            # what the ring holds, and the ckpt.keep that would have kept step 0 (ckpt_every=2: 0, 2, 4, 6, 8)
             assert s["reason"].endswith("no ring checkpoint before step 1, where the collapse began, to roll back "
-                                        "to (ckpt_every at most monitor.probe_every, and a larger ckpt.keep, keep one)")
+                                        "to: the ring holds step(s) 4, 6, 8 (ckpt.keep=3); ckpt.keep=5 would have "
+                                        "kept step 0"), s["reason"]
