@@ -317,7 +317,10 @@ TIMM_VIT = """
 @pytest.mark.parametrize("name,body,family,coverage", [
     ("mlp_own", MLP, "mlp_own", "monitor: the model has no transformer blocks (modules with norm1, attn and mlp), "
                                 "so only its output's logits/log_z is monitored"),
-    ("timm_vit_own", TIMM_VIT, "timm_vit_own", "monitor: 2 of 2 blocks have an attention that is not stabletrain's"),
+    ("timm_vit_own", TIMM_VIT, "timm_vit_own", "monitor: 2 of 2 blocks have an attention that is not stabletrain's "
+                                               "(stabletrain/layers/attention.py): the probe pass (attention entropy, "
+                                               "token similarity, the alerts) skips them; the weight pass (sigma1, "
+                                               "SEC) reads them"),
 ])
 def test_a_model_of_other_blocks_trains_and_is_told_what_it_does_not_get(tmp_path, name, body, family, coverage):
     """A builder that ignores ``components``: the run says the chosen norm and attention change
@@ -340,9 +343,17 @@ def test_a_model_of_other_blocks_trains_and_is_told_what_it_does_not_get(tmp_pat
     assert summary["status"] == "completed"
     from stabletrain.metrics import read_records
 
-    probes = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if "logits/log_z" in r]
+    records = read_records(tmp_path / "run" / "metrics.jsonl")
+    probes = [r for r in records if "logits/log_z" in r]
     assert [r["step"] for r in probes] == [0, 2, 4]  # the initial snapshot, then every probe_every
     assert all(torch.isfinite(torch.tensor(r["logits/log_z"])) for r in probes)
+    if name == "timm_vit_own":  # timm's blocks are read by the weight pass: their sigma1, against an exact SVD
+        qkv = trainer.model.blocks[1].attn.qkv.weight.detach()
+        wq = qkv.chunk(3, 0)[0]
+        logged = [r for r in records if "sigma1/blocks.1/wq" in r][-1]["sigma1/blocks.1/wq"]
+        assert logged == pytest.approx(float(torch.linalg.matrix_norm(wq, 2)), rel=1e-3)
+    else:
+        assert not any(k.startswith("sigma1/") for r in records for k in r)
 
 
 def test_stabletrains_own_families_get_no_such_note():

@@ -459,6 +459,18 @@ class BlockWeights(NamedTuple):
     norms: tuple[tuple[str, Tensor], ...] = ()
 
 
+def readable_block(block) -> bool:
+    """Whether :func:`block_weights` can read ``block``: timm's layout, a fused ``attn.qkv`` of
+    3 x its input width rows, ``attn.proj``, ``attn.num_heads``, ``mlp.fc1`` and ``mlp.fc2``."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    weights = [getattr(getattr(m, k, None), "weight", None) for m, k in
+               ((attn, "qkv"), (attn, "proj"), (mlp, "fc1"), (mlp, "fc2"))]
+    if not all(isinstance(w, Tensor) and w.dim() == 2 for w in weights):
+        return False
+    heads, rows = getattr(attn, "num_heads", None), weights[0].shape[0]
+    return isinstance(heads, int) and heads > 0 and rows % (3 * heads) == 0
+
+
 def block_weights(name: str, block) -> BlockWeights:
     """Read a transformer block (``.attn.qkv`` fused ``q|k|v`` rows, ``.attn.proj``,
     ``.attn.num_heads``, ``.mlp.fc1/fc2``, ``.norm1/.norm2`` with optional ``.weight/.bias``).

@@ -24,7 +24,7 @@ from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import block_chunks, block_probe_metrics, model_weight_metrics
+from stabletrain.monitor.quantities import block_chunks, block_probe_metrics, model_weight_metrics, readable_block
 
 HISTORY = 64  # weight snapshots kept for forensics
 REMEDIES = "a learning-rate warmup, optim=adamw2, reparam=sigma or attention=qknorm"
@@ -70,10 +70,12 @@ class MonitorRunner:
         self.active, self.with_bound = active, with_bound
         self.sharding = sharding
         self.sharded = sharding is not None  # every rank takes part in the passes
-        # the blocks whose attention is stabletrain's (it captures what the probe reads); a model of
-        # one's own built of other blocks has only its output's log Z monitored (:meth:`coverage`)
+        # the probe reads blocks whose attention is stabletrain's (it captures the probabilities);
+        # the weight pass any block of timm's layout (fused qkv, proj, fc1, fc2): a timm ViT of one's
+        # own gets its sigma1 and SEC, not its entropy (:meth:`coverage`)
         found = transformer_blocks(model)
         self.blocks = [(n, b) for n, b in found if hasattr(b.attn, "probe")]
+        self.weight_blocks = [(n, b) for n, b in found if readable_block(b)]
         self.found = len(found)
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
@@ -90,9 +92,17 @@ class MonitorRunner:
         if not self.found:
             return ("monitor: the model has no transformer blocks (modules with norm1, attn and mlp), so only "
                     "its output's logits/log_z is monitored")
-        if len(self.blocks) < self.found:
-            return (f"monitor: {self.found - len(self.blocks)} of {self.found} blocks have an attention that is not "
-                    f"stabletrain's (stabletrain/layers/attention.py), so they are not monitored")
+        probed, weighed, others = len(self.blocks), len(self.weight_blocks), self.found - len(self.blocks)
+        if others:
+            line = (f"monitor: {others} of {self.found} blocks have an attention that is not stabletrain's "
+                    f"(stabletrain/layers/attention.py): the probe pass (attention entropy, token similarity, the "
+                    f"alerts) skips them")
+            if weighed == self.found:
+                return line + "; the weight pass (sigma1, SEC) reads them"
+            if weighed > probed:
+                return line + (f"; the weight pass (sigma1, SEC) reads {weighed - probed} of them, those with "
+                               f"timm's layout (attn.qkv fused, attn.proj, mlp.fc1, mlp.fc2)")
+            return line + ", and so does the weight pass (no fused attn.qkv, attn.proj, mlp.fc1, mlp.fc2 to read)"
         return None
 
     def attach(self, sink) -> None:
@@ -160,9 +170,9 @@ class MonitorRunner:
         chunk's weights (less than ``STACK_BUDGET_BYTES``, or one block), not the model's.
         Returns {} on other ranks."""
         if not self.sharded:
-            return model_weight_metrics(self.blocks, per_head=self.cfg.per_head, warm=self.warm)
+            return model_weight_metrics(self.weight_blocks, per_head=self.cfg.per_head, warm=self.warm)
         out: dict[str, float] = {}
-        for chunk in block_chunks(self.blocks):
+        for chunk in block_chunks(self.weight_blocks):
             with self.sharding.gathered([blk for _, blk in chunk]):
                 if self.active:
                     out.update(model_weight_metrics(chunk, per_head=self.cfg.per_head, warm=self.warm))
