@@ -604,6 +604,23 @@ def test_an_option_of_ones_own_that_returns_the_wrong_thing_is_one_line(tmp_path
             return nn.Sequential(nn.Embedding(m.vocab_size, 8), nn.Linear(8, 100))
      """, r"^the model's output has shape \(4, \d+, 100\) .* the loss needs \(batch, sequence, at least \d+\): "
           r"build its output layer with model.vocab_size"),
+    ("model=vit_test", """
+        from torch import nn
+        from stabletrain.models.registry import MODELS
+
+        class Pair(nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.head = nn.Sequential(nn.Flatten(), nn.Linear(m.in_chans * m.img_size ** 2, m.num_classes))
+
+            def forward(self, x):
+                return self.head(x), x.mean()  # logits and an auxiliary value
+
+        @MODELS.register("narrow_own", kind="vision")
+        def narrow_own(m, components):
+            return Pair(m)
+     """, r"^the model returned a tuple, not a tensor of logits: the loss needs its forward to return the logits "
+          r"alone$"),
 ])
 def test_a_model_whose_output_does_not_fit_the_data_is_one_line(tmp_path, model, body, needle):
     """A head that ignores model.num_classes: an IndexError inside the loss on a CPU (a

@@ -225,6 +225,9 @@ class Trainer:
         """Once: logits of the shape the loss needs. A model of one's own whose head ignores
         model.num_classes (or model.vocab_size) would otherwise fail inside the loss, as an index
         error on a CPU and a device-side assert on a GPU."""
+        if not isinstance(out, torch.Tensor):  # a tuple (logits, aux), a dict, an HF output
+            raise ConfigError(f"the model returned a {type(out).__name__}, not a tensor of logits: the loss needs "
+                              f"its forward to return the logits alone")
         d, shape = self.data, tuple(out.shape)
         if d.kind == "vision":
             ok, want = len(shape) == 2 and shape == (x.shape[0], d.num_classes), f"(batch, {d.num_classes})"

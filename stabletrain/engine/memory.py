@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from stabletrain.errors import ConfigError
 
@@ -48,7 +49,8 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
         with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 autocast():
             out = model(x.clone())
-        return sum(kept.values()) + out.numel() * 4
+        # a model returning more than its logits is refused at the first step, in one line (loop.py)
+        return sum(kept.values()) + sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)) * 4
     finally:
         model.train(was_training)
         with torch.no_grad():
