@@ -191,9 +191,10 @@ def short_bound_note(optim_cfg, total_steps: int) -> str | None:
     reached 3.5 in 80; the default run (conv_vit_mini, 600 steps at 0.004: 11x) trains well."""
     if option_value(optim_cfg.name) != "adamw2" or optim_cfg.tau is None:
         return None
-    growth = (1 + optim_cfg.tau) ** total_steps
-    if growth >= 10:
+    # in logs: (1 + tau)^steps overflows a float for a paper-length run (GPT-S: 1.01^600000)
+    if total_steps * math.log1p(optim_cfg.tau) >= math.log(10):
         return None
+    growth = (1 + optim_cfg.tau) ** total_steps
     return (f"note: optim=adamw2 bounds each update to tau={optim_cfg.tau:g} x sigma1(W), so in these {total_steps} "
             f"steps a weight matrix's sigma1 can grow {growth:.3g}x at most: where the loss falls slowly, that is the "
             f"likely limit (more steps, a larger optim.tau, or optim=adamw)")

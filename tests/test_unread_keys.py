@@ -6,7 +6,7 @@ import pytest
 from stabletrain.cli import group_options
 from stabletrain.config import unread_keys
 from stabletrain.models.registry import unread_model_keys
-from tests.helpers import make_cfg
+from tests.helpers import cli, make_cfg
 
 
 @pytest.mark.parametrize("overrides,note", [
@@ -222,6 +222,9 @@ def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted()
     gpt = make_cfg("model=gpt_test", "optim.tau=0.01").optim  # GPT's tau: noted below 10x, up to 231 steps
     assert "231 steps a weight matrix's sigma1 can grow 9.96x" in short_bound_note(gpt, 231)
     assert short_bound_note(gpt, 232) is None
+    # paper-length runs: (1 + tau)^steps overflows a float (adamw2_gpt2_s: 1.01^600000; Swin-S on
+    # ImageNet: 1.004^375300); they grow far past 10x and get no note, not an OverflowError
+    assert short_bound_note(gpt, 600_000) is None and short_bound_note(optim, 375_300) is None
     images = Data("vision", 1438)
     assert batch_over_data_note(images, 4096) == ("note: a batch (4096 samples) holds 2.85x the 1438 training "
                                                   "samples: each step sees them repeated (a smaller batch_size, or "
@@ -230,3 +233,14 @@ def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted()
     assert batch_over_data_note(Data("text", 1000, seq_len=64), 16) == (
         "note: a batch (1024 tokens) holds 1.02x the 1000 training tokens: each step sees them repeated (a smaller "
         "batch_size, or more data)")
+
+
+@pytest.mark.parametrize("overrides", [["experiment=adamw2_gpt2_s"],
+                                       ["experiment=adamw2_swin_s", "steps=375300"],  # 300 ImageNet epochs
+                                       ["experiment=adamw2_vit_b", "steps=187650"]])  # 150 ImageNet epochs
+def test_adamw2_paper_recipes_at_paper_length_build(overrides, tmp_path):
+    """The AdamW² recipes at their papers' lengths describe themselves (dry run) instead of
+    failing in the short-run note with an OverflowError."""
+    r = cli(*overrides, "dry_run=true", f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dry run: nothing trained" in r.stdout + r.stderr

@@ -55,6 +55,12 @@ def check_swin(m, components: Components) -> None:
     if len(m.depths) != len(m.stage_heads):
         raise ConfigError(f"model.depths={list(m.depths)} and model.stage_heads={list(m.stage_heads)} must have "
                           f"one entry per stage each")
+    for stage, heads in enumerate(m.stage_heads):
+        width = m.embed_dim * 2**stage
+        if heads < 1 or width % heads:
+            raise ConfigError(f"model.stage_heads={list(m.stage_heads)}: stage {stage}'s width {width} "
+                              f"(model.embed_dim={m.embed_dim} x {2**stage}) is not divisible by its {heads} heads "
+                              f"(timm would narrow the attention to {heads} x {width // max(heads, 1)})")
     if (why := _untiled(m.img_size, m.patch_size, m.window_size, len(m.depths))) is not None:
         tile = m.patch_size * m.window_size * 2 ** len(m.depths)  # a multiple of it always fits
         fits = next(size for size in range(m.img_size + 1, m.img_size + tile + 1)

@@ -133,3 +133,14 @@ def test_swin_sizes_are_refused_exactly_where_timm_would_pad_or_drop(img, window
                                             for r, w in zip(b.input_resolution, b.window_size))
     exact &= [b.input_resolution[0] for b in blocks] == [img // m.patch_size // 2 ** i for i in range(len(blocks))]
     assert exact == tiles
+
+
+@pytest.mark.parametrize("overrides", [("model.embed_dim=32", "model.stage_heads=[3,6]"),
+                                       ("model.stage_heads=[3,4]",), ("model.embed_dim=16", "model.stage_heads=[2,3]")])
+def test_swin_refuses_a_stage_width_its_heads_do_not_divide(overrides):
+    """timm's Swin takes head_dim = width // heads and silently narrows the attention (32 wide, 3
+    heads: q, k, v of 30); Liu et al.'s code fails there, and our ViT refuses it: one line."""
+    from stabletrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not divisible by its"):
+        model_of(make_cfg("model=swin_test", *overrides))
