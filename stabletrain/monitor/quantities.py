@@ -462,9 +462,15 @@ class BlockWeights(NamedTuple):
 def readable_block(block) -> bool:
     """Whether :func:`block_weights` can read ``block``: timm's layout, a fused ``attn.qkv`` of
     3 x its input width rows, ``attn.proj``, ``attn.num_heads``, ``mlp.fc1`` and ``mlp.fc2``."""
+    from stabletrain.layers.reparam import raw_weight
+
     attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
-    weights = [getattr(getattr(m, k, None), "weight", None) for m, k in
-               ((attn, "qkv"), (attn, "proj"), (mlp, "fc1"), (mlp, "fc2"))]
+    layers = [getattr(m, k, None) for m, k in ((attn, "qkv"), (attn, "proj"), (mlp, "fc1"), (mlp, "fc2"))]
+    if not all(isinstance(m, torch.nn.Module) for m in layers):
+        return False
+    # the tensors themselves: a parametrised .weight would compute sigmaReparam's W / sigma (and
+    # under FSDP2, gather it) just to be looked at
+    weights = [raw_weight(m) if hasattr(m, "weight") else None for m in layers]
     if not all(isinstance(w, Tensor) and w.dim() == 2 for w in weights):
         return False
     heads, rows = getattr(attn, "num_heads", None), weights[0].shape[0]

@@ -75,7 +75,7 @@ class MonitorRunner:
         # own gets its sigma1 and SEC, not its entropy (:meth:`coverage`)
         found = transformer_blocks(model)
         self.blocks = [(n, b) for n, b in found if hasattr(b.attn, "probe")]
-        self.weight_blocks = [(n, b) for n, b in found if readable_block(b)]
+        self.weight_blocks = [(n, b) for n, b in found if hasattr(b.attn, "probe") or readable_block(b)]
         self.found = len(found)
         self.watch = HealthWatch.from_config(self.cfg)
         self.warm: dict = {}  # power-iteration vectors between weight passes (model_weight_metrics)
