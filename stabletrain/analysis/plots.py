@@ -110,12 +110,19 @@ class Run:
 
     @property
     def skipped_at(self) -> list[float]:
-        """The steps whose non-finite update was skipped; in a run recorded before each had a
-        record of its own, the log steps whose interval skipped one."""
-        series = self.get(N.SKIPPED_STEP)
-        if series is None:
-            series = self.get(N.SKIPPED_STEPS)
-        return [] if series is None else sorted({float(x) for x, n in zip(*series) if n > 0})
+        """The steps whose non-finite update was skipped; where a log interval skipped more than
+        its steps' own records say (a run, or the part of a run resumed by newer code, recorded
+        before each skipped step had a record of its own), that interval's log step."""
+        own = self.get(N.SKIPPED_STEP)
+        marks = set() if own is None else {float(x) for x, n in zip(*own) if n > 0}
+        intervals = self.get(N.SKIPPED_STEPS)
+        if intervals is not None:
+            start = -math.inf
+            for x, n in zip(*intervals):
+                if n > 0 and sum(start < m <= x for m in marks) < n:
+                    marks.add(float(x))
+                start = max(start, float(x))
+        return sorted(marks)
 
 
 _NONFINITE = ("nan", "inf", "-inf")

@@ -454,7 +454,7 @@ class Checkpointer:
             fix = (f"resume it with the command it was written with, {theirs}" if theirs else
                    f"resume it with the config it was written with ({path.parent.parent / 'config.yaml'})")
             raise ConfigError(f"{path} does not fit this run's model or optimizer ({mismatch(e)}); {fix}") from None
-        self.divergence.load_state_dict(ck["divergence"])
+        self.divergence.load_state_dict(ck["divergence"], step=ck["step"])
         set_rng_state(ck["rng"])
         if self.monitor is not None and ck.get("monitor"):
             self.monitor.load_state_dict(ck["monitor"])

@@ -89,9 +89,19 @@ class DivergenceWatch:
         return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above,
                 "level": self.level, "spike_from": self.spike_from, "above_at": self.above_at}
 
-    def load_state_dict(self, s: dict) -> None:
+    def load_state_dict(self, s: dict, step: int | None = None) -> None:
+        """``step``: the step the state was saved at. A checkpoint written before ``spike_from``
+        and ``above_at`` were kept, inside a spike, gets them back from it: the watch had seen every
+        step to ``step``, the last ``skips`` of them skipped, so the last loss it measured was step
+        ``step - skips`` and the spike's ``over`` steps end there (as that code counted them). Left
+        unset, a non-finite step skipped after the resume would move the spike's start (and the
+        ring checkpoint a rollback restores, the data it skips) one step later."""
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
         self.skips = s.get("skips", 0)
         self.above = bool(s.get("above", self.over))
         self.level = s.get("level", self.ema)
         self.spike_from, self.above_at = s.get("spike_from"), s.get("above_at")
+        if step is not None and "spike_from" not in s:
+            last = step - self.skips
+            self.spike_from = last - self.over + 1 if self.over else None
+            self.above_at = last if self.above else None

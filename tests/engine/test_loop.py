@@ -333,6 +333,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
 
     from stabletrain.build import build_trainer
     from stabletrain.cli import CONFIG_DIR
+    from stabletrain.config import register
     from stabletrain.engine.rundir import RunDirLock, interpreter
     from stabletrain.errors import ConfigError
     from tests.helpers import make_cfg
@@ -340,6 +341,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
     for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):
         monkeypatch.delenv(var, raising=False)
     sweep = tmp_path / "sweep"
+    register()  # the schema train.yaml names, which only an earlier test in this process had stored
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         hydra_cfg = compose("train", overrides=[f"hydra.sweep.dir={sweep}"], return_hydra_config=True)
