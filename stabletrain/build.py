@@ -26,7 +26,7 @@ import copy
 import difflib
 import inspect
 import math
-from collections.abc import Container
+from collections.abc import Collection, Container
 from pathlib import Path
 
 import torch
@@ -433,13 +433,27 @@ def _unread_data_keys(cfg, entry) -> list[str]:
     return [k for k in OPTION_KEYS if k not in reads and C.differs(cfg.data[k], C.schema_default(f"data.{k}"))]
 
 
-def unread_data_notes(cfg) -> list[str]:
-    """A note for each data key the chosen data set does not read (``data.path`` and ``data.root``
-    only in a sweep over ``data``: :func:`validate` refuses them elsewhere)."""
+def unread_data_reasons(cfg) -> dict[str, str]:
+    """Every data key the chosen data set does not read (it declares ``reads``), set or not, with
+    why: what :func:`stabletrain.config.unread_reasons` is for the other groups' keys, so that a
+    sweep's check (``cli.check_swept_keys_read``) sees them too."""
     entry = _data_entry(cfg)
+    reads = entry.info.get("reads")
+    if reads is None:
+        return {}
     readers = {k: [e.name for e in DATASETS.entries() if k in (e.info.get("reads") or ())] for k in OPTION_KEYS}
-    return [f"note: data.{k}={C.shown_value(cfg.data[k])} changes nothing: only data={'/'.join(readers[k])} reads it, "
-            f"and this run has data={entry.name}" for k in _unread_data_keys(cfg, entry)]
+    return {f"data.{k}": f"only data={'/'.join(readers[k])} reads it, and this run has data={entry.name}"
+            for k in OPTION_KEYS if k not in reads}
+
+
+def unread_data_notes(cfg, given: Collection[str] = ()) -> list[str]:
+    """A note for each data key the chosen data set does not read, set away from its default or
+    ``given`` on the command line (a sweep's point at the default is noted as the others are;
+    ``data.path`` and ``data.root`` only in a sweep over ``data``: :func:`validate` refuses them
+    elsewhere)."""
+    return [f"note: {key}={C.shown_value(cfg.data[key[len('data.'):]])} changes nothing: {why}"
+            for key, why in unread_data_reasons(cfg).items()
+            if key in given or C.differs(cfg.data[key[len("data."):]], C.schema_default(key))]
 
 
 def fit_model_to_data(cfg, data: Data) -> list[str]:
@@ -487,7 +501,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     seed_all(cfg.seed)
     data = data_from_config(cfg)
     given = C.given_keys(task_overrides())  # a sweep's point at a key's default is noted as the others are
-    notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg), given) + unread_data_notes(cfg)
+    notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg), given) + unread_data_notes(cfg, given)
              + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     model = model.to(device)

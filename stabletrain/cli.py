@@ -457,11 +457,12 @@ def check_swept_keys_read(points: list[list[str]], swept: list[int], configs: li
     """A swept key that no point of the sweep reads (optim.tau under optim=adamw, deescalate.lambda_
     without deescalate=block) is refused: each point would train the same model, and the sweep's
     table and figure would read as "it has no effect"."""
-    from stabletrain.build import own_groups
+    from stabletrain.build import own_groups, unread_data_reasons
     from stabletrain.config import unread_reasons
     from stabletrain.models.registry import model_unread_reasons
 
-    reasons = [{**model_unread_reasons(c.model), **unread_reasons(c, own_groups(c))} for c in configs]
+    reasons = [{**model_unread_reasons(c.model), **unread_reasons(c, own_groups(c)), **unread_data_reasons(c)}
+               for c in configs]
     for i in swept:
         key = points[0][i].split("=")[0].lstrip("+~")
         if all(key in r for r in reasons):

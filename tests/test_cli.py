@@ -445,6 +445,12 @@ def test_an_image_runs_augmentation_is_one_start_line_in_timms_terms():
     ("-m model=gpt_test model.patch_size=4,8",
      "model.patch_size=4,8 is swept, but no point of the sweep reads it: only model.family=swin/vit reads it, and "
      "this run has model.family=gpt"),
+    ("-m model=vit_test data.erasing=0,0.25",
+     "data.erasing=0,0.25 is swept, but no point of the sweep reads it: only data=cifar10/cifar100/imagefolder reads "
+     "it, and this run has data=digits"),
+    ("-m model=vit_test data.tokenizer=byte,gpt2",
+     "data.tokenizer=byte,gpt2 is swept, but no point of the sweep reads it: only data=pytext reads it, and this run "
+     "has data=digits"),
 ])
 def test_a_swept_key_no_point_reads_is_refused(args, line, capsys):
     """Each point trained the same model behind a start note (none at the default value), and the
@@ -461,6 +467,17 @@ def test_a_swept_key_some_points_read_is_launched():
 
     check_overrides("-m model=gpt_test optim=adamw,adamw2 optim.tau=0.003,0.01".split())
     check_overrides("-m model=gpt_test,vit_test model.patch_size=4,8".split())
+
+
+def test_a_swept_data_key_some_points_read_is_launched(tmp_path):
+    from stabletrain.cli import check_overrides
+
+    from PIL import Image
+
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / split / "a" / "0.png")
+    check_overrides(f"-m model=vit_test data=digits,imagefolder data.root={tmp_path} data.erasing=0,0.25".split())
 
 
 def _sweep_dir(root, taus):

@@ -156,6 +156,19 @@ def test_a_data_key_the_chosen_data_set_does_not_read_is_noted(overrides, notes)
         assert sorted(unread_data_notes(make_cfg(*overrides))) == sorted(notes)
 
 
+def test_a_data_key_given_at_its_default_is_noted_as_the_others_are():
+    """A sweep's point at the default (data.erasing=0 of data.erasing=0,0.25 on the digits) says
+    what the other points say, as for every other group's keys (README, "changes nothing")."""
+    from stabletrain.build import unread_data_notes
+
+    cfg = make_cfg("model=vit_test", "data.erasing=0.0", "data.tokenizer=byte", "data.val_fraction=0.2")
+    assert unread_data_notes(cfg) == []  # not given: said only away from the default
+    assert sorted(unread_data_notes(cfg, {"data.erasing", "data.tokenizer", "data.val_fraction"})) == [
+        "note: data.erasing=0.0 changes nothing: only data=cifar10/cifar100/imagefolder reads it, and this run has "
+        "data=digits",
+        "note: data.tokenizer=byte changes nothing: only data=pytext reads it, and this run has data=digits"]
+
+
 @pytest.mark.parametrize("option", group_options("data"))
 def test_no_data_option_sets_a_data_key_it_does_not_read(option):
     from stabletrain.build import unread_data_notes
