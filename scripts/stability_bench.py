@@ -213,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             group_dir.mkdir(parents=True, exist_ok=True)
             with open(group_dir / "launch.log", "a") as log:
+                start = log.tell()
                 rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                     env={**os.environ, "WANDB_MODE": "disabled"}).returncode
             if rc != 0:
                 failed.append(group)
-                print(f"[{group}] sweep exited with {rc}; see {group_dir / 'launch.log'}", file=sys.stderr)
+                why = last_error(group_dir / "launch.log", start)
+                print(f"[{group}] sweep exited with {rc}{': ' + why if why else ''}; see {group_dir / 'launch.log'}",
+                      file=sys.stderr)
     if a.dry_run:
         return 0
     rc = summarize(out, order, lrs)
@@ -225,6 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sweeps that failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return rc
+
+
+def last_error(log: Path, start: int) -> str | None:
+    """The last ``error: ...`` line a launch wrote to ``log`` from byte ``start``: the reason a
+    sweep never started (no SLURM here, a refused setting), said where the bench is read."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    return errors[-1] if errors else None
 
 
 def summarize(out: Path, order: list[str] | None, lrs: list[float] | None = None) -> int:

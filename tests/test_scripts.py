@@ -98,6 +98,21 @@ def test_stability_bench(tmp_path):
     assert sorted(pt.lr for pt in collect(tmp_path)["adamw"]) == [1e-3, 1e-1]  # the old runs are no points
 
 
+def test_a_stability_bench_sweep_that_never_started_says_why(tmp_path):
+    """Without SLURM, --launcher slurm failed every sweep with "see launch.log": the reason, one
+    line in that log, is now on the bench's own output."""
+    import shutil
+
+    if shutil.which("srun") or shutil.which("sbatch"):
+        pytest.skip("SLURM is installed here")
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "stability_bench.py"), "--out", str(tmp_path),
+                        "--preset", "tiny", "--lrs", "1e-3", "--fixes", "adamw", "--launcher", "slurm"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert ("[adamw] sweep exited with 2: error: hydra/launcher=slurm submits through SLURM, but there is no sbatch "
+            "nor srun on this machine") in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("name", ["bench_train.py", "bench_optim.py", "bench_monitors.py"])
 def test_a_benchmark_without_a_gpu_says_how_to_smoke_run_it(name):
     import torch
