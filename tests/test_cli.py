@@ -366,6 +366,16 @@ def test_an_unknown_option_named_in_a_yaml_names_the_yaml(tmp_path, capsys):
         f" ({tmp_path / 'norm/mine.yaml'} sets name: layernrm)"), line
 
 
+def test_an_unknown_value_typed_on_the_command_line_blames_no_yaml(capsys):
+    """model=vit_test model.act=silu: the value is the user's, not vit_test.yaml's."""
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit):
+        check_overrides(["model=vit_test", "model.act=silu"])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == "error: model.act=silu is not an option: use gelu or relu"
+
+
 def test_an_option_yaml_without_a_name_is_refused_not_built_as_the_default(tmp_path, capsys):
     """optim/mine.yaml without name: trained AdamW², the group's default, without a word."""
     from stabletrain.cli import check_overrides
