@@ -560,7 +560,7 @@ def _named_in_yaml(error: str, overrides: list[str]) -> str:
     if m is None:
         return ""
     key, name = m.groups()
-    if any(ov.lstrip("+~").partition("=")[0] == key for ov in overrides):
+    if f"{key}={name}" in (ov.lstrip("+~") for ov in overrides):
         return ""  # typed on the command line (model.act=silu): no yaml to blame
     group = key.split(".")[0]
     for ov in overrides:
