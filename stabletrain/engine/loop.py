@@ -1035,11 +1035,13 @@ class Trainer:
                                      + (stale if last_vals else ""))
                 if status == "interrupted" and not D.may_be_requeued():  # a line of its own, to copy
                     self.metrics.message(f"continue it with: {continue_with(self.run_dir, self.settings.overrides)}")
+                onset = self.trigger[0] if self.trigger is not None else at  # a spike's first step: a rollback's aim
+                ring = [s for s, _ in ring_checkpoints(self.run_dir)]
                 if status == "diverged" and self.divergence.action != "rollback" and self.trigger is not None \
-                        and self.trigger[1] == "divergence" and any(s < at for s, _ in ring_checkpoints(self.run_dir)):
+                        and self.trigger[1] == "divergence" and any(s < onset for s in ring):
                     # the same command would meet the same data and state again: what goes past it
                     self.metrics.message(
                         f"to go past it: {continue_with(self.run_dir, self.settings.overrides)} "
-                        f"divergence.action=rollback (back to a checkpoint before step {at}, skipping the data "
+                        f"divergence.action=rollback (back to a checkpoint before step {onset}, skipping the data "
                         f"from there; divergence.lr_scale_on_rollback=0.5 also halves the lr)")
         return summary

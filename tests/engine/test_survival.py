@@ -663,6 +663,16 @@ def test_loss_terms_are_logged_once_per_step_under_accumulation(tmp_path):
         assert b[k] == pytest.approx(a[k], rel=1e-5), k
 
 
+def test_the_hint_after_a_spike_names_the_spikes_first_step_where_a_rollback_goes(tmp_path, capsys):
+    """A spike from step 22, confirmed at 29: a rollback restores a checkpoint from before 22, which
+    the hint names (it said "before step 29")."""
+    s = train(tmp_path, "model=vit_test", "optim=sgd", "ckpt_every=2", "ckpt.keep=20", "eval_every=100",
+              "logger.log_every=1", "divergence.warmup_steps=5", "divergence.window=8", "debug.spike_at_step=22",
+              "steps=40", quiet=False)
+    assert (s["status"], s["diverged_at"]) == ("diverged", 29) and "from step 22 to step 29" in s["reason"]
+    assert "divergence.action=rollback (back to a checkpoint before step 22, " in capsys.readouterr().err
+
+
 def test_a_diverged_run_says_how_to_go_past_it_and_resumes_with_rollback(tmp_path, capsys):
     """resume=auto refused divergence.action=rollback (and dropping the injected fault) as a change
     of the run, and the command the refusal offered diverged again at the same step."""
