@@ -103,7 +103,7 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         from stabletrain.data.vision import check_randaug
 
         check_randaug(cfg.data.randaug)
-    unread = _unread_data_keys(cfg, data)
+    unread = _unread_data_keys(cfg)
     # the user's files, which this run would not train on
     if (files := [k for k in unread if k in ("path", "root")]) and "data" not in swept:
         key = files[0]
@@ -216,7 +216,7 @@ def augment_line(cfg, data: Data) -> str | None:
     d, parts = cfg.data, []
     if data.kind != "vision":
         return None
-    unread = set(_unread_data_keys(cfg, _data_entry(cfg)))  # the digits take no image transforms (a note says so)
+    unread = set(_unread_data_keys(cfg))  # the digits take no image transforms (a note says so)
     if d.randaug and "randaug" not in unread:
         parts.append(f"RandAugment {d.randaug}")
     if d.erasing > 0 and "erasing" not in unread:
@@ -424,13 +424,12 @@ def data_from_config(cfg) -> Data:
     return data
 
 
-def _unread_data_keys(cfg, entry) -> list[str]:
-    """The data keys set away from their defaults that the chosen data set does not read (it
-    declares ``reads``); an option's own yaml sets only what it reads."""
-    reads = entry.info.get("reads")
-    if reads is None:
-        return []
-    return [k for k in OPTION_KEYS if k not in reads and C.differs(cfg.data[k], C.schema_default(f"data.{k}"))]
+def _unread_data_keys(cfg, given: Collection[str] = ()) -> list[str]:
+    """The data keys (``path``, ``erasing``, ...) the chosen data set does not read that are set
+    away from their defaults or ``given`` on the command line; an option's own yaml sets only what
+    it reads."""
+    return [key.split(".", 1)[1] for key in unread_data_reasons(cfg)
+            if key in given or C.differs(cfg.data[key.split(".", 1)[1]], C.schema_default(key))]
 
 
 def unread_data_reasons(cfg) -> dict[str, str]:
@@ -451,9 +450,9 @@ def unread_data_notes(cfg, given: Collection[str] = ()) -> list[str]:
     ``given`` on the command line (a sweep's point at the default is noted as the others are;
     ``data.path`` and ``data.root`` only in a sweep over ``data``: :func:`validate` refuses them
     elsewhere)."""
-    return [f"note: {key}={C.shown_value(cfg.data[key[len('data.'):]])} changes nothing: {why}"
-            for key, why in unread_data_reasons(cfg).items()
-            if key in given or C.differs(cfg.data[key[len("data."):]], C.schema_default(key))]
+    why = unread_data_reasons(cfg)
+    return [f"note: data.{k}={C.shown_value(cfg.data[k])} changes nothing: {why[f'data.{k}']}"
+            for k in _unread_data_keys(cfg, given)]
 
 
 def fit_model_to_data(cfg, data: Data) -> list[str]:
