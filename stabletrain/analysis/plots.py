@@ -306,10 +306,11 @@ def _depth_colors(n: int):
 
 def _depth_legend_or_bar(fig, ax, blocks: list[str]) -> None:
     """A legend for a few layers, a depth colour bar for many."""
-    if len(blocks) <= 8:
-        ax.legend(loc="best")
-        return
     handles, labels = ax.get_legend_handles_labels()
+    if len(blocks) <= 8:
+        if handles:  # a panel with no curve (mean entropy not logged) has nothing to name
+            ax.legend(loc="best")
+        return
     extra = [(h, lab) for h, lab in zip(handles, labels) if lab not in blocks]
     if extra:  # reference lines keep their legend
         ax.legend(*zip(*extra), loc="best")
