@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import inspect
 import math
 from collections.abc import Collection, Container
@@ -48,7 +49,7 @@ from stabletrain.layers.init import INITS
 from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
-from stabletrain.metrics import Metrics
+from stabletrain.metrics import Metrics, StartNote
 from stabletrain.models.registry import (KINDS, MODELS, build_model_and_hook, family_entry, is_builtin,
                                          transformer_blocks, unread_model_keys)
 from stabletrain.optim import OPTIMIZERS, OptimizerSchedule, build_optimizer, make_schedule, scaled_lr
@@ -233,11 +234,13 @@ def augment_line(cfg, data: Data) -> str | None:
     return f"augmentation: {'; '.join(parts)}" if parts else None
 
 
-def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: bool = False) -> str | None:
+def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: bool = False,
+                 start: int = 0) -> str | None:
     """Said where a monitor pass runs fewer than three times after step 0: the weight pass, whose
     curves (sigma1, SEC) are then two or three points, or the probe pass, which measures attention
     entropy and raises its alerts: a collapse early in a short run is then seen at its end. AdamW²'s
-    per-tensor rates (adamw2_lr.png), logged with or without the monitors, likewise."""
+    per-tensor rates (adamw2_lr.png), logged with or without the monitors, likewise. ``start``: the
+    step a resumed run starts from; the passes before it ran in the earlier process."""
     alerts = " and its alerts" if monitor_cfg.alerts else ""
     passes = [("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True),
               (f"the probe pass (attention entropy{alerts})", "runs", "probe_every", True)] if monitors else []
@@ -249,7 +252,7 @@ def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: b
 
     def at(every: int, at_start: bool) -> str:  # the probe and weight passes also run before step 1
         steps = [0] * at_start + [*range(every, total_steps + 1, every)]
-        steps += [total_steps] if total_steps % every else []
+        steps = [s for s in steps + ([total_steps] if total_steps % every else []) if s > start or s == start == 0]
         if len(steps) == 1:
             return f"step {steps[0]} only"
         return f"steps {', '.join(map(str, steps[:-1]))} and {steps[-1]}"
@@ -257,7 +260,8 @@ def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: b
     runs = " and ".join(f"{what}{' ' + verb if i == 0 else ''} at {at(every, at_start)} (monitor.{key}={every})"
                         for i, (what, verb, key, every, at_start) in enumerate(sparse))
     fix = " ".join(f"monitor.{key}={max(1, total_steps // 10)}" for _, _, key, _, _ in sparse)
-    return (f"note: in this {total_steps}-step run {runs}; {fix} "
+    since = f", from step {start}," if start else ""
+    return (f"note: in this {total_steps}-step run{since} {runs}; {fix} "
             + ("watches it ten times" if len(sparse) == 1 else "watch each ten times"))
 
 
@@ -571,7 +575,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
     per_tensor = hasattr(optimizer, "telemetry")  # AdamW²'s per-tensor rates, logged without monitors too
-    notes += [sparse] if (sparse := cadence_note(cfg.monitor, total, monitor is not None, per_tensor)) else []
+    sparse = StartNote(functools.partial(cadence_note, cfg.monitor, total, monitor is not None, per_tensor))
+    notes += [sparse] if sparse else []
     messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU
     if cfg.steps is not None and cfg.epochs is not None:

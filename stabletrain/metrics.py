@@ -90,6 +90,19 @@ def logged_value(path: Path, key: str, step: int) -> float:
     return float(vals[-1]) if vals else float("nan")
 
 
+class StartNote(str):
+    """A start line that depends on the step the run starts from: its text is a fresh run's, and
+    ``at(step)`` the one a run resumed at ``step`` prints (None: nothing left to say)."""
+
+    def __new__(cls, render):
+        note = super().__new__(cls, render(0) or "")
+        note.render = render
+        return note
+
+    def at(self, step: int) -> str | None:
+        return self.render(step)
+
+
 WANDB_STEP = "trainer/step"
 
 # wandb offline makes no network attempt: no system stats (their samplers probe cloud metadata

@@ -203,6 +203,27 @@ def test_a_short_run_is_told_when_its_monitor_passes_run():
     assert "the probe pass (attention entropy) at steps 0 and 200" in cadence_note(quiet, 200)
 
 
+def test_a_resumed_run_is_told_the_passes_still_to_come(tmp_path, capsys):
+    """Resumed at step 30 of 60: the probe pass ran at step 0 in the first process; the start line
+    names those after step 30 only."""
+    from stabletrain.build import cadence_note
+    from tests.helpers import train
+
+    cfg = make_cfg("model=gpt_test")  # probe_every=200
+    note = cadence_note(cfg.monitor, 60, start=30)
+    assert "run, from step 30, the weight pass (sigma1, SEC, the QK spectrum) runs at step 60 only" in note
+    assert "the probe pass (attention entropy and its alerts) at step 60 only (monitor.probe_every=200)" in note
+    args = ["model=gpt_test", "batch_size=4", "logger=none", "eval_every=1000", "monitor.weight_every=40",
+            "monitor.probe_every=50"]
+    train(tmp_path, *args, "steps=2", quiet=False)
+    assert "runs at steps 0 and 2 (monitor.weight_every=40)" in capsys.readouterr().err
+    train(tmp_path, *args, "steps=60", "resume=auto", quiet=False)
+    err = capsys.readouterr().err
+    assert ("note: in this 60-step run, from step 2, the weight pass (sigma1, SEC, the QK spectrum) runs at steps 40 "
+            "and 60 (monitor.weight_every=40) and the probe pass (attention entropy and its alerts) at steps 50 and 60 "
+            "(monitor.probe_every=50)") in err, err
+
+
 def test_a_short_adamw2_run_is_told_when_its_per_tensor_rates_are_logged():
     """AdamW²'s per-tensor rates are logged at multiples of monitor.adamw2_every and at the last
     step, monitors on or off: a 100-step run's adamw2_lr.png was two points, unannounced."""

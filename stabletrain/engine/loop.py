@@ -38,8 +38,8 @@ from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.rundir import continue_with, sweep_dir
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
-from stabletrain.metrics import (duration, logged_value, milliseconds, param_count, peak_flops, previous_name,
-                                 read_json, si, write_json)
+from stabletrain.metrics import (StartNote, duration, logged_value, milliseconds, param_count, peak_flops,
+                                 previous_name, read_json, si, write_json)
 from stabletrain.monitor import names as N
 
 
@@ -864,8 +864,9 @@ class Trainer:
         m = self.metrics
         m.message(f"{self.headline()}; run dir {self.run_dir}")
         m.message(self.data_line())
-        for note in self.notes:
-            m.message(note)
+        for note in self.notes:  # some depend on where a resumed run starts (the passes still to come)
+            if text := (note.at(self.step) if isinstance(note, StartNote) else note):
+                m.message(text)
         self.last_vals: dict = {}
         self.last_vals_step: int | None = None  # the step last_vals were evaluated at
         if resumed is None:
