@@ -241,6 +241,8 @@ def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: b
     entropy and raises its alerts: a collapse early in a short run is then seen at its end. AdamW²'s
     per-tensor rates (adamw2_lr.png), logged with or without the monitors, likewise. ``start``: the
     step a resumed run starts from; the passes before it ran in the earlier process."""
+    if start >= total_steps:  # resumed at its last step: no pass is still to come
+        return None
     alerts = " and its alerts" if monitor_cfg.alerts else ""
     passes = [("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True),
               (f"the probe pass (attention entropy{alerts})", "runs", "probe_every", True)] if monitors else []

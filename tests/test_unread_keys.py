@@ -213,6 +213,7 @@ def test_a_resumed_run_is_told_the_passes_still_to_come(tmp_path, capsys):
     note = cadence_note(cfg.monitor, 60, start=30)
     assert "run, from step 30, the weight pass (sigma1, SEC, the QK spectrum) runs at step 60 only" in note
     assert "the probe pass (attention entropy and its alerts) at step 60 only (monitor.probe_every=200)" in note
+    assert cadence_note(cfg.monitor, 60, start=60) is None  # resumed at its last step: no pass to come
     args = ["model=gpt_test", "batch_size=4", "logger=none", "eval_every=1000", "monitor.weight_every=40",
             "monitor.probe_every=50"]
     train(tmp_path, *args, "steps=2", quiet=False)
