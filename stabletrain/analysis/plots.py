@@ -11,7 +11,7 @@ with a printed note (``logits.png`` silently). Figures:
 - ``entropy.png``: attention entropy per layer (001 Fig. 2/3), the Theorem 3.1 bound, the health alerts;
 - ``heads.png``: per head (``monitor.per_head=true``), entropy and sigma1(W_q^h^T W_k^h) of up to four
   blocks (those that alerted, then those whose entropy fell lowest);
-- ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps (000 Fig. 4);
+- ``sec.png``: ``SEC(d_h, s)`` against ``s`` at a few steps, the step it rose most among them (000 Fig. 4);
 - ``adamw2_lr.png``: AdamW²'s actual learning rate per tensor (000 App. M);
 - ``token_similarity.png``: token similarity against depth and step (002);
 - ``qk_spectrum.png``: LocAteR's QK eigenspectrum statistics (003 Fig. 6);
@@ -454,6 +454,15 @@ def _few_steps(steps: np.ndarray, k: int = 5, must=()) -> list[float]:
     return sorted(set(spread.tolist()) | {s for s in must if s in steps})
 
 
+def _largest_rise(series: Series | None) -> float | None:
+    """The step whose record rose most over the one before it; None where nothing rose."""
+    if series is None or len(series[0]) < 2:
+        return None
+    rise = np.diff(series[1])
+    i = int(np.nanargmax(np.where(np.isfinite(rise), rise, -np.inf)))
+    return float(series[0][i + 1]) if np.isfinite(rise[i]) and rise[i] > 0 else None
+
+
 def _value_at(series: Series, step: float) -> float:
     x, y = series
     hit = np.nonzero(x == step)[0]
@@ -727,14 +736,17 @@ def plot_sec(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     for ax, (block, curve) in zip(axes.flat, curves.items()):
         sizes = list(curve)
         d_h = sizes[-1]
+        alert_s = N.sec_alert_size(d_h)
+        # spread steps can fall either side of the collapse: the step SEC(d_h, s*) jumped at is drawn too
+        jump = _largest_rise(curve.get(alert_s))
         steps = _few_steps(np.concatenate([s[0] for s in curve.values()]),
-                           must=[a["step"] for a in run.alerts if a.get("layer") == block])
+                           must=[a["step"] for a in run.alerts if a.get("layer") == block] + [jump])
         for step, color in zip(steps, _step_colors(len(steps))):
             ys = [_value_at(curve[s], step) for s in sizes]
-            ax.plot(sizes, ys, marker="o", ms=3, color=color, label=f"step {int(step)}")
+            label = f"step {int(step)}" + (" (largest rise)" if step == jump else "")
+            ax.plot(sizes, ys, marker="o", ms=3, color=color, label=label)
         # the crash signature, where the health alert tests it: said on the axes, the legend is the steps'
         ax.axhline(0.99, color="red", ls=":", lw=1)
-        alert_s = N.sec_alert_size(d_h)
         ax.axvline(alert_s, color="red", ls="--", lw=0.8)
         log_scale(ax, "x", base=2)
         ax.set_xticks(sizes)

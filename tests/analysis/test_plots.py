@@ -776,6 +776,27 @@ def test_sec_marks_where_the_health_alert_tests_it(tmp_path, monkeypatch):
     assert ax.get_xlabel().endswith(f"red: the alert's test, SEC({D_H}, {s}) > 0.99")
 
 
+def test_sec_draws_the_step_where_concentration_jumped(tmp_path, monkeypatch):
+    """Five spread steps of 21 records miss step 70, where SEC(d_h, s*) rose from 0.3 to 0.999
+    without an alert: the figure draws that step too, and its legend says why."""
+    import numpy as np
+
+    steps = np.arange(0.0, 210.0, 10.0)
+    s_star = N.sec_alert_size(D_H)
+    metrics = {}
+    for s in N.sec_sizes(D_H):
+        low = np.where(steps < 70, 0.3, 0.999)
+        metrics[N.metric("sec", "blocks.0", f"s{s}")] = (steps, np.minimum(1.0, low + (1 - low) * (s - 1) / (D_H - 1)))
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    P.plot_sec(P.Run("r", tmp_path, metrics, None), ["blocks.0"], tmp_path)
+    labels = figures[0].axes[0].get_legend_handles_labels()[1]
+    assert "step 70 (largest rise)" in labels and 70 not in P._few_steps(steps)
+    assert P._largest_rise(metrics[N.metric("sec", "blocks.0", f"s{s_star}")]) == 70
+    flat = (steps, np.full(len(steps), 0.5))
+    assert P._largest_rise(flat) is None and P._largest_rise(None) is None
+
+
 def test_titles_say_what_a_runs_config_changes_in_the_weights_read(tmp_path):
     """Under q/k normalisation W_q^T W_k bounds no logit; under sigmaReparam the weights read are
     the applied ones: both from the run's config.yaml, nothing where it has none."""
