@@ -373,10 +373,13 @@ def _as_override(argv: list[str], i: int) -> tuple[str, str]:
 
 def epochs_over_steps(argv: list[str]) -> list[str]:
     """``epochs=E`` given without ``steps`` trains E epochs: train.yaml's ``steps: 600`` (or a
-    recipe's) would otherwise win, said only by a start line."""
+    recipe's) would otherwise win, said only by a start line. ``steps=null`` goes right after the
+    ``epochs`` override, among the overrides: after a flag (``--cfg job``) argparse refuses it."""
     given = {a.split("=", 1)[0].lstrip("+~"): a.split("=", 1)[1] for a in argv if "=" in a and not a.startswith("-")}
     if "epochs" in given and "steps" not in given and given["epochs"].lower() not in ("null", "none", ""):
-        return [*argv, "steps=null"]
+        at = next(i for i, a in enumerate(argv)
+                  if not a.startswith("-") and a.split("=", 1)[0].lstrip("+~") == "epochs")
+        return [*argv[:at + 1], "steps=null", *argv[at + 1:]]
     return argv
 
 

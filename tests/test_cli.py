@@ -296,6 +296,16 @@ def test_printing_a_valid_config_still_prints_it(tmp_path):
     assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]
 
 
+def test_printing_a_config_trained_by_epochs_prints_it():
+    """The steps=null that epochs=E brings went after --cfg job, where Hydra's argparse refused it
+    as an argument the user never typed."""
+    from stabletrain.cli import epochs_over_steps
+
+    assert epochs_over_steps(["epochs=3", "--cfg", "job"]) == ["epochs=3", "steps=null", "--cfg", "job"]
+    r = cli("model=vit_test", "epochs=3", "--cfg", "job", env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "steps: null" in r.stdout and "epochs: 3" in r.stdout, r.stderr[-2000:]
+
+
 def test_a_sweep_checks_every_combination_before_it_starts(tmp_path):
     """model=vit_test with data=tokens is the one bad point; every value is fine on its own, so
     checking each value once (the others at their first) missed it and the local sweep stopped
