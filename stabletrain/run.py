@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -270,6 +271,17 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
         fail(str(e), 1)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # metrics.jsonl is written at every log step, so a disk filled by another job meets it
+        # before a checkpoint: the same one line, and the command that goes on once there is room
+        then = (f"free space, then continue it with: {continue_with(run_dir, task_overrides())}"
+                if last_checkpoint(Path(run_dir)) is not None else "free space and run it again (no checkpoint "
+                "was written)")
+        what = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is used up"
+        fail(f"cannot write into {run_dir}: {what}{f' ({e.filename})' if e.filename else ''}; {then}", 1)
         return None
     except torch.OutOfMemoryError as e:  # the loop has written summary.json (status failed, the step)
         done = read_json(Path(run_dir) / "summary.json") or {}

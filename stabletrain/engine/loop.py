@@ -23,7 +23,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.config import may_change
+from stabletrain.config import leaf_values, may_change
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch
@@ -190,6 +190,7 @@ class Trainer:
         self.spikes: list[dict] = []  # loss spikes that passed, watched, not acted on: {step, steps}
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
         self.resumed_elsewhere: Path | None = None  # resume=PATH of another run's checkpoint: PATH
+        self.resume_changes: str | None = None  # the settings a resume changed, for metrics.jsonl
         self.saved_step: int | None = None  # of last.pt
 
     @staticmethod
@@ -584,6 +585,7 @@ class Trainer:
         self.load_survival_state(ck.get("survival"))
         self.step = self.saved_step = ck["step"]
         self.notes += self.resume_notes(path, ck)
+        self.resume_changes = self._changes_of(ck)
         if path.absolute().parent == self.ckpt.dir.absolute():
             # this run's checkpoint: the history after it is abandoned, so no rollback may restore
             # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
@@ -649,7 +651,7 @@ class Trainer:
         return last, ck
 
     def _set_aside_earlier_run(self) -> None:
-        """Move an earlier run's checkpoints, records, summary and figures aside (rank 0), so that
+        """Move an earlier run's checkpoints, records, summary, figures and config aside (rank 0), so that
         none is overwritten, restored by a rollback or taken for this run's. They share one suffix
         (``checkpoints.previous2/`` goes with ``metrics.previous2.jsonl``), so that a resume from
         the set-aside checkpoints finds their history (:func:`records_of`)."""
@@ -657,7 +659,9 @@ class Trainer:
             moved = self.ckpt.set_aside()
             suffix = moved.name[len(self.ckpt.dir.name):] if moved is not None else None
             went = [(self.ckpt.dir.name + "/", moved.name + "/")] if moved is not None else []
-            for name in ("metrics.jsonl", "summary.json", "plots"):
+            # config.yaml too: the fresh run writes its own, and the set-aside records say nothing
+            # of the settings that made them without it
+            for name in ("metrics.jsonl", "summary.json", "plots", "config.yaml"):
                 path = self.run_dir / name
                 if not path.exists():
                     continue
@@ -673,6 +677,16 @@ class Trainer:
                                   + (f" (to continue that run instead, stop this one and pass resume={last})"
                                      if last is not None and last.is_file() else ""))
         D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
+
+    def _changes_of(self, ck: dict) -> str | None:
+        """``optim.lr: 0.001 -> 0.003, steps: 40 -> 60``: every setting this run changes from the
+        checkpoint's, those a resume may change included; None where none is."""
+        saved, mine = ck.get("config"), self.ckpt.config_yaml
+        if not (saved and mine):
+            return None
+        changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes", "dry_run"))
+        was, now = leaf_values(saved), leaf_values(mine)
+        return ", ".join(f"{k}: {was.get(k, 'unset')} -> {now.get(k, 'unset')}" for k in changed) or None
 
     def resume_notes(self, path: Path, ck: dict) -> list[str]:
         """What resuming ``ck`` changes that the user may not expect: keys changed through
@@ -690,10 +704,21 @@ class Trainer:
         elif keys and self.settings.resume_allow_changes:  # a norm of one's own swapped for LayerNorm: silent
             notes.append(f"resume_allow_changes=true: the run goes on with changes: "
                          f"{self.ckpt.changes_shown(ck, keys, at_most=8)}")
+        # the settings a resume may change, said too: a new eval_batches scores another part of
+        # the val set from here, a new cadence moves the curves' points
+        said = ("steps", "epochs", "ema.decay", "dry_run")  # notes of their own below; a dry run's own
+        allowed = [k for k in changed if may_change(k) and k not in said]
+        if allowed:
+            notes.append(f"resumed with other settings: {self.ckpt.changes_shown(ck, allowed)}")
         if {"steps", "epochs"} & {k.split(".")[0] for k in changed}:
             step, scale = ck["step"], float((ck.get("survival") or {}).get("lr_scale", 1.0))
-            notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
-                         f"from step 0, so at step {step} the lr is {self.schedule.lr_at(step) * scale:.3g}")
+            lr = self.schedule.lr_at(step) * scale
+            if self._lr_follows_the_length(step):
+                notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
+                             f"from step 0, so at step {step} the lr is {lr:.3g}")
+            else:  # a cosine of its own horizon, a step or constant schedule: "reshaped" would be untrue
+                notes.append(f"the run's length changed, its lr schedule does not depend on it: at step {step} "
+                             f"the lr is {lr:.3g}")
         world = ck.get("world")
         if world is not None and world != self.info.world:  # allowed: the global batch is the same
             notes.append(f"resumed on {self.info.world} process(es), written on {world}: the global batch and its data "
@@ -705,6 +730,14 @@ class Trainer:
                 else "it goes on from the resumed average with the new decay" if self.ema is not None
                 else "it is off from here"))
         return notes
+
+    def _lr_follows_the_length(self, step: int) -> bool:
+        """Whether the lr schedule from ``step`` to the end depends on the run's length (a cosine
+        to the end of the run does; one of its own horizon, a step or constant schedule does not)."""
+        lr_at = self.schedule.lr_at
+        other = replace(lr_at, total_steps=lr_at.total_steps + 1)
+        ahead = {step, (step + lr_at.total_steps) // 2, lr_at.total_steps - 1}
+        return any(other(s) != lr_at(s) for s in ahead)
 
     def _no_checkpoint_before(self, onset: int, kind: str) -> str:
         """Why no rollback: what the ring holds, and the ckpt.keep that would have kept the last
@@ -804,10 +837,10 @@ class Trainer:
 
     def fit(self) -> dict:
         resumed = self.maybe_resume()
+        if resumed is None:  # before config.yaml is written: the earlier run's goes aside with its records
+            self._set_aside_earlier_run()
         for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
             hook()
-        if resumed is None:
-            self._set_aside_earlier_run()
         # a run resumed from elsewhere starts its own records (and wandb run), with the history
         # that led to its checkpoint
         self.metrics = self.open_sink(None if self.resumed_elsewhere is not None else resumed)
@@ -875,7 +908,10 @@ class Trainer:
             return None
         m.message(f"resumed from step {resumed}")
         if self.step < self.total_steps:
-            m.log(self.step, {N.RESUMED_AT: self.step})  # where the curves continue: the figures mark it
+            # where the curves continue (the figures mark it), and what the run changed there: config.yaml
+            # is rewritten with this run's values
+            m.log(self.step, {N.RESUMED_AT: self.step,
+                              **({N.RESUME_CHANGES: self.resume_changes} if self.resume_changes else {})})
             if self.info.is_main:  # an earlier stop's summary would describe a run that is going on
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             return None

@@ -34,6 +34,9 @@ BAD_SAMPLES = "data/bad_samples"  # unreadable files replaced so far (image fold
 SKIPPED_STEPS = "train/skipped_steps"  # steps of the log interval whose update was skipped (non-finite)
 SKIPPED_STEP = "train/skipped_step"  # 1, in a record of its own at each step whose update was skipped
 RESUMED_AT = "run/resumed_at"  # the step a resumed run continued from, logged at that step
+# beside it, the settings the resumed run changed: "optim.lr: 0.001 -> 0.003, steps: 40 -> 60"
+# (config.yaml then holds the new values only)
+RESUME_CHANGES = "run/changed"
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"
 VAL_ACC = "val/acc"

@@ -70,6 +70,12 @@ class LRSchedule:
             when = "never reaches" if self.warmup_steps > self.total_steps else "reaches only at the last step"
             out.append(f"warning: the warmup ({self.warmup_steps} steps) is as long as the run ({self.total_steps} "
                        f"steps) or longer: the learning rate {when} its peak; shorten warmup or train longer")
+        h = self.horizon_steps
+        if self.name == "cosine" and h is not None and h < self.total_steps and self.min_lr == 0:
+            # a run lengthened past its horizon (resume=auto steps=...) trains on at lr 0: steps that change nothing
+            out.append(f"warning: the cosine reaches lr 0 at step {h} (schedule.horizon) and stays there: the "
+                       f"run's last {self.total_steps - h} of {self.total_steps} steps train at lr 0, leaving the "
+                       f"weights as they are; raise schedule.horizon, set schedule.min_lr, or stop at steps={h}")
         late = [m for m in self.milestones if m >= self.total_steps]
         if self.name == "step" and late:
             out.append(f"warning: schedule.milestones at step(s) {', '.join(map(str, late))} are past the run's "

@@ -177,6 +177,33 @@ def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):
     assert err[-1].startswith("error: cannot write last.pt: the disk is full") and "Traceback" not in "".join(err)
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_what_goes_on(tmp_path, monkeypatch, capsys, checkpointed):
+    """metrics.jsonl is written at every log step, so a disk filled by another job meets it
+    before a checkpoint: that ended in a traceback, where a checkpoint's write says one line."""
+    from stabletrain import metrics
+    from stabletrain.run import main_guarded
+    from tests.helpers import make_cfg
+
+    real = metrics.Metrics.log
+
+    def full(self, step, values):
+        if step >= 3 and "loss" in values:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, step, values)
+
+    monkeypatch.setattr(metrics.Metrics, "log", full)
+    args = [*GPT, "steps=6", "logger.wandb=disabled", "monitor=off", f"ckpt_every={2 if checkpointed else 100}"]
+    with pytest.raises(SystemExit) as e:
+        main_guarded(make_cfg(*args), tmp_path)
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "".join(err)
+    then = ("free space, then continue it with: " if checkpointed else
+            "free space and run it again (no checkpoint was written)")
+    assert err[-1].startswith(f"error: cannot write into {tmp_path}: the disk is full; {then}"), err[-1]
+
+
 def test_a_full_disk_while_copying_into_the_ring_is_one_line(tmp_path, monkeypatch, capsys):
     """Where hard links are impossible the ring gets a copy, which a full disk can stop: the
     same one line as for last.pt, and last.pt (the step itself) is kept."""

@@ -193,6 +193,37 @@ def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_
 
 
 
+def test_a_longer_run_whose_schedule_ignores_its_length_is_not_said_to_reshape_it(tmp_path, capsys):
+    """A cosine of its own horizon does not follow steps=: the note claimed the schedule became
+    that of the new length, while the lr stayed at the horizon's 0 for every step added."""
+    own = ["model=gpt_test", "logger=none", "monitor=off", "schedule.horizon=3"]
+    train(tmp_path, *own, "steps=3")
+    capsys.readouterr()
+    train(tmp_path, *own, "steps=6", "resume=auto", quiet=False)
+    err = capsys.readouterr().err
+    assert "the run's length changed, its lr schedule does not depend on it: at step 3 the lr is 0\n" in err, err
+    assert "warning: the cosine reaches lr 0 at step 3 (schedule.horizon) and stays there" in err
+
+
+def test_a_fresh_run_sets_the_earlier_runs_config_aside_with_its_records(tmp_path, capsys):
+    """config.yaml goes aside with the checkpoints and records it describes (the fresh run writes
+    its own): otherwise metrics.previous.jsonl is left with the new run's settings beside it, and a
+    config.yaml that was no run's is lost without a word."""
+    import yaml
+
+    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    train(tmp_path, *args, "steps=2", "optim.lr=0.002")
+    train(tmp_path, *args, "steps=1", "optim.lr=0.003", quiet=False)
+    assert yaml.safe_load((tmp_path / "config.previous.yaml").read_text())["optim"]["lr"] == 0.002
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["optim"]["lr"] == 0.003
+    assert "config.yaml -> config.previous.yaml" in capsys.readouterr().err
+    own = tmp_path / "mine"  # a directory of the user's, with a config.yaml of their own
+    own.mkdir()
+    (own / "config.yaml").write_text("my: settings\n")
+    train(own, *args, "steps=1")
+    assert (own / "config.previous.yaml").read_text() == "my: settings\n"
+
+
 def test_a_resume_says_what_it_changes(tmp_path, capsys):
     """resume=PATH takes changed keys (resume=auto refuses them) and says which; a new length
     reshapes the schedule from step 0, and the note gives the lr the run continues with."""
@@ -347,6 +378,27 @@ def test_resume_allow_changes_says_what_changed(tmp_path, capsys):
     assert "resume_allow_changes=true: the run goes on with changes: " in err, err
     line = next(x for x in err.splitlines() if "resume_allow_changes=true:" in x)
     assert "norm.name (layernorm there, rmsnorm here)" in line and "optim.lr (" in line, line
+
+
+def test_a_resume_records_what_it_changed_in_the_run_directory(tmp_path, capsys):
+    """config.yaml is rewritten with the resumed run's values, so the run directory kept no trace
+    that its first steps ran with another lr or length; a change a resume may make (eval_batches:
+    another part of the val set is scored from here) was not said at all. metrics.jsonl records
+    every change at the step the run resumed, and the start lines name those a resume may make."""
+    from stabletrain.metrics import read_records
+
+    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    train(tmp_path, *args, "steps=2", quiet=False)
+    capsys.readouterr()
+    train(tmp_path, *args, "steps=4", "optim.lr=0.002", "eval_batches=2", "resume=auto",
+          "resume_allow_changes=true", quiet=False)
+    assert "resumed with other settings: eval_batches (20 there, 2 here)" in capsys.readouterr().err
+    [rec] = [r for r in read_records(tmp_path / "metrics.jsonl") if "run/resumed_at" in r]
+    assert rec == {"step": 2, "run/resumed_at": 2,
+                   "run/changed": "eval_batches: 20 -> 2, optim.lr: 0.001 -> 0.002, steps: 2 -> 4"}
+    train(tmp_path, *args, "steps=6", "optim.lr=0.002", "eval_batches=2", "resume=auto", quiet=False)
+    [_, again] = [r for r in read_records(tmp_path / "metrics.jsonl") if "run/resumed_at" in r]
+    assert again == {"step": 4, "run/resumed_at": 4, "run/changed": "steps: 4 -> 6"}
 
 
 @pytest.mark.parametrize("how", ["allow_changes", "path"])

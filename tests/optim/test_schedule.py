@@ -56,6 +56,18 @@ def test_warnings_name_what_the_run_never_reaches():
     assert LRSchedule("cosine", base_lr=1.0, total_steps=10, warmup_steps=9).warnings() == []
 
 
+def test_a_cosine_whose_horizon_ends_before_the_run_at_lr_0_is_warned():
+    """A run lengthened past its cosine's own horizon (resume=auto steps=...) trained its extra
+    steps at lr 0 without a word; a floor above 0, or a horizon past the run, is a recipe's choice."""
+    lr = LRSchedule("cosine", base_lr=1.0, total_steps=80, horizon_steps=40)
+    assert lr(40) == lr(79) == 0.0
+    (w,) = lr.warnings()
+    assert w.startswith("warning: the cosine reaches lr 0 at step 40 (schedule.horizon) and stays there: the run's "
+                        "last 40 of 80 steps train at lr 0") and w.endswith("or stop at steps=40"), w
+    assert LRSchedule("cosine", base_lr=1.0, total_steps=80, horizon_steps=40, min_lr=0.1).warnings() == []
+    assert LRSchedule("cosine", base_lr=1.0, total_steps=80, horizon_steps=600).warnings() == []
+
+
 def test_constant_with_warmup():
     lr = LRSchedule("constant", base_lr=1.0, total_steps=50, warmup_steps=2)
     assert [lr(0), lr(1), lr(2), lr(49)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
