@@ -509,6 +509,14 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg), given) + unread_data_notes(cfg, given)
              + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
+    if cfg.init_weights is not None:  # before the weight average copies the model
+        if cfg.resume not in (None, "auto"):
+            notes.append(f"init_weights={cfg.init_weights} is not loaded: resume={cfg.resume} continues that "
+                         "checkpoint's weights")
+        else:  # resume=auto (a requeued job) that finds a checkpoint replaces them with its own
+            from stabletrain.models.weights import load_weights
+
+            notes.append(load_weights(model, cfg.init_weights, cfg.model.family))
     model = model.to(device)
     notes += unbuilt_components(model, cfg) + [n for n in [norm_without_layer_note(cfg)] if n]
     blocks = transformer_blocks(model)

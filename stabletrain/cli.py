@@ -258,10 +258,12 @@ FOREIGN_KEYS = {
         "log_interval": "logger.log_every", "eval_iters": "eval_batches", "dtype": "precision (auto, bf16 or fp32)",
         "gradient_accumulation_steps": "micro_batch_size: batch_size is per optimizer step, and "
                                        "micro_batch_size=batch_size/N accumulates N micro-batches",
-        "init_from": "resume (auto, or a checkpoint's path)", "out_dir": "hydra.run.dir",
+        "init_from": "resume (auto, or a checkpoint's path; init_weights=PATH for its weights only)",
+        "out_dir": "hydra.run.dir",
         "wandb_log": "logger=wandb_online (wandb logs offline by default)", "wandb_project": "logger.project"}.items()},
     **{name: ("timm", key) for name, key in {
         "opt": "optim", "sched": "schedule", "drop_path_rate": "model.drop_path", "smoothing": "data.label_smoothing",
+        "initial_checkpoint": "init_weights (the weights only; resume continues a run)",
         "clip_grad": "grad_clip", "warmup_epochs": "warmup with schedule.unit=epochs", "reprob": "data.erasing",
         "aa": "data.randaug", "data_dir": "data.root (with data=imagefolder)", "model_ema_decay": "ema.decay",
         "model_ema": "ema.decay (null is off)", "workers": "data.num_workers"}.items()},

@@ -335,6 +335,9 @@ class TrainConfig:
     warmup: float = 0.0  # in schedule.unit
     seed: int = 0
     resume: Optional[str] = None  # auto | a checkpoint path
+    # a run's directory or checkpoint, or a saved state dict, whose weights start this run at step 0
+    # (a fine-tune, a branch); the optimizer state, schedule and step count start afresh
+    init_weights: Optional[str] = None
     # resume=auto refuses overrides that change the resumed run (its model, optim, data, seed...);
     # true continues with them anyway (cadences, steps, logger and device may always change)
     resume_allow_changes: bool = False
@@ -693,10 +696,11 @@ def _exists(p: str) -> bool:
 # --- what a resumed run may change -------------------------------------------------------
 
 # top-level keys a resumed run may change: how it is run and recorded, not what it trains
-# (``ema``: a weight average added on resume starts from the resumed weights)
-RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "logger", "monitor", "eval_every", "eval_batches", "ckpt_every",
-                     "ckpt", "steps", "epochs", "name", "device", "compile", "dist_timeout", "dry_run",
-                     "activation_checkpointing", "ema",
+# (``ema``: a weight average added on resume starts from the resumed weights; ``init_weights``:
+# where the weights started, which a resume replaces with its checkpoint's)
+RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "init_weights", "logger", "monitor", "eval_every",
+                     "eval_batches", "ckpt_every", "ckpt", "steps", "epochs", "name", "device", "compile",
+                     "dist_timeout", "dry_run", "activation_checkpointing", "ema",
                      # how a run survives trouble, and the faults injected to show it: a run that
                      # diverged goes on with divergence.action=rollback, or without its injected fault
                      "divergence", "debug",

@@ -60,6 +60,8 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     ("max_iters", "here, nanoGPT's max_iters is steps"),
     ("opt", "here, timm's opt is optim"),
     ("reprob", "here, timm's reprob is data.erasing"),
+    ("initial_checkpoint",
+     "here, timm's initial_checkpoint is init_weights (the weights only; resume continues a run)"),
 ])
 def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
     from stabletrain.cli import _nearest_key, schema_keys

@@ -1,0 +1,197 @@
+"""Starting a run from another run's weights (``init_weights=PATH``): a fine-tune, or a branch
+that tries another fix or optimizer on weights already trained.
+
+Only the weights come over: the optimizer state, the schedule, the step count and the data order
+start afresh (``resume`` continues a run instead). The source is a run directory (its
+``checkpoints/last.pt``), any checkpoint a run wrote (a sharded run's ``last.pt`` reads its
+``last_dcp/``), or a saved state dict: ``torch.save(model.state_dict())``, timm's
+``{"state_dict": ...}`` and nanoGPT's ``{"model": ...}`` (``_orig_mod.`` and ``module.``
+prefixes dropped).
+
+sigmaReparam on either side goes through the weight the forward applies, so the new model
+computes the source's function at step 0:
+
+- into a sigmaReparam layer from a plain weight ``W``: ``original = W`` and each part's
+  ``gamma = sigma1`` with ``u, v`` its singular vectors (an exact SVD, as ``gamma_init=svd``),
+  so ``W_hat = W`` whatever ``reparam.gamma_init`` says;
+- from a sigmaReparam layer: ``W = gamma W_raw / (u^T W_raw v)`` per part with the checkpoint's
+  own ``u, v``, what its forward computed;
+- the same sigmaReparam tensors on both sides load as they are.
+
+A tensor of this model that the source lacks, or holds in another shape (a classifier head for
+another class count), keeps its initialisation and is named in a start note; a source that fits
+none of the model's tensors is refused.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from stabletrain.errors import ConfigError
+
+_ORIGINAL = ".parametrizations.weight.original"
+_PART = re.compile(r"^(.*)\.parametrizations\.weight\.0\.parts\.(\d+)\.(gamma|u|v)$")
+
+
+def _source_file(path: Path) -> Path:
+    if path.is_dir():
+        last = path / "checkpoints" / "last.pt"
+        if last.is_file():
+            return last
+        raise ConfigError(f"init_weights={path}: a directory without checkpoints/last.pt; pass a run's directory, "
+                          "a checkpoint it wrote, or a saved state dict")
+    if not path.is_file():
+        raise ConfigError(f"init_weights={path}: no such file; pass a run's directory, a checkpoint it wrote "
+                          "(checkpoints/last.pt), or a saved state dict")
+    return path
+
+
+def _read_sharded(pt: Path) -> dict[str, Tensor]:
+    """The model of a sharded checkpoint, whole: only its tensors are read, not the optimizer's."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = pt.parent / f"{pt.stem}_dcp"
+    meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+    if not model:
+        raise ConfigError(f"init_weights={pt}: {folder} holds no model tensors")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+    return model
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None]:
+    """The model tensors of ``path`` by name (prefixes of compiled or DDP-wrapped models dropped),
+    the file they came from, and the model family of the run that wrote it (None for a state dict)."""
+    pt = _source_file(Path(path))
+    try:
+        ck = torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # a torn write, a file that is no checkpoint
+        raise ConfigError(f"init_weights={pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
+                          "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
+    if isinstance(ck, dict) and ck.get("dcp"):
+        state = _read_sharded(pt)
+    elif isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's, nanoGPT's
+        state = ck["model"]
+    elif isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict):  # timm's training checkpoints
+        state = ck["state_dict"]
+    else:
+        state = ck
+    if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
+        raise ConfigError(f"init_weights={pt}: holds no model tensors; pass a run's checkpoints/last.pt or a file of "
+                          "torch.save(model.state_dict())")
+    out = {}
+    for k, v in state.items():
+        if torch.is_tensor(v):
+            for prefix in ("_orig_mod.", "module."):
+                k = k.removeprefix(prefix)
+            out[k] = v
+    return out, pt, _family_of(ck)
+
+
+def _family_of(ck) -> str | None:
+    import yaml
+
+    try:
+        return yaml.safe_load(ck["config"])["model"]["family"]
+    except Exception:  # a state dict, a checkpoint of another framework
+        return None
+
+
+def _weight_keys(state: dict, layer: str) -> set[str]:
+    return {k for k in state if k == f"{layer}.weight" or k.startswith(layer + ".parametrizations.weight.")}
+
+
+def _applied(src: dict[str, Tensor], layer: str) -> Tensor | None:
+    """The weight ``layer``'s forward applied in the source: its plain weight, or its sigmaReparam
+    weight scaled part by part (parts cover the rows from the first on; raw rows come last)."""
+    if f"{layer}.weight" in src:
+        return src[f"{layer}.weight"]
+    raw = src.get(layer + _ORIGINAL)
+    if raw is None:
+        return None
+    parts = sorted({int(m.group(2)) for k in src if (m := _PART.match(k)) and m.group(1) == layer})
+    m = raw.double().reshape(raw.shape[0], -1)
+    out, lo = [], 0
+    for i in parts:
+        pre = f"{layer}.parametrizations.weight.0.parts.{i}."
+        u, v, gamma = src[pre + "u"].double(), src[pre + "v"].double(), src[pre + "gamma"].double()
+        block = m[lo:lo + len(u)]
+        out.append(block * (gamma / (u @ block @ v)))
+        lo += len(u)
+    out.append(m[lo:])
+    return torch.cat(out).reshape(raw.shape).to(raw.dtype)
+
+
+def _as_reparam(mod: nn.Module, layer: str, w: Tensor) -> dict[str, Tensor]:
+    """The sigmaReparam tensors of ``mod`` that apply ``w`` itself: ``original = w``, and per part
+    ``gamma = sigma1`` with ``u, v`` the top singular vectors of its rows."""
+    rep = mod.parametrizations.weight[0]
+    out = {layer + _ORIGINAL: w}
+    m = w.double().reshape(w.shape[0], -1)
+    for i, (lo, hi) in enumerate((lo, hi) for lo, hi, p in rep.ranges if p is not None):
+        u, s, vh = torch.linalg.svd(m[lo:hi], full_matrices=False)
+        pre = f"{layer}.parametrizations.weight.0.parts.{i}."
+        out |= {pre + "gamma": s[:1], pre + "u": u[:, 0], pre + "v": vh[0]}
+    return out
+
+
+def load_weights(model: nn.Module, path: str | Path, family: str | None = None) -> str:
+    """Load ``path``'s weights into ``model`` (of the model family ``family``, checked against a run
+    checkpoint's) in place (see the module's docstring); returns the start note that says what came
+    from where and what kept its initialisation."""
+    src, pt, there = read_weights(path)
+    mine = model.state_dict()
+    take = {k: v for k, v in src.items() if k in mine and v.shape == mine[k].shape}
+    used = set()
+    mapped = 0
+    for layer, mod in model.named_modules():
+        keys, theirs = _weight_keys(mine, layer), _weight_keys(src, layer)
+        # the same names in both load as they are; else another sigmaReparam layout (a v slice scaled
+        # there, raw here, under names alike) or none on one side: through the weight applied, or not at all
+        if not layer or not keys or keys == theirs and keys <= set(take):
+            continue
+        for k in keys:
+            take.pop(k, None)
+        has_rep = parametrize.is_parametrized(mod, "weight")
+        w = _applied(src, layer)
+        if w is None or w.shape != (mod.parametrizations.weight.original if has_rep else mod.weight).shape:
+            continue
+        take |= _as_reparam(mod, layer, w) if has_rep else {f"{layer}.weight": w}
+        used |= theirs
+        mapped += 1
+    if family is not None and there is not None and there != family:
+        raise ConfigError(f"init_weights={pt}: a {there} run's weights, this run's model is a {family}; start from a "
+                          f"{family} run")
+    kept = [k for k in mine if k not in take]
+    used |= {k for k in take if k in src}
+    unused = [k for k in src if k not in used]
+    if 2 * len(kept) > len(mine) or 2 * len(unused) > len(src):  # a head may differ (a fine-tune), not most
+        said = _shape_said(kept[0], mine, src) if kept else f"{unused[0]} (not here)"
+        raise ConfigError(f"init_weights={pt}: {len(used)} of its {len(src)} tensors fit this model's {len(mine)} "
+                          f"(names or shapes differ: {said}); start from a run of the same model")
+    with torch.no_grad():
+        model.load_state_dict({k: take.get(k, v).to(v.dtype) for k, v in mine.items()})
+    note = f"init_weights: {len(mine) - len(kept)} of {len(mine)} tensors from {pt}"
+    if mapped:
+        note += f" ({mapped} layer(s) through the weight applied, across sigmaReparam)"
+    if kept:
+        shown = ", ".join(_shape_said(k, mine, src) for k in kept[:4])
+        note += f"; {len(kept)} kept their initialisation: {shown}" + (" ..." if len(kept) > 4 else "")
+    if unused:
+        note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
+    return note + "; the optimizer, schedule and step count start afresh"
+
+
+def _shape_said(key: str, mine: dict, src: dict) -> str:
+    if key in src:
+        return f"{key} ({tuple(mine[key].shape)} here, {tuple(src[key].shape)} there)"
+    return f"{key} (not there)"

@@ -1,0 +1,130 @@
+"""init_weights=PATH: another run's weights start this one, and the model computes the source's
+function at step 0 across any change of sigmaReparam."""
+
+import pytest
+import torch
+
+from stabletrain.config import Components
+from stabletrain.errors import ConfigError
+from stabletrain.models.registry import build_model
+from stabletrain.models.weights import load_weights
+from tests.helpers import make_cfg
+
+SIGMA = ["reparam=sigma"]
+SIGMA_QKV = ["reparam=sigma", "reparam.qkv_split=q_k_v"]
+SIGMA_QK = ["reparam=sigma_qk", "reparam.qkv_split=q_k_v"]
+
+
+def _model(family: str, *over: str, seed: int = 0):
+    cfg = make_cfg(f"model={family}", "model.drop_path=0.0", *over)
+    torch.manual_seed(seed)
+    model = build_model(cfg.model, Components.of(cfg)).eval()
+    with torch.no_grad():  # gains away from 1, so that a mapping that dropped them would show
+        for name, p in model.named_parameters():
+            if name.endswith(".gamma"):
+                p.uniform_(0.5, 2.0)
+    return model
+
+
+def _input(family: str):
+    torch.manual_seed(1)
+    return torch.randint(0, 256, (2, 16)) if family.startswith("gpt") else torch.randn(2, 3, 16, 16)
+
+
+@pytest.mark.parametrize("family", ["gpt_test", "vit_test"])
+@pytest.mark.parametrize("there,here", [([], SIGMA), ([], SIGMA_QK), (SIGMA, []), (SIGMA_QKV, SIGMA_QK),
+                                        (SIGMA_QK, SIGMA), ([], [])])
+def test_the_loaded_model_computes_the_sources_function(tmp_path, family, there, here):
+    """W_hat = gamma W / sigma on either side: into sigmaReparam, original = W and gamma = sigma1
+    by an exact SVD; out of it, the weight its forward applied with its own u, v."""
+    src = _model(family, *there)
+    torch.save(src.state_dict(), tmp_path / "w.pt")
+    dst = _model(family, *here, seed=7)
+    x = _input(family)
+    with torch.no_grad():
+        assert not torch.allclose(dst(x), src(x), atol=1e-3)
+        note = load_weights(dst, tmp_path / "w.pt")
+        torch.testing.assert_close(dst(x), src(x), rtol=1e-4, atol=1e-5)
+    n = len(dst.state_dict())
+    assert note.startswith(f"init_weights: {n} of {n} tensors from {tmp_path / 'w.pt'}") and "kept" not in note
+
+
+def test_the_same_sigma_reparam_loads_as_it_is(tmp_path):
+    src = _model("gpt_test", *SIGMA_QKV)
+    torch.save({"model": {f"_orig_mod.{k}": v for k, v in src.state_dict().items()}}, tmp_path / "ckpt.pt")
+    dst = _model("gpt_test", *SIGMA_QKV, seed=3)
+    note = load_weights(dst, tmp_path / "ckpt.pt")
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    assert "through the weight applied" not in note and "unused" not in note
+
+
+def test_a_head_of_another_shape_keeps_its_initialisation_and_is_named(tmp_path):
+    src = _model("vit_test", "model.num_classes=10")
+    torch.save({"state_dict": src.state_dict()}, tmp_path / "timm.pth")
+    dst = _model("vit_test", "model.num_classes=5", seed=4)
+    head = dst.head.weight.clone()
+    note = load_weights(dst, tmp_path / "timm.pth")
+    assert torch.equal(dst.head.weight, head) and torch.equal(dst.blocks[0].attn.qkv.weight,
+                                                              src.blocks[0].attn.qkv.weight)
+    assert "2 kept their initialisation: head.weight ((5, 32) here, (10, 32) there), head.bias ((5,) here, " \
+           "(10,) there)" in note, note
+    assert "2 of the source's unused: head.weight, head.bias" in note
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_runs_checkpoint_reads_its_model_shards(tmp_path):
+    """A parallel=fsdp run's last.pt names its last_dcp/, which holds the model (and optimizer)."""
+    import torch.distributed.checkpoint as dcp
+
+    src = _model("gpt_test")
+    dcp.save({"model": src.state_dict(), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / "last_dcp"),
+             no_dist=True)
+    torch.save({"step": 3, "dcp": "last_dcp"}, tmp_path / "last.pt")
+    dst = _model("gpt_test", seed=5)
+    load_weights(dst, tmp_path / "last.pt")
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
+def test_what_cannot_start_a_run_is_one_line(tmp_path):
+    dst = _model("gpt_test")
+    with pytest.raises(ConfigError, match=r"init_weights=.*nowhere.pt: no such file; pass a run's directory"):
+        load_weights(dst, tmp_path / "nowhere.pt")
+    with pytest.raises(ConfigError, match="a directory without checkpoints/last.pt"):
+        load_weights(dst, tmp_path)
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    with pytest.raises(ConfigError, match="not a readable checkpoint or state dict"):
+        load_weights(dst, tmp_path / "junk.pt")
+    torch.save(_model("vit_test").state_dict(), tmp_path / "vit.pt")  # its blocks fit, its embeddings do not
+    with pytest.raises(ConfigError, match=r"13 of its 32 tensors fit this model's 16 \(names or shapes differ: "
+                                          r"wte.weight \(not there\)\); start from a run of the same model"):
+        load_weights(dst, tmp_path / "vit.pt")
+    torch.save({"model": _model("vit_test").state_dict(), "config": "model:\n  family: vit\n"}, tmp_path / "run.pt")
+    with pytest.raises(ConfigError, match="a vit run's weights, this run's model is a gpt; start from a gpt run"):
+        load_weights(dst, tmp_path / "run.pt", family="gpt")
+
+
+def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
+    """init_weights=<run dir>: the built trainer's model and weight average hold that run's last
+    weights, under another optimizer and sigmaReparam; resume=PATH loads its checkpoint instead."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import train
+
+    base = ["model=gpt_test", "batch_size=8", "logger.wandb=disabled", "monitor=off"]
+    train(tmp_path / "a", *base, "steps=3")
+    ck = torch.load(tmp_path / "a/checkpoints/last.pt", weights_only=True)
+    src = _model("gpt_test")
+    src.load_state_dict(ck["model"])
+    cfg = make_cfg(*base, "steps=2", "optim=adamw2", *SIGMA, "ema.decay=0.9", f"init_weights={tmp_path / 'a'}")
+    trainer = build_trainer(cfg, tmp_path / "b")
+    x = _input("gpt_test")
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.model.eval()(x), src(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(trainer.ema.module.eval()(x), src(x), rtol=1e-4, atol=1e-5)
+    assert any(n.startswith(f"init_weights: 40 of 40 tensors from {tmp_path / 'a/checkpoints/last.pt'}")
+               for n in trainer.notes), trainer.notes
+    cfg = make_cfg(*base, "steps=4", f"init_weights={tmp_path / 'a'}", f"resume={tmp_path / 'a/checkpoints/last.pt'}")
+    notes = build_trainer(cfg, tmp_path / "c").notes
+    assert f"init_weights={tmp_path / 'a'} is not loaded: resume={tmp_path / 'a/checkpoints/last.pt'} continues " \
+           "that checkpoint's weights" in notes
