@@ -4,9 +4,9 @@ that tries another fix or optimizer on weights already trained.
 Only the weights come over: the optimizer state, the schedule, the step count and the data order
 start afresh (``resume`` continues a run instead). The source is a run directory (its
 ``checkpoints/last.pt``), any checkpoint a run wrote (a sharded run's ``last.pt`` reads its
-``last_dcp/``), or a saved state dict: ``torch.save(model.state_dict())``, timm's
-``{"state_dict": ...}`` and nanoGPT's ``{"model": ...}`` (``_orig_mod.`` and ``module.``
-prefixes dropped).
+``last_dcp/``), or a saved state dict: ``torch.save(model.state_dict())``, ``{"model": ...}``
+or timm's ``{"state_dict": ...}`` (the ViT and Swin here have timm's tensor names), with the
+``_orig_mod.`` and ``module.`` prefixes of compiled and DDP-wrapped models dropped.
 
 sigmaReparam on either side goes through the weight the forward applies, so the new model
 computes the source's function at step 0:
@@ -79,7 +79,7 @@ def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None]
                           "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
     if isinstance(ck, dict) and ck.get("dcp"):
         state = _read_sharded(pt)
-    elif isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's, nanoGPT's
+    elif isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's
         state = ck["model"]
     elif isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict):  # timm's training checkpoints
         state = ck["state_dict"]
