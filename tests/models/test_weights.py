@@ -128,3 +128,18 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
     notes = build_trainer(cfg, tmp_path / "c").notes
     assert f"init_weights={tmp_path / 'a'} is not loaded: resume={tmp_path / 'a/checkpoints/last.pt'} continues " \
            "that checkpoint's weights" in notes
+
+
+def test_timms_own_vit_starts_a_sigma_reparam_run_with_its_function(tmp_path):
+    """A timm checkpoint of the same ViT (timm's tensor names) into reparam=sigma."""
+    import timm
+
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=16, patch_size=4,
+                            embed_dim=32, depth=2, num_heads=2).eval()
+    torch.save({"state_dict": ref.state_dict()}, tmp_path / "model_best.pth.tar")
+    dst = _model("vit_test", "model.num_classes=10", *SIGMA)
+    load_weights(dst, tmp_path / "model_best.pth.tar")
+    x = _input("vit_test")
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x), ref(x), rtol=1e-4, atol=1e-5)
