@@ -104,6 +104,11 @@ def autocast_for(device: torch.device, bf16: bool):
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
+# settings that change how a run is recorded or run, not the state and data its steps meet
+HOW_RECORDED = ("logger", "monitor", "eval_every", "eval_batches", "ckpt", "name", "device", "compile", "dist_timeout",
+                "data.num_workers", "micro_batch_size", "activation_checkpointing")
+
+
 class Trainer:
     """One process's training: on CPU or one GPU, or one rank of a DDP or FSDP2 job.
 
@@ -190,7 +195,7 @@ class Trainer:
         self.spikes: list[dict] = []  # loss spikes that passed, watched, not acted on: {step, steps}
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
         self.resumed_elsewhere: Path | None = None  # resume=PATH of another run's checkpoint: PATH
-        self.resume_changes: str | None = None  # the settings a resume changed, for metrics.jsonl
+        self.resume_changes: dict[str, str] = {}  # key -> "was -> now": the settings a resume changed
         self.saved_step: int | None = None  # of last.pt
 
     @staticmethod
@@ -678,15 +683,15 @@ class Trainer:
                                      if last is not None and last.is_file() else ""))
         D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
 
-    def _changes_of(self, ck: dict) -> str | None:
-        """``optim.lr: 0.001 -> 0.003, steps: 40 -> 60``: every setting this run changes from the
-        checkpoint's, those a resume may change included; None where none is."""
+    def _changes_of(self, ck: dict) -> dict[str, str]:
+        """``{"optim.lr": "0.001 -> 0.003"}``: every setting this run changes from the checkpoint's,
+        those a resume may change included."""
         saved, mine = ck.get("config"), self.ckpt.config_yaml
         if not (saved and mine):
-            return None
+            return {}
         changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes", "dry_run"))
         was, now = leaf_values(saved), leaf_values(mine)
-        return ", ".join(f"{k}: {was.get(k, 'unset')} -> {now.get(k, 'unset')}" for k in changed) or None
+        return {k: f"{was.get(k, 'unset')} -> {now.get(k, 'unset')}" for k in changed}
 
     def resume_notes(self, path: Path, ck: dict) -> list[str]:
         """What resuming ``ck`` changes that the user may not expect: keys changed through
@@ -730,6 +735,20 @@ class Trainer:
                 else "it goes on from the resumed average with the new decay" if self.ema is not None
                 else "it is off from here"))
         return notes
+
+    def _note_a_divergence_ahead(self, previous: dict | None) -> None:
+        """Resumed unchanged before the step it diverged at, a run meets the same state and data
+        again: said before it spends the steps to find out."""
+        at = (previous or {}).get("diverged_at")
+        if (previous or {}).get("status") != "diverged" or not isinstance(at, int) or at <= self.step \
+                or self.divergence.action == "rollback" \
+                or any(not k.startswith(HOW_RECORDED) for k in self.resume_changes):
+            return
+        reason = previous.get("reason")
+        self.metrics.message(f"note: this run diverged at step {at}" + (f" ({reason})" if reason else "")
+                             + " from this checkpoint's state with these settings, and will likely diverge there "
+                             "again; divergence.action=rollback goes past it (back to a checkpoint before it, "
+                             "skipping the data from there)")
 
     def _lr_follows_the_length(self, step: int) -> bool:
         """Whether the lr schedule from ``step`` to the end depends on the run's length (a cosine
@@ -911,8 +930,10 @@ class Trainer:
             # where the curves continue (the figures mark it), and what the run changed there: config.yaml
             # is rewritten with this run's values
             m.log(self.step, {N.RESUMED_AT: self.step,
-                              **({N.RESUME_CHANGES: self.resume_changes} if self.resume_changes else {})})
+                              **({N.RESUME_CHANGES: ", ".join(f"{k}: {v}" for k, v in self.resume_changes.items())}
+                                 if self.resume_changes else {})})
             if self.info.is_main:  # an earlier stop's summary would describe a run that is going on
+                self._note_a_divergence_ahead(read_json(self.run_dir / "summary.json"))
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             return None
         done = self.run_dir / "summary.json"

@@ -759,3 +759,18 @@ def test_the_steps_skipped_after_a_warmup_spike_do_not_repeat_it_on_their_lines(
              if (m := re.search(r"step (\d+)/6 \|", x))}
     assert "| spike at step 4, above 4x" in lines[4], lines[4]
     assert "skipped 1 non-finite step(s) (step 5)" in lines[5] and "spike" not in lines[5], lines[5]
+
+
+def test_a_diverged_run_resumed_unchanged_is_told_it_will_meet_the_divergence_again(tmp_path, capsys):
+    """Its own command resumes the checkpoint before the divergence with the same state and data:
+    said at the start, with what goes past it, not after the steps that find it out again."""
+    args = [*GPT, "steps=10", "debug.nan_at_step=6", "divergence.max_skips=1", "ckpt_every=4"]
+    s = train(tmp_path, *args)
+    assert s["status"] == "diverged" and s["diverged_at"] == 6
+    capsys.readouterr()
+    train(tmp_path, *args, "resume=auto", quiet=False)  # the progress lines and monitors on: the same run
+    err = capsys.readouterr().err
+    assert "note: this run diverged at step 6 (" in err and "from this checkpoint's state with these settings, " \
+        "and will likely diverge there again; divergence.action=rollback goes past it" in err, err
+    s = train(tmp_path, *args, "resume=auto", "divergence.action=rollback", quiet=False)
+    assert "will likely diverge there again" not in capsys.readouterr().err and s["status"] == "completed"
