@@ -37,7 +37,7 @@ from stabletrain import config as C
 from stabletrain.config import Components
 from stabletrain.data import DATASETS, OPTION_KEYS, Data, Shard, resolve_name, task_loss
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import seed_all
+from stabletrain.engine.checkpoint import last_checkpoint, seed_all
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import EVAL_BATCH_CAP, LoopSettings, Trainer, autocast_for
 from stabletrain.engine.memory import check_host_memory
@@ -510,10 +510,16 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
              + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     if cfg.init_weights is not None:  # before the weight average copies the model
+        # resume=auto, or a requeued job, that finds this run's last.pt resumes it or is refused: the source
+        # is not read, so a requeued job goes on where its source has moved, and no note says "afresh"
+        own = last_checkpoint(run_dir) if cfg.resume == "auto" or cfg.resume is None and D.may_be_requeued() else None
         if cfg.resume not in (None, "auto"):
             notes.append(f"init_weights={cfg.init_weights} is not loaded: resume={cfg.resume} continues that "
                          "checkpoint's weights")
-        else:  # resume=auto (a requeued job) that finds a checkpoint replaces them with its own
+        elif own is not None:
+            notes.append(f"init_weights={cfg.init_weights} is not loaded: this run continues its own checkpoint, "
+                         f"{own}")
+        else:
             from stabletrain.models.weights import load_weights
 
             notes.append(load_weights(model, cfg.init_weights, cfg.model.family))

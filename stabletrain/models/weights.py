@@ -19,8 +19,9 @@ computes the source's function at step 0:
 - the same sigmaReparam tensors on both sides load as they are.
 
 A tensor of this model that the source lacks, or holds in another shape (a classifier head for
-another class count), keeps its initialisation and is named in a start note; a source that fits
-none of the model's tensors is refused.
+another class count), keeps its initialisation and is named in a start note; a source of which
+most tensors do not fit, or most of this model's are not there, is refused, as is one holding
+non-finite values (a diverged run's) or an all-zero block that sigmaReparam would divide by zero.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _read_sharded(pt: Path) -> dict[str, Tensor]:
     return model
 
 
-def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None]:
+def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None, bool]:
     """The model tensors of ``path`` by name (prefixes of compiled or DDP-wrapped models dropped),
-    the file they came from, and the model family of the run that wrote it (None for a state dict)."""
+    the file they came from, the model family of the run that wrote it (None for a state dict), and
+    whether that run also kept a weight average (``ema``), which is not what is read."""
     pt = _source_file(Path(path))
     try:
         ck = torch.load(pt, map_location="cpu", weights_only=True)
@@ -91,10 +93,10 @@ def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None]
     out = {}
     for k, v in state.items():
         if torch.is_tensor(v):
-            for prefix in ("_orig_mod.", "module."):
-                k = k.removeprefix(prefix)
+            while k.startswith(("_orig_mod.", "module.")):  # both, in either order: DDP of a compiled model
+                k = k.split(".", 1)[1]                         # writes module._orig_mod.
             out[k] = v
-    return out, pt, _family_of(ck)
+    return out, pt, _family_of(ck), isinstance(ck, dict) and ck.get("ema") is not None
 
 
 def _family_of(ck) -> str | None:
@@ -139,6 +141,9 @@ def _as_reparam(mod: nn.Module, layer: str, w: Tensor) -> dict[str, Tensor]:
     m = w.double().reshape(w.shape[0], -1)
     for i, (lo, hi) in enumerate((lo, hi) for lo, hi, p in rep.ranges if p is not None):
         u, s, vh = torch.linalg.svd(m[lo:hi], full_matrices=False)
+        if s[0] == 0:  # gamma / sigma = 0 / 0: refused as apply_reparam refuses an all-zero weight
+            raise ConfigError(f"init_weights: rows {lo}:{hi} of the loaded {layer}.weight are all zero, which "
+                              "sigmaReparam cannot scale (gamma / sigma = 0 / 0); start from them with reparam=none")
         pre = f"{layer}.parametrizations.weight.0.parts.{i}."
         out |= {pre + "gamma": s[:1], pre + "u": u[:, 0], pre + "v": vh[0]}
     return out
@@ -148,7 +153,13 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
     """Load ``path``'s weights into ``model`` (of the model family ``family``, checked against a run
     checkpoint's) in place (see the module's docstring); returns the start note that says what came
     from where and what kept its initialisation."""
-    src, pt, there = read_weights(path)
+    src, pt, there, averaged = read_weights(path)
+    # a diverged run's weights would only be stepped over as non-finite (and an SVD of them fails)
+    bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(f"init_weights={pt}: {len(bad)} of its {len(src)} tensors hold non-finite values ("
+                          + ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else "") + "); start from weights "
+                          "before the run diverged")
     mine = model.state_dict()
     take = {k: v for k, v in src.items() if k in mine and v.shape == mine[k].shape}
     used = set()
@@ -188,6 +199,8 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
         note += f"; {len(kept)} kept their initialisation: {shown}" + (" ..." if len(kept) > 4 else "")
     if unused:
         note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
+    if averaged:  # its val_ema/* scored another set of weights than the ones that come over
+        note += "; its weight average (ema) is not loaded, its live weights are"
     return note + "; the optimizer, schedule and step count start afresh"
 
 

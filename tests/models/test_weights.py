@@ -143,3 +143,102 @@ def test_timms_own_vit_starts_a_sigma_reparam_run_with_its_function(tmp_path):
     x = _input("vit_test")
     with torch.no_grad():
         torch.testing.assert_close(dst(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def test_the_note_counts_the_layers_mapped_across_sigma_reparam(tmp_path):
+    torch.save(_model("gpt_test").state_dict(), tmp_path / "w.pt")
+    note = load_weights(_model("gpt_test", *SIGMA_QK), tmp_path / "w.pt")
+    assert "(2 layer(s) through the weight applied, across sigmaReparam)" in note, note  # the two qkv
+
+
+@pytest.mark.parametrize("prefix", ["module.", "module._orig_mod.", "_orig_mod.module."])
+def test_the_prefixes_of_ddp_and_compile_are_dropped_in_either_order(tmp_path, prefix):
+    """DDP of a compiled model writes module._orig_mod.; a compiled DDP model _orig_mod.module."""
+    src = _model("gpt_test")
+    torch.save({prefix + k: v for k, v in src.state_dict().items()}, tmp_path / "w.pt")
+    dst = _model("gpt_test", seed=2)
+    load_weights(dst, tmp_path / "w.pt")
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
+def test_a_sigma_reparam_head_of_another_shape_keeps_all_its_tensors(tmp_path):
+    """Its gamma and v have the same shapes there: taken alone they would scale this model's raw head."""
+    src = _model("vit_test", "model.num_classes=10", *SIGMA)
+    torch.save(src.state_dict(), tmp_path / "w.pt")
+    dst = _model("vit_test", "model.num_classes=5", *SIGMA, seed=4)
+    head = {k: v.clone() for k, v in dst.state_dict().items() if k.startswith("head.")}
+    note = load_weights(dst, tmp_path / "w.pt")
+    for k, v in head.items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    assert f"{len(head)} kept their initialisation" in note, note
+
+
+def test_a_source_that_fits_under_half_of_this_model_is_refused(tmp_path):
+    """All of its tensors fit, but most of this model's would keep their initialisation."""
+    torch.save(_model("gpt_test", "model.depth=1").state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ConfigError, match=r"init_weights=.*: 10 of its 10 tensors fit this model's 28 \(names or "
+                                          r"shapes differ: blocks.1.norm1.weight \(not there\)\)"):
+        load_weights(_model("gpt_test", "model.depth=4"), tmp_path / "w.pt")
+
+
+@pytest.mark.parametrize("here", [[], SIGMA])
+def test_non_finite_weights_are_refused_in_one_line(tmp_path, here):
+    """A diverged run's weights: the run would only skip non-finite steps (and the SVD into sigmaReparam fails)."""
+    sd = _model("gpt_test").state_dict()
+    sd["blocks.0.mlp.fc1.weight"][0, 0] = float("nan")
+    torch.save(sd, tmp_path / "w.pt")
+    with pytest.raises(ConfigError, match=r"init_weights=.*w.pt: 1 of its 16 tensors hold non-finite values "
+                                          r"\(blocks.0.mlp.fc1.weight\); start from weights before the run diverged"):
+        load_weights(_model("gpt_test", *here), tmp_path / "w.pt")
+
+
+def test_an_all_zero_weight_into_sigma_reparam_is_refused(tmp_path):
+    """gamma / sigma would be 0 / 0: a forward of NaN, as apply_reparam refuses an all-zero weight."""
+    src = _model("vit_test", "model.num_classes=10")
+    with torch.no_grad():
+        src.head.weight.zero_()
+    torch.save(src.state_dict(), tmp_path / "w.pt")
+    with pytest.raises(ConfigError, match=r"rows 0:10 of the loaded head.weight are all zero, which sigmaReparam "
+                                          r"cannot scale"):
+        load_weights(_model("vit_test", "model.num_classes=10", *SIGMA), tmp_path / "w.pt")
+
+
+def test_the_built_run_checks_the_sources_model_family(tmp_path):
+    from stabletrain.build import build_trainer
+
+    torch.save({"model": _model("vit_test").state_dict(), "config": "model:\n  family: vit\n"}, tmp_path / "run.pt")
+    cfg = make_cfg("model=gpt_test", "logger=none", "monitor=off", f"init_weights={tmp_path / 'run.pt'}")
+    with pytest.raises(ConfigError, match="a vit run's weights, this run's model is a gpt; start from a gpt run"):
+        build_trainer(cfg, tmp_path / "b")
+
+
+def test_a_resumed_run_continues_its_own_checkpoint_without_reading_the_source(tmp_path):
+    """resume=auto (a requeued job) finds the run's last.pt: the source, moved away since, is not read,
+    and no note says the step count starts afresh; with no checkpoint there, the source is loaded."""
+    from stabletrain.build import build_trainer
+    from tests.helpers import losses, train
+
+    base = ["model=gpt_test", "batch_size=8", "logger.wandb=disabled", "logger.log_every=1", "monitor=off",
+            "ckpt_every=2"]
+    train(tmp_path / "a", *base, "steps=2")
+    cfg = make_cfg(*base, "steps=4", "resume=auto", f"init_weights={tmp_path / 'a'}")
+    assert any(str(n).startswith("init_weights: 16 of 16") for n in build_trainer(cfg, tmp_path / "b").notes)
+    train(tmp_path / "b", *base, "steps=2", f"init_weights={tmp_path / 'a'}")
+    (tmp_path / "a").rename(tmp_path / "gone")
+    notes = build_trainer(cfg, tmp_path / "b").notes
+    assert f"init_weights={tmp_path / 'a'} is not loaded: this run continues its own checkpoint, " \
+           f"{tmp_path / 'b/checkpoints/last.pt'}" in notes, notes
+    assert not any(str(n).startswith("init_weights:") for n in notes)
+    train(tmp_path / "b", *base, "steps=4", "resume=auto", f"init_weights={tmp_path / 'a'}")
+    assert sorted(losses(tmp_path / "b")) == [1, 2, 3, 4]
+
+
+def test_the_note_says_a_sources_weight_average_is_not_what_is_loaded(tmp_path):
+    """A run with ema.decay reports val_ema/* of its average; the live weights are what come over."""
+    src = _model("gpt_test")
+    torch.save({"model": src.state_dict(), "ema": {"module": src.state_dict(), "updates": 3}}, tmp_path / "a.pt")
+    assert "; its weight average (ema) is not loaded, its live weights are;" in load_weights(_model("gpt_test"),
+                                                                                           tmp_path / "a.pt")
+    torch.save({"model": src.state_dict(), "ema": None}, tmp_path / "b.pt")
+    assert "weight average" not in load_weights(_model("gpt_test"), tmp_path / "b.pt")
