@@ -116,6 +116,11 @@ def load_checkpoint(path: Path, map_location="cpu") -> dict:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+def spelled(values: dict, key: str):
+    """``values[key]`` as a config's yaml spells it: ``null`` for None, ``unset`` where absent."""
+    return "unset" if key not in values else "null" if values[key] is None else values[key]
+
+
 def last_checkpoint(run_dir: Path) -> Path | None:
     p = Path(run_dir) / "checkpoints" / "last.pt"
     return p if p.is_file() else None
@@ -327,11 +332,7 @@ class Checkpointer:
     def changes_shown(self, ck: dict, changed: list[str], at_most: int = 4) -> str:
         """``k (a there, b here), ...``: the first ``at_most`` changed keys with their values."""
         was, now = leaf_values(ck["config"]), leaf_values(self.config_yaml)
-
-        def value(d, k):
-            return "unset" if k not in d else "null" if d[k] is None else d[k]
-
-        shown = ", ".join(f"{k} ({value(was, k)} there, {value(now, k)} here)" for k in changed[:at_most])
+        shown = ", ".join(f"{k} ({spelled(was, k)} there, {spelled(now, k)} here)" for k in changed[:at_most])
         return shown + (f" and {len(changed) - at_most} more" if len(changed) > at_most else "")
 
     # --- saving ---------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from torch import nn
 
 from stabletrain.config import leaf_values, may_change
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
+from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints, spelled
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.rundir import continue_with, sweep_dir
@@ -691,7 +691,7 @@ class Trainer:
             return {}
         changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes", "dry_run"))
         was, now = leaf_values(saved), leaf_values(mine)
-        return {k: f"{was.get(k, 'unset')} -> {now.get(k, 'unset')}" for k in changed}
+        return {k: f"{spelled(was, k)} -> {spelled(now, k)}" for k in changed}
 
     def resume_notes(self, path: Path, ck: dict) -> list[str]:
         """What resuming ``ck`` changes that the user may not expect: keys changed through
