@@ -40,55 +40,68 @@ _ORIGINAL = ".parametrizations.weight.original"
 _PART = re.compile(r"^(.*)\.parametrizations\.weight\.0\.parts\.(\d+)\.(gamma|u|v)$")
 
 
-def _source_file(path: Path) -> Path:
+def _source_file(path: Path, key: str) -> Path:
     if path.is_dir():
         last = path / "checkpoints" / "last.pt"
         if last.is_file():
             return last
-        raise ConfigError(f"init_weights={path}: a directory without checkpoints/last.pt; pass a run's directory, "
+        raise ConfigError(f"{key}{path}: a directory without checkpoints/last.pt; pass a run's directory, "
                           "a checkpoint it wrote, or a saved state dict")
     if not path.is_file():
-        raise ConfigError(f"init_weights={path}: no such file; pass a run's directory, a checkpoint it wrote "
+        raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
                           "(checkpoints/last.pt), or a saved state dict")
     return path
 
 
-def _read_sharded(pt: Path) -> dict[str, Tensor]:
-    """The model of a sharded checkpoint, whole: only its tensors are read, not the optimizer's."""
+def _read_sharded(pt: Path, key: str, which: str) -> dict[str, Tensor]:
+    """The model (``which="model"``) or weight average (``"ema"``) of a sharded checkpoint, whole:
+    only its tensors are read, not the optimizer's."""
     import torch.distributed.checkpoint as dcp
 
     folder = pt.parent / f"{pt.stem}_dcp"
     meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    model = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+    model = {k[len(which) + 1:]: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.items() if k.startswith(which + ".") and hasattr(m, "size")}
     if not model:
-        raise ConfigError(f"init_weights={pt}: {folder} holds no model tensors")
+        raise ConfigError(f"{key}{pt}: {folder} holds no {'model' if which == 'model' else 'weight average'} tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+        dcp.load({which: model}, checkpoint_id=str(folder), no_dist=True)
     return model
 
 
-def read_weights(path: str | Path) -> tuple[dict[str, Tensor], Path, str | None, bool]:
+def _state_of(ck, pt: Path, key: str, average: bool):
+    """The state dict inside a loaded checkpoint: the model's, or with ``average`` the weight average's."""
+    if isinstance(ck, dict) and ck.get("dcp"):
+        return _read_sharded(pt, key, "ema" if average else "model")
+    if not average:
+        if isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's
+            return ck["model"]
+        if isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict):  # timm's training checkpoints
+            return ck["state_dict"]
+        return ck
+    if isinstance(ck, dict) and isinstance(ck.get("ema"), dict) and isinstance(ck["ema"].get("module"), dict):
+        return ck["ema"]["module"]
+    if isinstance(ck, dict) and isinstance(ck.get("state_dict_ema"), dict):  # timm's
+        return ck["state_dict_ema"]
+    raise ConfigError(f"{key}{pt}: holds no weight average (its run had ema.decay null); leave the average out")
+
+
+def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") \
+        -> tuple[dict[str, Tensor], Path, str | None, bool]:
     """The model tensors of ``path`` by name (prefixes of compiled or DDP-wrapped models dropped),
     the file they came from, the model family of the run that wrote it (None for a state dict), and
-    whether that run also kept a weight average (``ema``), which is not what is read."""
-    pt = _source_file(Path(path))
+    whether that run also kept a weight average (``ema``). ``average``: that average's tensors
+    instead. ``key`` begins the one-line errors (the setting or argument that named ``path``)."""
+    pt = _source_file(Path(path), key)
     try:
         ck = torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn write, a file that is no checkpoint
-        raise ConfigError(f"init_weights={pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
+        raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
                           "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
-    if isinstance(ck, dict) and ck.get("dcp"):
-        state = _read_sharded(pt)
-    elif isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's
-        state = ck["model"]
-    elif isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict):  # timm's training checkpoints
-        state = ck["state_dict"]
-    else:
-        state = ck
+    state = _state_of(ck, pt, key, average)
     if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
-        raise ConfigError(f"init_weights={pt}: holds no model tensors; pass a run's checkpoints/last.pt or a file of "
+        raise ConfigError(f"{key}{pt}: holds no model tensors; pass a run's checkpoints/last.pt or a file of "
                           "torch.save(model.state_dict())")
     out = {}
     for k, v in state.items():
@@ -106,6 +119,17 @@ def _family_of(ck) -> str | None:
         return yaml.safe_load(ck["config"])["model"]["family"]
     except Exception:  # a state dict, a checkpoint of another framework
         return None
+
+
+def folded(src: dict[str, Tensor]) -> tuple[dict[str, Tensor], int]:
+    """``src`` with each sigmaReparam layer's tensors replaced by the one weight its forward
+    applied (``layer.weight``): a plain state dict, as a model without sigmaReparam holds it
+    (timm's ViT and Swin of the same shape load it); and how many layers were folded."""
+    layers = [k[:-len(_ORIGINAL)] for k in src if k.endswith(_ORIGINAL)]
+    out = {k: v for k, v in src.items() if not any(k.startswith(f"{layer}.parametrizations.") for layer in layers)}
+    for layer in layers:
+        out[f"{layer}.weight"] = _applied(src, layer)
+    return out, len(layers)
 
 
 def _weight_keys(state: dict, layer: str) -> set[str]:

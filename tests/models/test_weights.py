@@ -242,3 +242,69 @@ def test_the_note_says_a_sources_weight_average_is_not_what_is_loaded(tmp_path):
                                                                                            tmp_path / "a.pt")
     torch.save({"model": src.state_dict(), "ema": None}, tmp_path / "b.pt")
     assert "weight average" not in load_weights(_model("gpt_test"), tmp_path / "b.pt")
+
+
+def _export(*args: str):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "export_weights.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_an_exported_sigma_reparam_vit_loads_into_timms_own_model_with_its_function(tmp_path, average):
+    """sigmaReparam folded into the weights its forward applies: timm's ViT of the same shape
+    computes what the run's model (or its weight average) computes."""
+    import timm
+
+    live, avg = _model("vit_test", "model.num_classes=10", *SIGMA), _model("vit_test", "model.num_classes=10", *SIGMA,
+                                                                            seed=1)
+    torch.save({"step": 5, "model": live.state_dict(), "ema": {"module": avg.state_dict(), "updates": 5},
+                "config": "model:\n  family: vit\n"}, tmp_path / "last.pt")
+    r = _export(str(tmp_path / "last.pt"), str(tmp_path / "out.pt"), *(["--ema"] if average else []))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (f"wrote {tmp_path / 'out.pt'}: the {'weight average' if average else 'weights'} of "
+                                f"{tmp_path / 'last.pt'} (a vit run), 32 tensors, 10 sigmaReparam layer(s) folded into "
+                                "the weights they apply")
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=16, patch_size=4,
+                            embed_dim=32, depth=2, num_heads=2).eval()
+    ref.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    x = _input("vit_test")
+    with torch.no_grad():
+        torch.testing.assert_close(ref(x), (avg if average else live)(x), rtol=1e-4, atol=1e-5)
+
+
+def test_export_says_in_one_line_what_it_cannot_export(tmp_path):
+    sd = _model("gpt_test").state_dict()
+    torch.save({"model": sd, "ema": None}, tmp_path / "a.pt")
+    r = _export(str(tmp_path / "a.pt"), str(tmp_path / "out.pt"), "--ema")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'a.pt'}: holds no weight average (its run " \
+        "had ema.decay null); leave the average out"
+    r = _export(str(tmp_path / "none.pt"), str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path / 'none.pt'}: no such file")
+    sd["blocks.0.mlp.fc1.weight"][0, 0] = float("inf")
+    torch.save(sd, tmp_path / "b.pt")
+    r = _export(str(tmp_path / "b.pt"), str(tmp_path / "out.pt"))
+    assert r.returncode == 1 and "1 tensor(s) hold non-finite values (blocks.0.mlp.fc1.weight)" in r.stderr
+    r = _export(str(tmp_path / "a.pt"), str(tmp_path / "no/out.pt"))
+    assert r.returncode == 1 and "is not a directory" in r.stderr and not (tmp_path / "out.pt").exists()
+
+
+def test_a_run_starts_from_an_exported_weight_average(tmp_path):
+    """export --ema, then init_weights=OUT: the weight average starts a run (into sigmaReparam here)."""
+    from tests.helpers import train
+
+    base = ["model=gpt_test", "batch_size=8", "logger.wandb=disabled", "monitor=off"]
+    train(tmp_path / "a", *base, "steps=3", "ema.decay=0.5")
+    assert _export(str(tmp_path / "a"), str(tmp_path / "avg.pt"), "--ema").returncode == 0
+    ck = torch.load(tmp_path / "a/checkpoints/last.pt", weights_only=True)
+    src = _model("gpt_test")
+    src.load_state_dict(ck["ema"]["module"])
+    dst = _model("gpt_test", *SIGMA, seed=3)
+    load_weights(dst, tmp_path / "avg.pt")
+    x = _input("gpt_test")
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x), src(x), rtol=1e-4, atol=1e-5)

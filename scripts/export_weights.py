@@ -1,0 +1,61 @@
+"""A run's weights as a plain state dict, for use outside stabletrain (timm, your own code).
+
+    python scripts/export_weights.py RUN_OR_CHECKPOINT OUT.pt [--ema]
+
+SOURCE is a run directory (its checkpoints/last.pt), any checkpoint a run wrote (a sharded run's
+reads its last_dcp/), or a state dict. sigmaReparam layers are folded into the weight their
+forward applies (gamma W / (u^T W v), with the checkpoint's u, v), so OUT holds what a model
+without sigmaReparam holds: the ViT and Swin load it into timm's model of the same shape
+(``timm.create_model(name, ...).load_state_dict(torch.load(OUT))``), and ``init_weights=OUT``
+starts a run from it. --ema exports the run's weight average instead of its live weights.
+Written atomically; only tensors, so ``torch.load(OUT, weights_only=True)`` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", type=Path, help="a run directory, a checkpoint a run wrote, or a state dict")
+    ap.add_argument("out", type=Path, help="the file to write (torch.save of a state dict)")
+    ap.add_argument("--ema", action="store_true", help="the run's weight average (ema.decay), not its live weights")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from stabletrain.errors import ConfigError
+    from stabletrain.models.weights import folded, read_weights
+
+    try:
+        src, pt, family, _ = read_weights(args.source, average=args.ema, key="")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        print(f"error: {pt}: {len(bad)} tensor(s) hold non-finite values ({', '.join(bad[:4])}); export a "
+              "checkpoint from before the run diverged (its ring: checkpoints/step_*.pt)", file=sys.stderr)
+        return 1
+    state, n = folded(src)
+    if not args.out.parent.is_dir():
+        print(f"error: {args.out.parent} is not a directory; create it or write elsewhere", file=sys.stderr)
+        return 1
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    torch.save({k: v.contiguous() for k, v in state.items()}, tmp)
+    os.replace(tmp, args.out)
+    what = "weight average" if args.ema else "weights"
+    folds = f", {n} sigmaReparam layer(s) folded into the weights they apply" if n else ""
+    print(f"wrote {args.out}: the {what} of {pt}" + (f" (a {family} run)" if family else "")
+          + f", {len(state)} tensors{folds}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
