@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.config import leaf_values, may_change
+from stabletrain.config import HOW_RECORDED, leaf_values, may_change
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints, spelled
 from stabletrain.engine.divergence import DivergenceWatch
@@ -102,11 +102,6 @@ class LoopSettings:
 def autocast_for(device: torch.device, bf16: bool):
     """The context a model trains and is scored under: bf16 autocast, or nothing."""
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
-
-# settings that change how a run is recorded or run, not the state and data its steps meet
-HOW_RECORDED = ("logger", "monitor", "eval_every", "eval_batches", "ckpt", "name", "device", "compile", "dist_timeout",
-                "data.num_workers", "micro_batch_size", "activation_checkpointing")
 
 
 class Trainer:
