@@ -487,6 +487,20 @@ def fit_model_to_data(cfg, data: Data) -> list[str]:
     return notes
 
 
+def load_initial_weights(cfg, model: torch.nn.Module, run_dir: Path) -> str:
+    """``init_weights``' weights into ``model``, unless the run resumes a checkpoint; the start note."""
+    # resume=auto, or a requeued job, that finds this run's last.pt resumes it or is refused: the source
+    # is not read, so a requeued job goes on where its source has moved, and no note says "afresh"
+    own = last_checkpoint(run_dir) if cfg.resume == "auto" or cfg.resume is None and D.may_be_requeued() else None
+    if cfg.resume not in (None, "auto"):
+        return f"init_weights={cfg.init_weights} is not loaded: resume={cfg.resume} continues that checkpoint's weights"
+    if own is not None:
+        return f"init_weights={cfg.init_weights} is not loaded: this run continues its own checkpoint, {own}"
+    from stabletrain.models.weights import load_weights
+
+    return load_weights(model, cfg.init_weights, cfg.model.family)
+
+
 def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:
     """The trainer of ``cfg`` with everything built, on this process's device."""
     info = info or D.DistInfo()
@@ -510,19 +524,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
              + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
     model, reparam_hook = build_model_and_hook(cfg.model, Components.of(cfg))
     if cfg.init_weights is not None:  # before the weight average copies the model
-        # resume=auto, or a requeued job, that finds this run's last.pt resumes it or is refused: the source
-        # is not read, so a requeued job goes on where its source has moved, and no note says "afresh"
-        own = last_checkpoint(run_dir) if cfg.resume == "auto" or cfg.resume is None and D.may_be_requeued() else None
-        if cfg.resume not in (None, "auto"):
-            notes.append(f"init_weights={cfg.init_weights} is not loaded: resume={cfg.resume} continues that "
-                         "checkpoint's weights")
-        elif own is not None:
-            notes.append(f"init_weights={cfg.init_weights} is not loaded: this run continues its own checkpoint, "
-                         f"{own}")
-        else:
-            from stabletrain.models.weights import load_weights
-
-            notes.append(load_weights(model, cfg.init_weights, cfg.model.family))
+        notes.append(load_initial_weights(cfg, model, run_dir))
     model = model.to(device)
     notes += unbuilt_components(model, cfg) + [n for n in [norm_without_layer_note(cfg)] if n]
     blocks = transformer_blocks(model)
