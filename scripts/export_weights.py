@@ -33,10 +33,25 @@ def main(argv: list[str] | None = None) -> int:
     from stabletrain.errors import ConfigError
     from stabletrain.models.weights import folded, read_weights
 
+    if args.out.is_dir():  # os.replace cannot put a file over a folder ("runs/", a run's directory)
+        print(f"error: {args.out} is a directory; name the file to write", file=sys.stderr)
+        return 1
+    if not args.out.parent.is_dir():
+        print(f"error: {args.out.parent} is not a directory; create it or write elsewhere", file=sys.stderr)
+        return 1
     try:
         src, pt, family, _ = read_weights(args.source, average=args.ema, key="")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    # over the file being read, or beside a run's checkpoint among the run's own (resume and
+    # rollbacks read last.pt and its ring): a plain state dict there loses the run's optimizer and average
+    out = args.out.resolve()
+    if out == pt.resolve():
+        print(f"error: {args.out}: it would replace the file being read ({pt}); write elsewhere", file=sys.stderr)
+        return 1
+    if family is not None and pt.parent.name == "checkpoints" and out.parent == pt.parent.resolve():
+        print(f"error: {args.out} is in {pt.parent}, the run's own checkpoints; write elsewhere", file=sys.stderr)
         return 1
     bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
@@ -44,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
               "checkpoint from before the run diverged (its ring: checkpoints/step_*.pt)", file=sys.stderr)
         return 1
     state, n = folded(src)
-    if not args.out.parent.is_dir():
-        print(f"error: {args.out.parent} is not a directory; create it or write elsewhere", file=sys.stderr)
-        return 1
     tmp = args.out.with_name(f".{args.out.name}.tmp")
-    torch.save({k: v.contiguous() for k, v in state.items()}, tmp)
-    os.replace(tmp, args.out)
+    try:
+        torch.save({k: v.contiguous() for k, v in state.items()}, tmp)
+        os.replace(tmp, args.out)
+    finally:  # a full disk, an interrupt: no half-written file left beside OUT
+        tmp.unlink(missing_ok=True)
     what = "weight average" if args.ema else "weights"
     folds = f", {n} sigmaReparam layer(s) folded into the weights they apply" if n else ""
     print(f"wrote {args.out}: the {what} of {pt}" + (f" (a {family} run)" if family else "")

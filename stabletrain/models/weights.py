@@ -67,11 +67,17 @@ def _read_sharded(pt: Path, key: str, which: str) -> dict[str, Tensor]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({which: model}, checkpoint_id=str(folder), no_dist=True)
+    # GPT's lm_head is its wte: DCP saved the one tensor under both names, torch.save once
+    if "lm_head.weight" in model and torch.equal(model["lm_head.weight"], model.get("wte.weight", torch.empty(0))):
+        model["lm_head.weight"] = model["wte.weight"]
     return model
 
 
 def _state_of(ck, pt: Path, key: str, average: bool):
     """The state dict inside a loaded checkpoint: the model's, or with ``average`` the weight average's."""
+    # a run's, sharded or not, says why before its last_dcp/ is searched for tensors it cannot hold
+    if average and isinstance(ck, dict) and "ema" in ck and ck["ema"] is None:
+        raise ConfigError(f"{key}{pt}: holds no weight average (its run had ema.decay null); leave the average out")
     if isinstance(ck, dict) and ck.get("dcp"):
         return _read_sharded(pt, key, "ema" if average else "model")
     if not average:
@@ -84,7 +90,8 @@ def _state_of(ck, pt: Path, key: str, average: bool):
         return ck["ema"]["module"]
     if isinstance(ck, dict) and isinstance(ck.get("state_dict_ema"), dict):  # timm's
         return ck["state_dict_ema"]
-    raise ConfigError(f"{key}{pt}: holds no weight average (its run had ema.decay null); leave the average out")
+    raise ConfigError(f"{key}{pt}: holds no weight average (one set of weights; a run with ema.decay set writes "
+                      "both); leave the average out")
 
 
 def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") \

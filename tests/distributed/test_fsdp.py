@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -161,6 +162,32 @@ def test_fsdp_rolls_back_like_ddp(tmp_path, nan_at, restored):
     ckpts = tmp_path / "fsdp" / "checkpoints"
     ring = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
     assert ring == ["step_000008.pt", "step_000008_dcp", "step_000010.pt", "step_000010_dcp"], ring
+
+
+
+def test_an_fsdp_runs_export_is_the_one_process_runs(tmp_path):
+    """scripts/export_weights.py of a parallel=fsdp run reads its last_dcp/: its weights and (--ema)
+    its weight average, sigmaReparam folded, are those of the same run in one process."""
+    from tests.helpers import train
+
+    args = ["reparam=sigma", "ema.decay=0.5", "steps=2"]
+    _torchrun(tmp_path / "fsdp", *args, "parallel=fsdp")
+    train(tmp_path / "one", *FSDP_ARGS, *args)
+    got = {}
+    for run_dir in ("fsdp", "one"):
+        for ema in ([], ["--ema"]):
+            out = tmp_path / f"{run_dir}{''.join(ema)}.pt"
+            r = subprocess.run([sys.executable, str(ROOT / "scripts/export_weights.py"), str(tmp_path / run_dir),
+                                str(out), *ema], capture_output=True, text=True, env=clean_env(PYTHONPATH=str(ROOT)))
+            assert r.returncode == 0 and ", 8 sigmaReparam layer(s) folded" in r.stdout, r.stdout + r.stderr
+            got[run_dir, bool(ema)] = torch.load(out, weights_only=True)
+    for ema in (False, True):
+        a, b = got["fsdp", ema], got["one", ema]
+        assert sorted(a) == sorted(b) and "lm_head.weight" in a
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=FSDP_REL, atol=1e-6, msg=k)
+    qkv = "blocks.0.attn.qkv.weight"  # the average is not the live weights
+    assert not torch.allclose(got["fsdp", True][qkv], got["fsdp", False][qkv])
 
 
 def test_fsdp_refusals_are_one_line():

@@ -1,6 +1,8 @@
 """init_weights=PATH: another run's weights start this one, and the model computes the source's
 function at step 0 across any change of sigmaReparam."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -308,3 +310,123 @@ def test_a_run_starts_from_an_exported_weight_average(tmp_path):
     x = _input("gpt_test")
     with torch.no_grad():
         torch.testing.assert_close(dst(x), src(x), rtol=1e-4, atol=1e-5)
+
+
+def _fake_run(run: Path, model: dict, ema: dict | None, sharded: bool = False) -> Path:
+    """A run's checkpoints/last.pt (and ring) as the trainer writes them; sharded: the tensors in last_dcp/."""
+    import torch.distributed.checkpoint as dcp
+
+    (run / "checkpoints").mkdir(parents=True)
+    ck = {"step": 2, "config": "model:\n  family: gpt\n", "ema": None if ema is None else {"updates": 2}}
+    if sharded:
+        dcp.save({"model": model, **({"ema": ema} if ema is not None else {})},
+                 checkpoint_id=str(run / "checkpoints" / "last_dcp"), no_dist=True)
+        ck["dcp"] = "last_dcp"
+    else:
+        ck |= {"model": model, "ema": None if ema is None else {"module": ema, "updates": 2}}
+    torch.save(ck, run / "checkpoints" / "last.pt")
+    torch.save(ck, run / "checkpoints" / "step_000002.pt")
+    return run / "checkpoints" / "last.pt"
+
+
+def test_export_writes_over_no_checkpoint_of_its_run_nor_onto_a_folder(tmp_path):
+    """OUT = the source (or another checkpoint of its run) would leave a plain state dict where
+    resume needs the optimizer; OUT = a folder was a traceback and left a .tmp file beside it."""
+    last = _fake_run(tmp_path / "run", _model("gpt_test").state_dict(), None)
+    ring = last.with_name("step_000002.pt")
+    before = last.read_bytes(), ring.read_bytes()
+    r = _export(str(tmp_path / "run"), str(last))
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {last}: it would replace the file being read " \
+        f"({last}); write elsewhere", r.stderr
+    r = _export(str(tmp_path / "run"), str(ring))
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {ring} is in {last.parent}, the run's own " \
+        "checkpoints; write elsewhere", r.stderr
+    assert (last.read_bytes(), ring.read_bytes()) == before
+    for out in (tmp_path / "run", f"{tmp_path}/"):
+        r = _export(str(tmp_path / "run"), str(out))
+        assert r.returncode == 1 and r.stderr.strip() == f"error: {Path(out)} is a directory; name the file to " \
+            "write", r.stderr
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.endswith(".tmp")) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    torch.save(_model("gpt_test").state_dict(), tmp_path / "own.pt")  # a state dict beside another: fine
+    assert _export(str(tmp_path / "own.pt"), str(tmp_path / "other.pt")).returncode == 0
+
+
+def test_a_sharded_runs_weight_average_is_read_from_its_shards(tmp_path):
+    """--ema of a parallel=fsdp run: the ema.* tensors of last_dcp/, not model.*; a run without
+    ema.decay says so as an unsharded one does; GPT's tied lm_head comes back as its wte."""
+    from stabletrain.models.weights import read_weights
+
+    live, avg = _model("gpt_test").state_dict(), _model("gpt_test", seed=1).state_dict()
+    pt = _fake_run(tmp_path / "a", live, avg, sharded=True)
+    for average, want in ((False, live), (True, avg)):
+        got, where, family, has_avg = read_weights(tmp_path / "a", average=average)
+        assert (where, family, has_avg) == (pt, "gpt", True) and sorted(got) == sorted(want)
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        assert got["lm_head.weight"] is got["wte.weight"]
+    _fake_run(tmp_path / "b", live, None, sharded=True)
+    with pytest.raises(ConfigError) as e:
+        read_weights(tmp_path / "b", average=True, key="")
+    assert str(e.value) == f"{tmp_path / 'b/checkpoints/last.pt'}: holds no weight average (its run had ema.decay " \
+        "null); leave the average out"
+    r = _export(str(tmp_path / "b"), str(tmp_path / "out.pt"))
+    assert r.returncode == 0, r.stderr
+    out = torch.load(tmp_path / "out.pt", weights_only=True)  # one tensor on disk, as torch.save of the model writes
+    assert out["lm_head.weight"].data_ptr() == out["wte.weight"].data_ptr()
+
+
+def test_a_state_dict_asked_for_its_average_is_not_blamed_on_a_run(tmp_path):
+    torch.save(_model("gpt_test").state_dict(), tmp_path / "w.pt")
+    r = _export(str(tmp_path / "w.pt"), str(tmp_path / "out.pt"), "--ema")
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'w.pt'}: holds no weight average (one set " \
+        "of weights; a run with ema.decay set writes both); leave the average out", r.stderr
+
+
+def test_export_refuses_only_the_runs_own_checkpoints(tmp_path):
+    """A run's checkpoint copied elsewhere, or state dicts in a folder of one's own called
+    checkpoints/, export beside themselves: only a run's checkpoints/ with its last.pt is kept whole."""
+    sd = _model("gpt_test").state_dict()
+    (tmp_path / "keep").mkdir()
+    torch.save({"step": 2, "config": "model:\n  family: gpt\n", "model": sd, "ema": None}, tmp_path / "keep/a.pt")
+    (tmp_path / "checkpoints").mkdir()
+    torch.save(sd, tmp_path / "checkpoints/own.pt")
+    for src, out in (("keep/a.pt", "keep/b.pt"), ("checkpoints/own.pt", "checkpoints/b.pt")):
+        r = _export(str(tmp_path / src), str(tmp_path / out))
+        assert r.returncode == 0 and (tmp_path / out).is_file(), r.stderr
+
+
+def test_an_export_keeps_the_runs_dtypes(tmp_path):
+    """The fold is computed in float64 and written in the weight's own dtype: no file twice the size."""
+    sd = _model("vit_test", *SIGMA_QKV).state_dict()
+    torch.save(sd, tmp_path / "w.pt")
+    assert _export(str(tmp_path / "w.pt"), str(tmp_path / "out.pt")).returncode == 0
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {v.dtype for v in out.values()} == {torch.float32}, {k: v.dtype for k, v in out.items()}
+
+
+def test_timms_own_checkpoint_exports_its_weight_average(tmp_path):
+    """timm's train.py writes the average as state_dict_ema beside state_dict."""
+    from stabletrain.models.weights import read_weights
+
+    live, avg = _model("vit_test").state_dict(), _model("vit_test", seed=1).state_dict()
+    torch.save({"epoch": 3, "state_dict": live, "state_dict_ema": avg}, tmp_path / "timm.pth.tar")
+    for average, want in ((False, live), (True, avg)):
+        got = read_weights(tmp_path / "timm.pth.tar", average=average)[0]
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
+def test_an_export_cut_off_leaves_no_file_behind(tmp_path, monkeypatch, capsys):
+    """A write that fails (a full disk) leaves neither OUT nor its .tmp beside it."""
+    from scripts.export_weights import main
+
+    torch.save(_model("gpt_test").state_dict(), tmp_path / "w.pt")
+
+    def full(obj, f, *a, **k):
+        Path(f).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="No space left"):
+        main([str(tmp_path / "w.pt"), str(tmp_path / "out.pt")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.pt"]
