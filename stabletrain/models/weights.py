@@ -231,7 +231,8 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
     if unused:
         note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
     if averaged:  # its val_ema/* scored another set of weights than the ones that come over
-        note += "; its weight average (ema) is not loaded, its live weights are"
+        note += ("; its weight average (ema) is not loaded, its live weights are (scripts/export_weights.py "
+                 "--ema writes the average as a file to start from)")
     return note + "; the optimizer, schedule and step count start afresh"
 
 
