@@ -353,6 +353,7 @@ def test_export_writes_over_no_checkpoint_of_its_run_nor_onto_a_folder(tmp_path)
     assert _export(str(tmp_path / "own.pt"), str(tmp_path / "other.pt")).returncode == 0
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_sharded_runs_weight_average_is_read_from_its_shards(tmp_path):
     """--ema of a parallel=fsdp run: the ema.* tensors of last_dcp/, not model.*; a run without
     ema.decay says so as an unsharded one does; GPT's tied lm_head comes back as its wte."""
