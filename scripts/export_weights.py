@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.out.parent} is not a directory; create it or write elsewhere", file=sys.stderr)
         return 1
     try:
-        src, pt, family, _ = read_weights(args.source, average=args.ema, key="")
+        src, pt, family, _, step = read_weights(args.source, average=args.ema, key="")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.unlink(missing_ok=True)
     what = "weight average" if args.ema else "weights"
     folds = f", {n} sigmaReparam layer(s) folded into the weights they apply" if n else ""
-    print(f"wrote {args.out}: the {what} of {pt}" + (f" (a {family} run)" if family else "")
+    run = f" (a {family} run" + (f" at step {step}" if step is not None else "") + ")" if family else ""
+    print(f"wrote {args.out}: the {what} of {pt}{run}"
           + f", {len(state)} tensors{folds}")
     return 0
 

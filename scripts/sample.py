@@ -68,12 +68,9 @@ def load_run(run_dir: Path, checkpoint: Path | None, ema: bool):
                           "text")
     model = build_model(cfg.model, Components.of(cfg))
     source = checkpoint or run_dir / "checkpoints" / "last.pt"
-    state, pt, _, _ = read_weights(source, average=ema, key="")
-    model.load_state_dict(state)
-    import torch
-
-    step = torch.load(pt, map_location="cpu", weights_only=True).get("step") if pt.suffix == ".pt" else None
-    return cfg, model.eval(), step
+    weights = read_weights(source, average=ema, key="")
+    model.load_state_dict(weights.state)
+    return cfg, model.eval(), weights.step
 
 
 def generate(model, ids: list[int], tokens: int, temperature: float, top_k: int | None, vocab: int,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -94,12 +95,17 @@ def _state_of(ck, pt: Path, key: str, average: bool):
                       "both); leave the average out")
 
 
-def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") \
-        -> tuple[dict[str, Tensor], Path, str | None, bool]:
-    """The model tensors of ``path`` by name (prefixes of compiled or DDP-wrapped models dropped),
-    the file they came from, the model family of the run that wrote it (None for a state dict), and
-    whether that run also kept a weight average (``ema``). ``average``: that average's tensors
-    instead. ``key`` begins the one-line errors (the setting or argument that named ``path``)."""
+class Weights(NamedTuple):
+    state: dict[str, Tensor]  # by name, the prefixes of compiled or DDP-wrapped models dropped
+    path: Path  # the file they came from
+    family: str | None  # the model family of the run that wrote it; None for a state dict
+    averaged: bool  # whether that run also kept a weight average (ema)
+    step: int | None  # the run's step at that checkpoint; None for a state dict
+
+
+def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") -> Weights:
+    """The model tensors of ``path`` (``average``: its weight average's instead), with where they
+    came from. ``key`` begins the one-line errors (the setting or argument that named ``path``)."""
     pt = _source_file(Path(path), key)
     try:
         ck = torch.load(pt, map_location="cpu", weights_only=True)
@@ -116,7 +122,8 @@ def read_weights(path: str | Path, average: bool = False, key: str = "init_weigh
             while k.startswith(("_orig_mod.", "module.")):  # both, in either order: DDP of a compiled model
                 k = k.split(".", 1)[1]                         # writes module._orig_mod.
             out[k] = v
-    return out, pt, _family_of(ck), isinstance(ck, dict) and ck.get("ema") is not None
+    step = ck.get("step") if isinstance(ck, dict) and isinstance(ck.get("step"), int) else None
+    return Weights(out, pt, _family_of(ck), isinstance(ck, dict) and ck.get("ema") is not None, step)
 
 
 def _family_of(ck) -> str | None:
@@ -184,7 +191,7 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
     """Load ``path``'s weights into ``model`` (of the model family ``family``, checked against a run
     checkpoint's) in place (see the module's docstring); returns the start note that says what came
     from where and what kept its initialisation."""
-    src, pt, there, averaged = read_weights(path)
+    src, pt, there, averaged, _ = read_weights(path)
     # a diverged run's weights would only be stepped over as non-finite (and an SVD of them fails)
     bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:

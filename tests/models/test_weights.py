@@ -270,8 +270,8 @@ def test_an_exported_sigma_reparam_vit_loads_into_timms_own_model_with_its_funct
     r = _export(str(tmp_path / "last.pt"), str(tmp_path / "out.pt"), *(["--ema"] if average else []))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == (f"wrote {tmp_path / 'out.pt'}: the {'weight average' if average else 'weights'} of "
-                                f"{tmp_path / 'last.pt'} (a vit run), 32 tensors, 10 sigmaReparam layer(s) folded into "
-                                "the weights they apply")
+                                f"{tmp_path / 'last.pt'} (a vit run at step 5), 32 tensors, 10 sigmaReparam layer(s) "
+                                "folded into the weights they apply")
     ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=16, patch_size=4,
                             embed_dim=32, depth=2, num_heads=2).eval()
     ref.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
@@ -362,7 +362,7 @@ def test_a_sharded_runs_weight_average_is_read_from_its_shards(tmp_path):
     live, avg = _model("gpt_test").state_dict(), _model("gpt_test", seed=1).state_dict()
     pt = _fake_run(tmp_path / "a", live, avg, sharded=True)
     for average, want in ((False, live), (True, avg)):
-        got, where, family, has_avg = read_weights(tmp_path / "a", average=average)
+        got, where, family, has_avg, _ = read_weights(tmp_path / "a", average=average)
         assert (where, family, has_avg) == (pt, "gpt", True) and sorted(got) == sorted(want)
         for k, v in want.items():
             assert torch.equal(got[k], v), k
