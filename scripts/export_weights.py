@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from stabletrain.errors import ConfigError
-    from stabletrain.models.weights import folded, read_weights
+    from stabletrain.models.weights import folded, non_finite, read_weights
 
     if args.out.is_dir():  # os.replace cannot put a file over a folder ("runs/", a run's directory)
         print(f"error: {args.out} is a directory; name the file to write", file=sys.stderr)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if family is not None and pt.parent.name == "checkpoints" and out.parent == pt.parent.resolve():
         print(f"error: {args.out} is in {pt.parent}, the run's own checkpoints; write elsewhere", file=sys.stderr)
         return 1
-    bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = non_finite(src)
     if bad:
         print(f"error: {pt}: {len(bad)} tensor(s) hold non-finite values ({', '.join(bad[:4])}); export a "
               "checkpoint from before the run diverged (its ring: checkpoints/step_*.pt)", file=sys.stderr)

@@ -135,6 +135,11 @@ def _family_of(ck) -> str | None:
         return None
 
 
+def non_finite(state: dict[str, Tensor]) -> list[str]:
+    """The names of ``state``'s tensors holding a NaN or an inf (a diverged run's weights)."""
+    return [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def folded(src: dict[str, Tensor]) -> tuple[dict[str, Tensor], int]:
     """``src`` with each sigmaReparam layer's tensors replaced by the one weight its forward
     applied (``layer.weight``): a plain state dict, as a model without sigmaReparam holds it
@@ -193,7 +198,7 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
     from where and what kept its initialisation."""
     src, pt, there, averaged, _ = read_weights(path)
     # a diverged run's weights would only be stepped over as non-finite (and an SVD of them fails)
-    bad = [k for k, v in src.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = non_finite(src)
     if bad:
         raise ConfigError(f"init_weights={pt}: {len(bad)} of its {len(src)} tensors hold non-finite values ("
                           + ", ".join(bad[:4]) + (" ..." if len(bad) > 4 else "") + "); start from weights "
