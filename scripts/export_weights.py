@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.out.parent} is not a directory; create it or write elsewhere", file=sys.stderr)
         return 1
     try:
-        src, pt, family, _, step = read_weights(args.source, average=args.ema, key="")
+        src, pt, family, _, step, _ = read_weights(args.source, average=args.ema, key="")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -498,7 +498,7 @@ def load_initial_weights(cfg, model: torch.nn.Module, run_dir: Path) -> str:
         return f"init_weights={cfg.init_weights} is not loaded: this run continues its own checkpoint, {own}"
     from stabletrain.models.weights import load_weights
 
-    return load_weights(model, cfg.init_weights, cfg.model.family)
+    return load_weights(model, cfg.init_weights, cfg.model)
 
 
 def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:

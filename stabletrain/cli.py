@@ -258,7 +258,8 @@ FOREIGN_KEYS = {
         "log_interval": "logger.log_every", "eval_iters": "eval_batches", "dtype": "precision (auto, bf16 or fp32)",
         "gradient_accumulation_steps": "micro_batch_size: batch_size is per optimizer step, and "
                                        "micro_batch_size=batch_size/N accumulates N micro-batches",
-        "init_from": "resume (auto, or a checkpoint's path; init_weights=PATH for its weights only)",
+        "init_from": "resume (auto, or a checkpoint's path), or init_weights=PATH for the weights only: a run, "
+                     "nanoGPT's out_dir, a Hugging Face GPT-2 folder",
         "out_dir": "hydra.run.dir",
         "wandb_log": "logger=wandb_online (wandb logs offline by default)", "wandb_project": "logger.project"}.items()},
     **{name: ("timm", key) for name, key in {

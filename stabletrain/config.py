@@ -100,7 +100,7 @@ class ModelConfig:
     drop_path: float = 0.0
     qkv_bias: bool = True
     class_token: bool = True
-    act: str = "gelu"  # gelu | relu (the de-escalation CIFAR ViT uses ReLU, 002)
+    act: str = "gelu"  # gelu | gelu_tanh (GPT-2's own) | relu (the de-escalation CIFAR ViT uses ReLU, 002)
     init_std: float = 0.02  # ViT family init: trunc_normal std of Linear weights (timm's 0.02)
     patch_embed_std: Optional[float] = None  # ViT: trunc_normal std of the patch conv; None = torch's
     # vit / gpt
@@ -465,7 +465,7 @@ def validate(cfg: Any) -> None:
     _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
     _need(m.patch_embed_std is None or m.patch_embed_std > 0, f"model.patch_embed_std={m.patch_embed_std} must be > 0")
     _need(m.depth >= 1 and m.num_heads >= 1, f"model.depth={m.depth} and model.num_heads={m.num_heads} must be >= 1")
-    _need(m.act in ("gelu", "relu"), f"model.act={m.act} is not an option: use gelu or relu")
+    _need(m.act in ("gelu", "gelu_tanh", "relu"), f"model.act={m.act} is not an option: use gelu, gelu_tanh, relu")
     for key in ("eval_every", "eval_batches", "ckpt_every"):
         _need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be >= 1")
     _need(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1")

@@ -385,7 +385,7 @@ def test_an_unknown_value_typed_on_the_command_line_blames_no_yaml(capsys):
     with pytest.raises(SystemExit):
         check_overrides(["model=vit_test", "model.act=silu"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line == "error: model.act=silu is not an option: use gelu or relu"
+    assert line == "error: model.act=silu is not an option: use gelu, gelu_tanh, relu"
 
 
 def test_an_option_yaml_without_a_name_is_refused_not_built_as_the_default(tmp_path, capsys):

@@ -40,8 +40,64 @@ def gpt_flops(model: nn.Module, m) -> float:
     return (6 * n + 12 * m.depth * m.embed_dim * t) * t
 
 
+# nanoGPT's block names (Hugging Face's GPT-2 has the same) -> this GPT's
+_THEIR_NAMES = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+                "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+# Hugging Face keeps these as Conv1D weights, (in, out)
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# nanoGPT's model_args and Hugging Face's config.json -> model.* keys
+_THEIR_ARGS = {"n_layer": "depth", "n_head": "num_heads", "n_embd": "embed_dim", "block_size": "block_size",
+               "n_positions": "block_size", "vocab_size": "vocab_size", "bias": "bias"}
+_THEIR_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def _their_name(k: str) -> str:
+    k = k.removeprefix("transformer.")
+    if k.startswith("ln_f."):
+        return "norm." + k[5:]
+    if k.startswith("h."):
+        i, rest = k[2:].split(".", 1)
+        layer, _, leaf = rest.rpartition(".")
+        return f"blocks.{i}.{_THEIR_NAMES.get(layer, layer)}.{leaf}"
+    return k
+
+
+def gpt_weights(state: dict[str, Tensor], settings: dict, m) -> tuple[dict[str, Tensor], dict, list[str]]:
+    """A GPT checkpoint as this GPT's tensors (``init_weights``): nanoGPT's (its ckpt.pt, a
+    from_pretrained model's state dict) and Hugging Face's GPT-2 renamed, the latter's Conv1D weights
+    transposed and its causal-mask buffers dropped, with the settings they state as ``model.*`` keys;
+    and the position embedding of a longer context cut to ``block_size`` (nanoGPT's crop_block_size:
+    the function of every sequence that fits is kept). Returns ``(state, settings, how they were read)``."""
+    read_as = []
+    if any(k.startswith(("transformer.", "h.", "ln_f.")) for k in state):
+        conv1d = any(k.endswith("attn.c_attn.weight") and v.ndim == 2 and v.shape[1] == 3 * v.shape[0]
+                     for k, v in state.items())
+        state = {_their_name(k): v.t() if conv1d and k.endswith(_CONV1D) else v for k, v in state.items()
+                 if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # the causal mask, not a weight
+        if "lm_head.weight" not in state and "wte.weight" in state:  # tied, so saved once
+            state["lm_head.weight"] = state["wte.weight"]
+        theirs = {_THEIR_ARGS[k]: v for k, v in settings.items() if k in _THEIR_ARGS}
+        act = settings.get("activation_function", "gelu")  # nanoGPT's MLP: nn.GELU
+        theirs["act"] = _THEIR_ACTS.get(act, act)
+        settings = theirs
+        read_as.append("Hugging Face GPT-2's tensors, its Conv1D weights transposed" if conv1d else "nanoGPT's tensors")
+    wte, wpe = state.get("wte.weight"), state.get("wpe.weight")
+    if wte is not None and wte.ndim == 2 and wte.shape[0] != m.vocab_size:
+        raise ConfigError(f"its vocabulary has {wte.shape[0]} tokens (wte.weight), this model's "
+                          f"model.vocab_size={m.vocab_size}; set model.vocab_size={wte.shape[0]}")
+    if wpe is not None and wpe.ndim == 2 and wpe.shape[0] != m.block_size:
+        if wpe.shape[0] < m.block_size:
+            raise ConfigError(f"it has {wpe.shape[0]} positions (wpe.weight), this model's model.block_size="
+                              f"{m.block_size}; set model.block_size={wpe.shape[0]} or less")
+        state = {**state, "wpe.weight": wpe[:m.block_size]}
+        settings = {**settings, "block_size": m.block_size}  # the function of what fits is the same
+        read_as.append(f"its first {m.block_size} of {wpe.shape[0]} positions")
+    return state, settings, read_as
+
+
 @MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops, tau=0.01,  # 000 Table 2
                  no_decay=(),  # nanoGPT decays every matrix, its position embedding too
+                 weights=gpt_weights,
                  keys=("vocab_size", "block_size", "bias", "dropout", "embed_dim", "depth", "num_heads", "mlp_ratio",
                        "mlp_hidden", "act"))
 class GPT(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from timm.layers import trunc_normal_
+from timm.layers import GELUTanh, trunc_normal_
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -25,13 +25,14 @@ def check_heads(m, components: Components) -> None:
         raise ConfigError(f"model.embed_dim={m.embed_dim} must be divisible by model.num_heads={m.num_heads}")
 
 
-ACTS = {"gelu": nn.GELU, "relu": nn.ReLU}  # model.act: the MLP's activation (ViT and GPT)
+# model.act: the MLP's activation (ViT and GPT); gelu_tanh is GPT-2's own (Hugging Face's gelu_new)
+ACTS = {"gelu": nn.GELU, "gelu_tanh": GELUTanh, "relu": nn.ReLU}
 
 
 def act_layer(act: str) -> type[nn.Module]:
-    """The MLP activation named by ``model.act`` (gelu | relu); another name raises :class:`ConfigError`."""
+    """The MLP activation named by ``model.act`` (gelu | gelu_tanh | relu); another raises :class:`ConfigError`."""
     if act not in ACTS:
-        raise ConfigError(f"model.act={act} is not an option: use gelu or relu")
+        raise ConfigError(f"model.act={act} is not an option: use {', '.join(ACTS)}")
     return ACTS[act]
 
 

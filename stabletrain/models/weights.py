@@ -36,18 +36,23 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from stabletrain.errors import ConfigError
+from stabletrain.models.registry import MODELS
 
 _ORIGINAL = ".parametrizations.weight.original"
 _PART = re.compile(r"^(.*)\.parametrizations\.weight\.0\.parts\.(\d+)\.(gamma|u|v)$")
 
 
+# a folder of another code base: nanoGPT's out_dir, a Hugging Face model's
+_FOREIGN_FILES = ("ckpt.pt", "model.safetensors", "pytorch_model.bin")
+
+
 def _source_file(path: Path, key: str) -> Path:
     if path.is_dir():
-        last = path / "checkpoints" / "last.pt"
-        if last.is_file():
-            return last
-        raise ConfigError(f"{key}{path}: a directory without checkpoints/last.pt; pass a run's directory, "
-                          "a checkpoint it wrote, or a saved state dict")
+        for f in (path / "checkpoints" / "last.pt", *(path / name for name in _FOREIGN_FILES)):
+            if f.is_file():
+                return f
+        raise ConfigError(f"{key}{path}: a directory without checkpoints/last.pt (nor {', '.join(_FOREIGN_FILES)}); "
+                          "pass a run's directory, a checkpoint it wrote, or a saved state dict")
     if not path.is_file():
         raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
                           "(checkpoints/last.pt), or a saved state dict")
@@ -100,18 +105,28 @@ class Weights(NamedTuple):
     path: Path  # the file they came from
     family: str | None  # the model family of the run that wrote it; None for a state dict
     averaged: bool  # whether that run also kept a weight average (ema)
-    step: int | None  # the run's step at that checkpoint; None for a state dict
+    step: int | None  # the run's step at that checkpoint (nanoGPT's iter_num); None for a state dict
+    settings: dict  # what the source says of its model, in its words: a run's model.* settings,
+    #                 nanoGPT's model_args, the config.json of a Hugging Face model beside the file
+
+
+def _load(pt: Path, key: str):
+    try:
+        if pt.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(pt))
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # a torn write, a file that is no checkpoint
+        raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
+                          "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
 
 
 def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") -> Weights:
     """The model tensors of ``path`` (``average``: its weight average's instead), with where they
     came from. ``key`` begins the one-line errors (the setting or argument that named ``path``)."""
     pt = _source_file(Path(path), key)
-    try:
-        ck = torch.load(pt, map_location="cpu", weights_only=True)
-    except Exception as e:  # a torn write, a file that is no checkpoint
-        raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
-                          "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
+    ck = _load(pt, key)
     state = _state_of(ck, pt, key, average)
     if not isinstance(state, dict) or not any(torch.is_tensor(v) for v in state.values()):
         raise ConfigError(f"{key}{pt}: holds no model tensors; pass a run's checkpoints/last.pt or a file of "
@@ -122,17 +137,35 @@ def read_weights(path: str | Path, average: bool = False, key: str = "init_weigh
             while k.startswith(("_orig_mod.", "module.")):  # both, in either order: DDP of a compiled model
                 k = k.split(".", 1)[1]                         # writes module._orig_mod.
             out[k] = v
-    step = ck.get("step") if isinstance(ck, dict) and isinstance(ck.get("step"), int) else None
-    return Weights(out, pt, _family_of(ck), isinstance(ck, dict) and ck.get("ema") is not None, step)
+    ck = ck if isinstance(ck, dict) else {}
+    step = next((ck[k] for k in ("step", "iter_num") if isinstance(ck.get(k), int)), None)
+    model = _run_model(ck)
+    return Weights(out, pt, model.get("family"), ck.get("ema") is not None, step, model or _settings_of(ck, pt))
 
 
-def _family_of(ck) -> str | None:
+def _run_model(ck: dict) -> dict:
+    """The ``model`` settings of the run that wrote checkpoint ``ck``; {} for another file."""
     import yaml
 
     try:
-        return yaml.safe_load(ck["config"])["model"]["family"]
+        model = yaml.safe_load(ck["config"])["model"]
     except Exception:  # a state dict, a checkpoint of another framework
-        return None
+        return {}
+    return model if isinstance(model, dict) else {}
+
+
+def _settings_of(ck: dict, pt: Path) -> dict:
+    """What a checkpoint of another code base says of its model: nanoGPT's ``model_args``, or the
+    ``config.json`` a Hugging Face model keeps beside its weights."""
+    import json
+
+    if isinstance(ck.get("model_args"), dict):
+        return dict(ck["model_args"])
+    try:
+        said = json.loads((pt.parent / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
 def non_finite(state: dict[str, Tensor]) -> list[str]:
@@ -192,11 +225,23 @@ def _as_reparam(mod: nn.Module, layer: str, w: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def load_weights(model: nn.Module, path: str | Path, family: str | None = None) -> str:
-    """Load ``path``'s weights into ``model`` (of the model family ``family``, checked against a run
-    checkpoint's) in place (see the module's docstring); returns the start note that says what came
-    from where and what kept its initialisation."""
-    src, pt, there, averaged, _ = read_weights(path)
+def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
+    """Load ``path``'s weights into ``model`` (built from ``model_cfg``, the ``model`` group: its
+    family is checked against a run checkpoint's and reads another code base's checkpoint) in place
+    (see the module's docstring); returns the start note that says what came from where and what
+    kept its initialisation."""
+    src, pt, there, averaged, _, settings = read_weights(path)
+    family = model_cfg.family if model_cfg is not None else None
+    if family is not None and there is not None and there != family:
+        raise ConfigError(f"init_weights={pt}: a {there} run's weights, this run's model is a {family}; start from a "
+                          f"{family} run")
+    read_as: list[str] = []  # how the family read them, for the note
+    adapt = MODELS.entry(family).info.get("weights") if family in MODELS else None
+    if adapt is not None:  # the family's reading of its kin: another code base's names, a longer context
+        try:
+            src, settings, read_as = adapt(src, settings, model_cfg)
+        except ConfigError as e:
+            raise ConfigError(f"init_weights={pt}: {e}") from None
     # a diverged run's weights would only be stepped over as non-finite (and an SVD of them fails)
     bad = non_finite(src)
     if bad:
@@ -222,9 +267,6 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
         take |= _as_reparam(mod, layer, w) if has_rep else {f"{layer}.weight": w}
         used |= theirs
         mapped += 1
-    if family is not None and there is not None and there != family:
-        raise ConfigError(f"init_weights={pt}: a {there} run's weights, this run's model is a {family}; start from a "
-                          f"{family} run")
     kept = [k for k in mine if k not in take]
     used |= {k for k in take if k in src}
     unused = [k for k in src if k not in used]
@@ -235,6 +277,7 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
     with torch.no_grad():
         model.load_state_dict({k: take.get(k, v).to(v.dtype) for k, v in mine.items()})
     note = f"init_weights: {len(mine) - len(kept)} of {len(mine)} tensors from {pt}"
+    note += "".join(f" ({how})" for how in read_as)
     if mapped:
         note += f" ({mapped} layer(s) through the weight applied, across sigmaReparam)"
     if kept:
@@ -242,10 +285,26 @@ def load_weights(model: nn.Module, path: str | Path, family: str | None = None) 
         note += f"; {len(kept)} kept their initialisation: {shown}" + (" ..." if len(kept) > 4 else "")
     if unused:
         note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
+    if differ := _settings_differ(settings, model_cfg):  # the same tensors under another function
+        note += f"; the source's model had {differ}: the weights load, the function they compute here is another"
     if averaged:  # its val_ema/* scored another set of weights than the ones that come over
         note += ("; its weight average (ema) is not loaded, its live weights are (scripts/export_weights.py "
                  "--ema writes the average as a file to start from)")
     return note + "; the optimizer, schedule and step count start afresh"
+
+
+def _settings_differ(theirs: dict, model_cfg) -> str:
+    """The source's model settings that this model's differ from, as ``key=theirs (this run: ours)``;
+    only keys its family reads, dropout aside (it trains, it does not change the function)."""
+    if model_cfg is None or model_cfg.family not in MODELS:
+        return ""
+    keys = MODELS.entry(model_cfg.family).info.get("keys", ())
+    pairs = [(k, theirs[k], _plain(model_cfg[k])) for k in keys if k in theirs and k not in ("dropout", "drop_path")]
+    return ", ".join(f"model.{k}={a} (this run: {b})" for k, a, b in pairs if a != b)
+
+
+def _plain(v):
+    return list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v
 
 
 def _shape_said(key: str, mine: dict, src: dict) -> str:

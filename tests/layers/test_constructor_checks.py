@@ -108,7 +108,7 @@ def test_apply_init_accepts(cfg):
 
 @pytest.mark.parametrize("model", [VIT, GPT])
 def test_model_act_refuses_unknown(model):
-    with pytest.raises(ConfigError, match="model.act=swish is not an option: use gelu or relu") as err:
+    with pytest.raises(ConfigError, match="model.act=swish is not an option: use gelu, gelu_tanh, relu") as err:
         build_model(ModelConfig(name="tiny", act="swish", **model), Components())
     _one_line(err)
 

@@ -104,7 +104,7 @@ def test_what_cannot_start_a_run_is_one_line(tmp_path):
         load_weights(dst, tmp_path / "vit.pt")
     torch.save({"model": _model("vit_test").state_dict(), "config": "model:\n  family: vit\n"}, tmp_path / "run.pt")
     with pytest.raises(ConfigError, match="a vit run's weights, this run's model is a gpt; start from a gpt run"):
-        load_weights(dst, tmp_path / "run.pt", family="gpt")
+        load_weights(dst, tmp_path / "run.pt", make_cfg("model=gpt_test").model)
 
 
 def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
@@ -362,7 +362,7 @@ def test_a_sharded_runs_weight_average_is_read_from_its_shards(tmp_path):
     live, avg = _model("gpt_test").state_dict(), _model("gpt_test", seed=1).state_dict()
     pt = _fake_run(tmp_path / "a", live, avg, sharded=True)
     for average, want in ((False, live), (True, avg)):
-        got, where, family, has_avg, _ = read_weights(tmp_path / "a", average=average)
+        got, where, family, has_avg, _, _ = read_weights(tmp_path / "a", average=average)
         assert (where, family, has_avg) == (pt, "gpt", True) and sorted(got) == sorted(want)
         for k, v in want.items():
             assert torch.equal(got[k], v), k

@@ -1,0 +1,194 @@
+"""init_weights from another code base's GPT: nanoGPT's ckpt.pt and Hugging Face's GPT-2 (its
+Conv1D weights transposed, safetensors, config.json) load under this GPT's names, and the model
+computes the function the source's tensors define, checked against GPT-2's forward written out
+here from its tensors."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stabletrain.config import Components
+from stabletrain.errors import ConfigError
+from stabletrain.models.registry import build_model
+from stabletrain.models.weights import load_weights
+from tests.helpers import make_cfg
+
+L, D, H, V, T = 2, 32, 4, 256, 40  # layers, width, heads, vocabulary, positions of the source
+
+
+def _nanogpt_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A GPT-2 of nanoGPT's names (bias=True), random: gains and biases away from 1 and 0."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, mean=0.0):
+        return mean + 0.3 * torch.randn(*shape, generator=g)
+
+    sd = {"transformer.wte.weight": r(V, D), "transformer.wpe.weight": r(T, D),
+          "transformer.ln_f.weight": r(D, mean=1.0), "transformer.ln_f.bias": r(D)}
+    for i in range(L):
+        p = f"transformer.h.{i}."
+        sd |= {p + "ln_1.weight": r(D, mean=1.0), p + "ln_1.bias": r(D),
+               p + "attn.c_attn.weight": r(3 * D, D), p + "attn.c_attn.bias": r(3 * D),
+               p + "attn.c_proj.weight": r(D, D), p + "attn.c_proj.bias": r(D),
+               p + "ln_2.weight": r(D, mean=1.0), p + "ln_2.bias": r(D),
+               p + "mlp.c_fc.weight": r(4 * D, D), p + "mlp.c_fc.bias": r(4 * D),
+               p + "mlp.c_proj.weight": r(D, 4 * D), p + "mlp.c_proj.bias": r(D)}
+    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+    return sd
+
+
+def _reference_logits(sd: dict, idx: torch.Tensor, gelu: str) -> torch.Tensor:
+    """GPT-2's forward from its tensors (nanoGPT's names, (out, in) weights), with the causal
+    softmax written out: pre-norm blocks, LayerNorm eps 1e-5, tied output layer."""
+    def ln(x, name):
+        return F.layer_norm(x, (D,), sd[name + ".weight"], sd[name + ".bias"], 1e-5)
+
+    def lin(x, name):
+        return x @ sd[name + ".weight"].T + sd[name + ".bias"]
+
+    b, t = idx.shape
+    hd = D // H
+    x = sd["transformer.wte.weight"][idx] + sd["transformer.wpe.weight"][:t]
+    causal = torch.ones(t, t).tril().bool()
+    for i in range(L):
+        p = f"transformer.h.{i}."
+        q, k, v = lin(ln(x, p + "ln_1"), p + "attn.c_attn").split(D, dim=-1)
+        q, k, v = (z.view(b, t, H, hd).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(hd)).masked_fill(~causal, float("-inf"))
+        y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, D)
+        x = x + lin(y, p + "attn.c_proj")
+        x = x + lin(F.gelu(lin(ln(x, p + "ln_2"), p + "mlp.c_fc"), approximate=gelu), p + "mlp.c_proj")
+    return ln(x, "transformer.ln_f") @ sd["transformer.wte.weight"].T
+
+
+def _hf_state(sd: dict, prefix: str = "transformer.") -> dict:
+    """The same GPT-2 as Hugging Face stores it: Conv1D weights (in, out), the causal mask as a
+    buffer per block, the tied lm_head left out (as its safetensors file does)."""
+    out = {}
+    for k, v in sd.items():
+        if k == "lm_head.weight":
+            continue
+        conv1d = k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        out[prefix + k.removeprefix("transformer.")] = v.t().contiguous() if conv1d else v.clone()
+    for i in range(L):
+        out[f"{prefix}h.{i}.attn.bias"] = torch.ones(1, 1, T, T).tril()
+        out[f"{prefix}h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def _gpt(*over: str):
+    cfg = make_cfg("model=gpt_test", f"model.embed_dim={D}", f"model.depth={L}", f"model.num_heads={H}",
+                   f"model.vocab_size={V}", "model.bias=true", *over)
+    torch.manual_seed(7)
+    return build_model(cfg.model, Components.of(cfg)).eval(), cfg.model
+
+
+def _idx(t: int = 24):
+    return torch.randint(0, V, (2, t), generator=torch.Generator().manual_seed(3))
+
+
+def test_a_nanogpt_checkpoint_loads_with_its_function(tmp_path):
+    """nanoGPT's ckpt.pt (a compiled model's _orig_mod. names, model_args, iter_num), found in its
+    out_dir: every tensor loads, and the GPT computes the reference forward."""
+    sd = _nanogpt_state()
+    args = {"n_layer": L, "n_head": H, "n_embd": D, "block_size": T, "bias": True, "vocab_size": V, "dropout": 0.0}
+    torch.save({"model": {"_orig_mod." + k: v for k, v in sd.items()}, "model_args": args, "iter_num": 5000,
+                "best_val_loss": torch.tensor(2.5), "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
+    model, m = _gpt(f"model.block_size={T}")
+    note = load_weights(model, tmp_path, m)
+    assert note.startswith(f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors); "
+                           "the optimizer"), note
+    with torch.no_grad():
+        torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "none"), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefix", ["transformer.", ""])  # GPT2LMHeadModel's, GPT2Model's
+def test_hugging_face_gpt2_loads_with_its_function(tmp_path, prefix):
+    """model.safetensors and config.json in a Hugging Face model folder: the Conv1D weights are
+    transposed, the mask buffers dropped, the tied output layer taken from wte; GPT-2's tanh GELU
+    is model.act=gelu_tanh, and the note says when this model's activation is another."""
+    from safetensors.torch import save_file
+
+    sd = _nanogpt_state(seed=1)
+    save_file(_hf_state(sd, prefix), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": L, "n_head": H, "n_embd": D,
+                                                      "n_positions": T, "vocab_size": V,
+                                                      "activation_function": "gelu_new"}))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    note = load_weights(model, tmp_path, m)
+    assert f"29 of 29 tensors from {tmp_path / 'model.safetensors'} (Hugging Face GPT-2's tensors, its Conv1D " \
+           "weights transposed)" in note and "unused" not in note and "had" not in note, note
+    with torch.no_grad():
+        torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
+    model, m = _gpt(f"model.block_size={T}")
+    note = load_weights(model, tmp_path, m)
+    assert "; the source's model had model.act=gelu_tanh (this run: gelu): the weights load, the function they " \
+           "compute here is another;" in note, note
+
+
+def test_a_longer_context_is_cut_to_block_size_with_the_function_of_what_fits(tmp_path):
+    """nanoGPT's crop_block_size: the first block_size positions; any sequence that fits is
+    computed as the source computes it."""
+    sd = _nanogpt_state(seed=2)
+    torch.save(sd, tmp_path / "w.pt")
+    model, m = _gpt("model.block_size=16")
+    note = load_weights(model, tmp_path / "w.pt", m)
+    assert "(nanoGPT's tensors) (its first 16 of 40 positions)" in note and "had" not in note, note
+    with torch.no_grad():
+        torch.testing.assert_close(model(_idx(16)), _reference_logits(sd, _idx(16), "none"), rtol=1e-4, atol=1e-4)
+
+
+def test_another_vocabulary_or_a_shorter_context_is_refused_with_the_setting_that_fits(tmp_path):
+    """Rows of wte are tokens: a source of another vocabulary would keep this model's
+    initialisation for its embedding (and output layer), a fine-tune of nothing."""
+    torch.save(_nanogpt_state(), tmp_path / "w.pt")
+    model, m = _gpt("model.vocab_size=128", f"model.block_size={T}")
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path / "w.pt", m)
+    assert str(e.value) == (f"init_weights={tmp_path / 'w.pt'}: its vocabulary has {V} tokens (wte.weight), this "
+                            f"model's model.vocab_size=128; set model.vocab_size={V}")
+    model, m = _gpt("model.block_size=64")
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path / "w.pt", m)
+    assert str(e.value) == (f"init_weights={tmp_path / 'w.pt'}: it has {T} positions (wpe.weight), this model's "
+                            f"model.block_size=64; set model.block_size={T} or less")
+
+
+def test_settings_that_change_the_function_but_no_shape_are_named(tmp_path):
+    """num_heads splits the same qkv weight otherwise: nanoGPT's model_args (and a run's own
+    config) say what the source was, and the note says this model differs."""
+    sd = _nanogpt_state()
+    args = {"n_layer": L, "n_head": 2, "n_embd": D, "block_size": T, "bias": True, "vocab_size": V}
+    torch.save({"model": sd, "model_args": args}, tmp_path / "ckpt.pt")
+    model, m = _gpt(f"model.block_size={T}")
+    note = load_weights(model, tmp_path / "ckpt.pt", m)
+    assert "the source's model had model.num_heads=2 (this run: 4): the weights load" in note, note
+    # a run of this framework: its config.yaml's model group
+    from tests.helpers import train
+
+    base = ["model=gpt_test", "batch_size=4", "steps=1", "monitor=off"]
+    train(tmp_path / "run", *base, "model.num_heads=4")
+    model, m = _gpt("model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.vocab_size=256",
+                    "model.bias=false", "model.block_size=32")
+    note = load_weights(model, tmp_path / "run", m)
+    assert "the source's model had model.num_heads=4 (this run: 2)" in note and "16 of 16" in note, note
+
+
+def test_a_run_starts_from_a_nanogpt_out_dir(tmp_path, capsys):
+    """train.py with init_weights=<nanoGPT's out_dir>: the start line says what came over."""
+    from tests.helpers import train
+
+    sd = _nanogpt_state()
+    torch.save({"model": sd, "model_args": {"n_layer": L, "n_head": H, "n_embd": D, "vocab_size": V,
+                                            "block_size": T, "bias": True}, "iter_num": 600000},
+               tmp_path / "ckpt.pt")
+    s = train(tmp_path / "run", "model=gpt_test", f"model.embed_dim={D}", f"model.num_heads={H}",
+              f"model.vocab_size={V}", "model.bias=true", "model.block_size=32", "batch_size=4", "steps=2",
+              "monitor=off", f"init_weights={tmp_path}", quiet=False)
+    assert s["status"] == "completed"
+    err = capsys.readouterr().err
+    assert (f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors) (its first 32 of 40 "
+            "positions); the optimizer, schedule and step count start afresh") in err, err
