@@ -62,7 +62,7 @@ def _their_name(k: str) -> str:
     return k
 
 
-def gpt_weights(state: dict[str, Tensor], settings: dict, m) -> tuple[dict[str, Tensor], dict, list[str]]:
+def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tuple[dict[str, Tensor], dict, list[str]]:
     """A GPT checkpoint as this GPT's tensors (``init_weights``): nanoGPT's (its ckpt.pt, a
     from_pretrained model's state dict) and Hugging Face's GPT-2 renamed, the latter's Conv1D weights
     transposed and its causal-mask buffers dropped, with the settings they state as ``model.*`` keys;

@@ -20,9 +20,10 @@ from stabletrain.registry import Registry
 #   keys      the ``model.*`` keys it reads; one of the others set away from its default is noted
 #             as changing nothing (none registered: no note)
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
-#   weights   ``(state, settings, model_cfg) -> (state, settings, [how read])`` reading a checkpoint for
-#             ``init_weights``: another code base's names as the family's, its model settings as
-#             ``model.*`` keys (gpt: nanoGPT's and Hugging Face's GPT-2); none: names as they are
+#   weights   ``(state, settings, model_cfg, model) -> (state, settings, [how read])`` reading a
+#             checkpoint for ``init_weights``: another code base's names as the family's, its model
+#             settings as ``model.*`` keys (gpt: nanoGPT's and Hugging Face's GPT-2), tensors of
+#             another size resampled (vit, swin: timm's own filters); none: names as they are
 MODELS = Registry("model.family", "stabletrain.models", package=True,
                   declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau", "weights"),
                   call="(model_cfg, components)",

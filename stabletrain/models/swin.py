@@ -9,7 +9,7 @@ computes exactly timm's.
 
 from __future__ import annotations
 
-from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock
+from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock, checkpoint_filter_fn
 from torch import Tensor, nn
 
 from stabletrain.config import Components
@@ -18,6 +18,7 @@ from stabletrain.layers.attention import SwinAttention
 from stabletrain.layers.block import BlockForward
 from stabletrain.layers.norm import make_norm
 from stabletrain.models.registry import MODELS
+from stabletrain.models.weights import timm_filter
 from stabletrain.registry import option_value
 
 
@@ -103,7 +104,8 @@ def swin_flops(model: nn.Module, m) -> float:
 @MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops,
                  no_decay=("absolute_pos_embed", "relative_position_bias_table"),  # timm's Swin recipe
                  keys=("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "act",
-                       "embed_dim", "depths", "stage_heads", "window_size", "mlp_ratio"))
+                       "embed_dim", "depths", "stage_heads", "window_size", "mlp_ratio"),
+                 weights=timm_filter(checkpoint_filter_fn))
 def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
     cfg = components

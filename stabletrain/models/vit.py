@@ -6,7 +6,7 @@ from functools import partial
 
 import torch
 from timm.layers import GELUTanh, trunc_normal_
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
 from stabletrain.config import Components
@@ -14,6 +14,7 @@ from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
 from stabletrain.layers.norm import make_norm
 from stabletrain.models.registry import MODELS
+from stabletrain.models.weights import timm_filter
 from stabletrain.registry import option_value
 
 LN_EPS = 1e-6  # timm ViT's LayerNorm eps
@@ -63,7 +64,7 @@ VIT_KEYS = ("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "q
 
 
 @MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops, no_decay=VIT_NO_DECAY,
-                 keys=VIT_KEYS)
+                 keys=VIT_KEYS, weights=timm_filter(checkpoint_filter_fn))
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)

@@ -239,7 +239,7 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
     adapt = MODELS.entry(family).info.get("weights") if family in MODELS else None
     if adapt is not None:  # the family's reading of its kin: another code base's names, a longer context
         try:
-            src, settings, read_as = adapt(src, settings, model_cfg)
+            src, settings, read_as = adapt(src, settings, model_cfg, model)
         except ConfigError as e:
             raise ConfigError(f"init_weights={pt}: {e}") from None
     # a diverged run's weights would only be stepped over as non-finite (and an SVD of them fails)
@@ -277,7 +277,7 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
     with torch.no_grad():
         model.load_state_dict({k: take.get(k, v).to(v.dtype) for k, v in mine.items()})
     note = f"init_weights: {len(mine) - len(kept)} of {len(mine)} tensors from {pt}"
-    note += "".join(f" ({how})" for how in read_as)
+    note += f" ({'; '.join(read_as)})" if read_as else ""
     if mapped:
         note += f" ({mapped} layer(s) through the weight applied, across sigmaReparam)"
     if kept:
@@ -291,6 +291,25 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
         note += ("; its weight average (ema) is not loaded, its live weights are (scripts/export_weights.py "
                  "--ema writes the average as a file to start from)")
     return note + "; the optimizer, schedule and step count start afresh"
+
+
+def timm_filter(filter_fn):
+    """A family's ``weights`` hook made of timm's own checkpoint filter (its ``checkpoint_filter_fn``,
+    what timm applies to pretrained weights): a source of another image or patch size, or another
+    window, has its position embedding, patch embedding or relative position tables resampled as
+    timm resamples them (bicubic), older layouts renamed; the note names each tensor resampled."""
+    def hook(state: dict[str, Tensor], settings: dict, _model_cfg, model: nn.Module):
+        try:
+            with warnings.catch_warnings():  # timm's table resize warns of its own indexing, not the user's
+                warnings.filterwarnings("ignore", category=UserWarning, module="timm.layers.interpolate")
+                out = filter_fn(state, model)
+        except Exception:  # a layout the filter cannot resample (a class token on one side only):
+            return state, settings, []  # loaded as it is, the tensors that do not fit named
+        resampled = [f"{k} resampled from {tuple(state[k].shape)} to {tuple(v.shape)} as timm does"
+                     for k, v in out.items() if k in state and v.shape != state[k].shape]
+        return out, settings, resampled
+
+    return hook
 
 
 def _settings_differ(theirs: dict, model_cfg) -> str:

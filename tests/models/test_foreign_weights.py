@@ -136,7 +136,7 @@ def test_a_longer_context_is_cut_to_block_size_with_the_function_of_what_fits(tm
     torch.save(sd, tmp_path / "w.pt")
     model, m = _gpt("model.block_size=16")
     note = load_weights(model, tmp_path / "w.pt", m)
-    assert "(nanoGPT's tensors) (its first 16 of 40 positions)" in note and "had" not in note, note
+    assert "(nanoGPT's tensors; its first 16 of 40 positions)" in note and "had" not in note, note
     with torch.no_grad():
         torch.testing.assert_close(model(_idx(16)), _reference_logits(sd, _idx(16), "none"), rtol=1e-4, atol=1e-4)
 
@@ -190,5 +190,5 @@ def test_a_run_starts_from_a_nanogpt_out_dir(tmp_path, capsys):
               "monitor=off", f"init_weights={tmp_path}", quiet=False)
     assert s["status"] == "completed"
     err = capsys.readouterr().err
-    assert (f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors) (its first 32 of 40 "
+    assert (f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors; its first 32 of 40 "
             "positions); the optimizer, schedule and step count start afresh") in err, err
