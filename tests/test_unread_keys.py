@@ -150,10 +150,14 @@ def test_a_data_path_the_chosen_data_set_does_not_read_is_refused(overrides, err
     (["model=gpt_test", "data.tokenizer=gpt2"], []),
 ])
 def test_a_data_key_the_chosen_data_set_does_not_read_is_noted(overrides, notes):
-    from stabletrain.build import unread_data_notes
+    from stabletrain.build import unread_data_notes, validate
+    from stabletrain.errors import ConfigError
 
-    if notes is not None:
-        assert sorted(unread_data_notes(make_cfg(*overrides))) == sorted(notes)
+    if notes is None:  # image augmentation on a text data set is refused, not merely noted
+        with pytest.raises(ConfigError, match=r"^data.randaug is image augmentation; a gpt model trains on text"):
+            validate(make_cfg(*overrides))
+        return
+    assert sorted(unread_data_notes(make_cfg(*overrides))) == sorted(notes)
 
 
 def test_a_data_key_given_at_its_default_is_noted_as_the_others_are():
@@ -172,14 +176,21 @@ def test_a_data_key_given_at_its_default_is_noted_as_the_others_are():
 @pytest.mark.parametrize("option", group_options("data"))
 def test_no_data_option_sets_a_data_key_it_does_not_read(option):
     from stabletrain.build import unread_data_notes
+    from stabletrain.errors import ConfigError
 
     extra = {"tokens": ["data.path=x"], "imagefolder": ["data.root=x"]}.get(option, [])
+    fits = []
     for model in ("model=vit_test", "model=gpt_test"):
+        cfg = make_cfg(model, f"data={option}", *extra)
         try:
-            cfg = make_cfg(model, f"data={option}", *extra)
-            assert unread_data_notes(cfg) == [], option
-        except Exception as e:  # noqa: BLE001 - a data set of the other kind is refused, not noted
-            assert "does not fit" in str(e), e
+            notes = unread_data_notes(cfg)
+        except ConfigError as e:  # a data set of the other kind is refused, not noted
+            assert f"data={option} does not fit {model}" in str(e), e
+            continue
+        assert notes == [], option
+        fits.append(model)
+    # every data set is one family's (data=auto either's): a refusal of both would check nothing above
+    assert len(fits) == (2 if option == "auto" else 1), (option, fits)
 
 
 def test_a_short_run_is_told_when_its_monitor_passes_run():

@@ -183,19 +183,20 @@ def test_a_fresh_start_in_a_used_directory_says_so_and_moves_the_old_records(tmp
 
 
 def test_divergence_step_is_the_first_bad_step_and_no_checkpoint_holds_it(tmp_path):
-    """log_every=10 reads the losses back only every 10 steps; a checkpoint due at step 5 first
-    checks the pending losses, so a diverged run never overwrites last.pt with NaN weights."""
+    """log_every=10 reads the losses back only every 10 steps; a checkpoint due at step 4 first
+    checks the pending losses, so a diverged run never overwrites last.pt with the state of a bad
+    step: last.pt stays the step-2 checkpoint, from before the first bad step."""
     s = train(tmp_path, "model=vit_test", "batch_size=8", "eval_every=1000", "steps=20", "optim=sgd",
-              "optim.lr=1e4", "logger.log_every=10", "ckpt_every=5")
+              "optim.lr=1e4", "logger.log_every=10", "ckpt_every=2")
     assert s["status"] == "diverged" and s["diverged_at"] <= s["step"]
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    first_bad = min(r["step"] for r in recs if "loss" in r and not math.isfinite(float(r["loss"])))
-    assert s["diverged_at"] <= first_bad and f"at step {s['diverged_at']}" in s["reason"]
-    ck = tmp_path / "checkpoints/last.pt"
-    if ck.exists():
-        state = torch.load(ck, weights_only=True)
-        assert state["step"] < s["diverged_at"]
-        assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    # a step is bad when it was skipped (non-finite gradients) or logged a non-finite loss
+    first_bad = min(r["step"] for r in recs if r.get("train/skipped_step")
+                    or ("loss" in r and not math.isfinite(float(r["loss"]))))
+    assert 2 < s["diverged_at"] == first_bad and f"at step {s['diverged_at']}" in s["reason"]
+    state = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)  # step 2's, before the trouble
+    assert state["step"] < s["diverged_at"]
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
 def test_bad_resume_targets_are_one_clear_error(tmp_path):

@@ -71,8 +71,12 @@ def test_causal_prefix_mean_and_no_leak():
 def test_learnable_lambda_is_a_trained_parameter():
     mod = Deescalate(0.5, learnable=True)
     assert isinstance(mod.lambda_, nn.Parameter)
-    mod(_x(2, 5, 4)).square().sum().backward()
+    x = _x(2, 5, 4)
+    mod(x).square().sum().backward()
     assert mod.lambda_.grad is not None and mod.lambda_.grad.abs() > 0
+    # d/dlam sum (X - lam P X)^2 = -2 sum (X - lam P X) * P X, written out
+    px = x.mean(1, keepdim=True).expand_as(x)
+    torch.testing.assert_close(mod.lambda_.grad, -2 * ((x - 0.5 * px) * px).sum())
     assert "lambda_" in dict(Deescalate(0.5).named_buffers())
 
 

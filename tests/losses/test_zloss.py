@@ -98,6 +98,11 @@ def test_trainer_logs_its_share_and_trains_on_it(tmp_path):
     assert rec["loss/penalty"] == pytest.approx(want, rel=1e-5)
     assert "loss/zloss" not in rec  # one term: loss/penalty is its share
     assert s["status"] == "completed"
+    train(tmp_path / "plain", *GPT, "steps=1", "logger.log_every=1")  # the same run without the term
+    assert rec["loss"] == pytest.approx(losses(tmp_path / "plain")[1] + want, rel=1e-5)  # task + penalty
+    with_term, without = (torch.load(tmp_path / d / "checkpoints/last.pt", weights_only=True)["model"]
+                          for d in ("z", "plain"))
+    assert any(not torch.equal(with_term[k], without[k]) for k in without)  # its gradient moved the weights
 
 
 def test_gradient_accumulation_gives_the_whole_batch_step(tmp_path):

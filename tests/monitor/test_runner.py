@@ -67,7 +67,9 @@ def test_divergence_forensics(tmp_path):
     assert s["status"] == "diverged"
     f = json.loads((tmp_path / "summary.json").read_text())["forensics"]
     assert "last_finite_snapshot" in f
-    assert f.get("first_nonfinite", "").startswith("first non-finite: ") or "grew" in f.get("growth", "")
+    # both findings: the module whose output first went non-finite, and the block whose spectrum grew
+    assert f["first_nonfinite"].startswith("first non-finite: "), f
+    assert f["growth"].startswith("max sigma1(Wq^T Wk) grew ") and " steps at blocks." in f["growth"], f
 
 
 @pytest.mark.parametrize("model", ["vit_test", "gpt_test"])
