@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.unlink(missing_ok=True)
     what = "weight average" if args.ema else "weights"
     folds = f", {n} sigmaReparam layer(s) folded into the weights they apply" if n else ""
-    run = f" (a {family} run" + (f" at step {step}" if step is not None else "") + ")" if family else ""
+    at = f" at step {step}" if step is not None else ""  # nanoGPT's ckpt.pt says its iter_num too
+    run = f" (a {family} run{at})" if family else f" ({at[1:]})" if at else ""
     print(f"wrote {args.out}: the {what} of {pt}{run}"
           + f", {len(state)} tensors{folds}")
     return 0

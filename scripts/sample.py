@@ -69,6 +69,13 @@ def load_run(run_dir: Path, checkpoint: Path | None, ema: bool):
     model = build_model(cfg.model, Components.of(cfg))
     source = checkpoint or run_dir / "checkpoints" / "last.pt"
     weights = read_weights(source, average=ema, key="")
+    # torch's own error starts "Error(s) in loading state_dict", a line that names no tensor
+    mine = model.state_dict()
+    odd = [k for k in mine if k not in weights.state or weights.state[k].shape != mine[k].shape]
+    if odd:
+        raise ConfigError(f"{weights.path}: not a checkpoint of this run's model ({len(odd)} of its {len(mine)} "
+                          f"tensors missing or of another shape: {odd[0]}); sample a checkpoint the run wrote, or "
+                          "start a run from it with init_weights=PATH")
     model.load_state_dict(weights.state)
     return cfg, model.eval(), weights.step
 

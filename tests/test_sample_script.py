@@ -63,6 +63,11 @@ def test_what_sample_cannot_do_is_one_line(run, tmp_path):
     r = _sample(str(tmp_path))
     assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path} has no config.yaml; give a run directory " \
         "(its hydra.run.dir)"
+    torch.save({"model": {"transformer.wte.weight": torch.zeros(256, 32)}, "iter_num": 5}, tmp_path / "ckpt.pt")
+    r = _sample(str(run), "--checkpoint", str(tmp_path / "ckpt.pt"))  # nanoGPT's: init_weights reads it, not sample
+    assert r.returncode == 1 and r.stderr.strip() == f"error: {tmp_path / 'ckpt.pt'}: not a checkpoint of this run's " \
+        "model (40 of its 40 tensors missing or of another shape: wte.weight); sample a checkpoint the run wrote, or " \
+        "start a run from it with init_weights=PATH", r.stderr
     train(tmp_path / "vit", "model=vit_test", "steps=1", "logger.wandb=disabled", "monitor=off")
     r = _sample(str(tmp_path / "vit"))
     assert r.returncode == 1 and "trained a vit model, not a language model" in r.stderr

@@ -47,7 +47,7 @@ _THEIR_NAMES = {"ln_1": "norm1", "ln_2": "norm2", "attn.c_attn": "attn.qkv", "at
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # nanoGPT's model_args and Hugging Face's config.json -> model.* keys
 _THEIR_ARGS = {"n_layer": "depth", "n_head": "num_heads", "n_embd": "embed_dim", "block_size": "block_size",
-               "n_positions": "block_size", "vocab_size": "vocab_size", "bias": "bias"}
+               "n_positions": "block_size", "vocab_size": "vocab_size", "bias": "bias", "n_inner": "mlp_hidden"}
 _THEIR_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
@@ -67,21 +67,30 @@ def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tup
     from_pretrained model's state dict) and Hugging Face's GPT-2 renamed, the latter's Conv1D weights
     transposed and its causal-mask buffers dropped, with the settings they state as ``model.*`` keys;
     and the position embedding of a longer context cut to ``block_size`` (nanoGPT's crop_block_size:
-    the function of every sequence that fits is kept). Returns ``(state, settings, how they were read)``."""
+    the function of every sequence that fits is kept); an untied ``lm_head`` is left out, this GPT's is
+    its ``wte``. Returns ``(state, settings, how they were read)``."""
     read_as = []
     if any(k.startswith(("transformer.", "h.", "ln_f.")) for k in state):
         conv1d = any(k.endswith("attn.c_attn.weight") and v.ndim == 2 and v.shape[1] == 3 * v.shape[0]
                      for k, v in state.items())
         state = {_their_name(k): v.t() if conv1d and k.endswith(_CONV1D) else v for k, v in state.items()
                  if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # the causal mask, not a weight
-        if "lm_head.weight" not in state and "wte.weight" in state:  # tied, so saved once
-            state["lm_head.weight"] = state["wte.weight"]
-        theirs = {_THEIR_ARGS[k]: v for k, v in settings.items() if k in _THEIR_ARGS}
-        act = settings.get("activation_function", "gelu")  # nanoGPT's MLP: nn.GELU
-        theirs["act"] = _THEIR_ACTS.get(act, act)
+        theirs = {_THEIR_ARGS[k]: v for k, v in settings.items() if k in _THEIR_ARGS and v is not None}
+        if settings:  # nanoGPT's MLP is nn.GELU; a config.json leaves out Hugging Face's default, gelu_new
+            act = settings.get("activation_function", "gelu_new" if conv1d else "gelu")
+            theirs["act"] = _THEIR_ACTS.get(act, act)
+        # Hugging Face's config.json has no bias key (GPT-2 has biases): the tensors say
+        theirs.setdefault("bias", any(k.endswith(".attn.qkv.bias") for k in state))
         settings = theirs
         read_as.append("Hugging Face GPT-2's tensors, its Conv1D weights transposed" if conv1d else "nanoGPT's tensors")
-    wte, wpe = state.get("wte.weight"), state.get("wpe.weight")
+    lm_head, wte = state.get("lm_head.weight"), state.get("wte.weight")
+    # this GPT ties them: of an untied source's two, loading both would keep whichever loads last, unsaid
+    if lm_head is not None and wte is not None and not (lm_head.shape == wte.shape and torch.equal(lm_head, wte)):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+        read_as.append("its untied lm_head.weight left out: this GPT's output layer is its wte.weight")
+    if "lm_head.weight" not in state and wte is not None:  # tied, so saved once
+        state = {**state, "lm_head.weight": wte}
+    wpe = state.get("wpe.weight")
     if wte is not None and wte.ndim == 2 and wte.shape[0] != m.vocab_size:
         raise ConfigError(f"its vocabulary has {wte.shape[0]} tokens (wte.weight), this model's "
                           f"model.vocab_size={m.vocab_size}; set model.vocab_size={wte.shape[0]}")

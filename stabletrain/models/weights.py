@@ -55,7 +55,7 @@ def _source_file(path: Path, key: str) -> Path:
                           "pass a run's directory, a checkpoint it wrote, or a saved state dict")
     if not path.is_file():
         raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
-                          "(checkpoints/last.pt), or a saved state dict")
+                          "(checkpoints/last.pt), a saved state dict, nanoGPT's out_dir or a Hugging Face model folder")
     return path
 
 
@@ -270,10 +270,12 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
     kept = [k for k in mine if k not in take]
     used |= {k for k in take if k in src}
     unused = [k for k in src if k not in used]
+    differ = _settings_differ(settings, model_cfg)  # the source's own words for why its shapes differ
     if 2 * len(kept) > len(mine) or 2 * len(unused) > len(src):  # a head may differ (a fine-tune), not most
         said = _shape_said(kept[0], mine, src) if kept else f"{unused[0]} (not here)"
+        fix = f"set what the source's model had: {differ}" if differ else "start from a run of the same model"
         raise ConfigError(f"init_weights={pt}: {len(used)} of its {len(src)} tensors fit this model's {len(mine)} "
-                          f"(names or shapes differ: {said}); start from a run of the same model")
+                          f"(names or shapes differ: {said}); {fix}")
     with torch.no_grad():
         model.load_state_dict({k: take.get(k, v).to(v.dtype) for k, v in mine.items()})
     note = f"init_weights: {len(mine) - len(kept)} of {len(mine)} tensors from {pt}"
@@ -285,7 +287,7 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
         note += f"; {len(kept)} kept their initialisation: {shown}" + (" ..." if len(kept) > 4 else "")
     if unused:
         note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
-    if differ := _settings_differ(settings, model_cfg):  # the same tensors under another function
+    if differ:  # the same tensors under another function
         note += f"; the source's model had {differ}: the weights load, the function they compute here is another"
     if averaged:  # its val_ema/* scored another set of weights than the ones that come over
         note += ("; its weight average (ema) is not loaded, its live weights are (scripts/export_weights.py "
@@ -319,11 +321,16 @@ def _settings_differ(theirs: dict, model_cfg) -> str:
         return ""
     keys = MODELS.entry(model_cfg.family).info.get("keys", ())
     pairs = [(k, theirs[k], _plain(model_cfg[k])) for k in keys if k in theirs and k not in ("dropout", "drop_path")]
-    return ", ".join(f"model.{k}={a} (this run: {b})" for k, a, b in pairs if a != b)
+    return ", ".join(f"model.{k}={_said(a)} (this run: {_said(b)})" for k, a, b in pairs if a != b)
 
 
 def _plain(v):
     return list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v
+
+
+def _said(v) -> str:
+    """``v`` as a command line sets it: true, false, null (not Python's True, False, None)."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def _shape_said(key: str, mine: dict, src: dict) -> str:

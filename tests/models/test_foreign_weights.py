@@ -19,7 +19,7 @@ from tests.helpers import make_cfg
 L, D, H, V, T = 2, 32, 4, 256, 40  # layers, width, heads, vocabulary, positions of the source
 
 
-def _nanogpt_state(seed: int = 0) -> dict[str, torch.Tensor]:
+def _nanogpt_state(seed: int = 0, hidden: int = 4 * D) -> dict[str, torch.Tensor]:
     """A GPT-2 of nanoGPT's names (bias=True), random: gains and biases away from 1 and 0."""
     g = torch.Generator().manual_seed(seed)
 
@@ -34,8 +34,8 @@ def _nanogpt_state(seed: int = 0) -> dict[str, torch.Tensor]:
                p + "attn.c_attn.weight": r(3 * D, D), p + "attn.c_attn.bias": r(3 * D),
                p + "attn.c_proj.weight": r(D, D), p + "attn.c_proj.bias": r(D),
                p + "ln_2.weight": r(D, mean=1.0), p + "ln_2.bias": r(D),
-               p + "mlp.c_fc.weight": r(4 * D, D), p + "mlp.c_fc.bias": r(4 * D),
-               p + "mlp.c_proj.weight": r(D, 4 * D), p + "mlp.c_proj.bias": r(D)}
+               p + "mlp.c_fc.weight": r(hidden, D), p + "mlp.c_fc.bias": r(hidden),
+               p + "mlp.c_proj.weight": r(D, hidden), p + "mlp.c_proj.bias": r(D)}
     sd["lm_head.weight"] = sd["transformer.wte.weight"]
     return sd
 
@@ -94,7 +94,8 @@ def test_a_nanogpt_checkpoint_loads_with_its_function(tmp_path):
     """nanoGPT's ckpt.pt (a compiled model's _orig_mod. names, model_args, iter_num), found in its
     out_dir: every tensor loads, and the GPT computes the reference forward."""
     sd = _nanogpt_state()
-    args = {"n_layer": L, "n_head": H, "n_embd": D, "block_size": T, "bias": True, "vocab_size": V, "dropout": 0.0}
+    # dropout 0.1 there, 0 here: a training setting, the same function, so not named
+    args = {"n_layer": L, "n_head": H, "n_embd": D, "block_size": T, "bias": True, "vocab_size": V, "dropout": 0.1}
     torch.save({"model": {"_orig_mod." + k: v for k, v in sd.items()}, "model_args": args, "iter_num": 5000,
                 "best_val_loss": torch.tensor(2.5), "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
     model, m = _gpt(f"model.block_size={T}")
@@ -150,6 +151,9 @@ def test_another_vocabulary_or_a_shorter_context_is_refused_with_the_setting_tha
         load_weights(model, tmp_path / "w.pt", m)
     assert str(e.value) == (f"init_weights={tmp_path / 'w.pt'}: its vocabulary has {V} tokens (wte.weight), this "
                             f"model's model.vocab_size=128; set model.vocab_size={V}")
+    model, m = _gpt("model.vocab_size=512", f"model.block_size={T}")  # larger: wte would keep its init as well
+    with pytest.raises(ConfigError, match=f"its vocabulary has {V} tokens .* set model.vocab_size={V}$"):
+        load_weights(model, tmp_path / "w.pt", m)
     model, m = _gpt("model.block_size=64")
     with pytest.raises(ConfigError) as e:
         load_weights(model, tmp_path / "w.pt", m)
@@ -170,11 +174,12 @@ def test_settings_that_change_the_function_but_no_shape_are_named(tmp_path):
     from tests.helpers import train
 
     base = ["model=gpt_test", "batch_size=4", "steps=1", "monitor=off"]
-    train(tmp_path / "run", *base, "model.num_heads=4")
+    train(tmp_path / "run", *base, "model.num_heads=4", "model.dropout=0.1")
     model, m = _gpt("model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.vocab_size=256",
                     "model.bias=false", "model.block_size=32")
     note = load_weights(model, tmp_path / "run", m)
-    assert "the source's model had model.num_heads=4 (this run: 2)" in note and "16 of 16" in note, note
+    assert "the source's model had model.num_heads=4 (this run: 2): the" in note and "16 of 16" in note, note
+    # and dropout (0.1 there, 0 here) trains, it computes the same function: not named
 
 
 def test_a_run_starts_from_a_nanogpt_out_dir(tmp_path, capsys):
@@ -192,3 +197,93 @@ def test_a_run_starts_from_a_nanogpt_out_dir(tmp_path, capsys):
     err = capsys.readouterr().err
     assert (f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors; its first 32 of 40 "
             "positions); the optimizer, schedule and step count start afresh") in err, err
+
+
+def test_an_older_hugging_face_folder_of_pytorch_model_bin_loads_with_its_function(tmp_path):
+    """pytorch_model.bin of GPT2Model's names (as gpt2's on the Hub), its mask buffers in it, and a
+    config.json that leaves out activation_function: Hugging Face's default, gelu_new, is the source's."""
+    sd = _nanogpt_state(seed=3)
+    torch.save(_hf_state(sd, prefix=""), tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": L, "n_head": H, "n_embd": D,
+                                                      "n_positions": T, "vocab_size": V}))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    note = load_weights(model, tmp_path, m)
+    assert f"29 of 29 tensors from {tmp_path / 'pytorch_model.bin'} (Hugging Face" in note and "had" not in note, note
+    with torch.no_grad():
+        torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
+    model, m = _gpt(f"model.block_size={T}")
+    assert "had model.act=gelu_tanh (this run: gelu)" in load_weights(model, tmp_path, m)
+
+
+def test_what_the_source_does_not_state_is_not_named_and_what_its_tensors_show_is(tmp_path):
+    """A bare state dict of nanoGPT's names states no activation; Hugging Face's config.json no bias,
+    but its tensors have them: a GPT of model.bias=false (the default) drops them, and says so."""
+    torch.save(_nanogpt_state(), tmp_path / "w.pt")
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    assert "had" not in load_weights(model, tmp_path / "w.pt", m)
+    from safetensors.torch import save_file
+
+    save_file(_hf_state(_nanogpt_state()), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": L, "n_head": H, "n_embd": D, "n_positions": T,
+                                                      "vocab_size": V, "activation_function": "gelu_new"}))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh", "model.bias=false")
+    note = load_weights(model, tmp_path, m)
+    assert "13 of the source's unused" in note and "the source's model had model.bias=true (this run: false):" \
+        in note, note
+
+
+def test_a_source_of_another_width_is_refused_with_its_setting(tmp_path):
+    """Most tensors of another shape: the refusal says which model.* setting the source had."""
+    args = {"n_layer": L, "n_head": H, "n_embd": D, "block_size": T, "bias": True, "vocab_size": V}
+    torch.save({"model": _nanogpt_state(), "model_args": args}, tmp_path / "ckpt.pt")
+    model, m = _gpt(f"model.block_size={T}", "model.embed_dim=64")
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path, m)
+    assert str(e.value).endswith("; set what the source's model had: model.embed_dim=32 (this run: 64)"), e.value
+
+
+def test_an_untied_output_layer_is_left_out_and_said(tmp_path):
+    """This GPT ties lm_head to wte: of a source's two matrices, wte loads and the note says so
+    (loading both would keep whichever loaded last)."""
+    sd = _nanogpt_state()
+    sd["lm_head.weight"] = 2 * sd["transformer.wte.weight"]
+    torch.save(sd, tmp_path / "w.pt")
+    model, m = _gpt(f"model.block_size={T}")
+    note = load_weights(model, tmp_path / "w.pt", m)
+    assert "(nanoGPT's tensors; its untied lm_head.weight left out: this GPT's output layer is its wte.weight)" \
+        in note, note
+    assert torch.equal(model.wte.weight, sd["transformer.wte.weight"]) and model.lm_head.weight is model.wte.weight
+
+
+def test_hugging_faces_n_inner_is_model_mlp_hidden(tmp_path):
+    """config.json's n_inner (the MLP's width, null for 4 x n_embd) is named as model.mlp_hidden."""
+    from safetensors.torch import save_file
+
+    save_file(_hf_state(_nanogpt_state(hidden=64)), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": L, "n_head": H, "n_embd": D, "n_positions": T,
+                                                      "n_inner": 64, "vocab_size": V}))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    assert "the source's model had model.mlp_hidden=64 (this run: null):" in load_weights(model, tmp_path, m)
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh", "model.mlp_hidden=64")
+    note = load_weights(model, tmp_path, m)
+    assert "29 of 29" in note and "had" not in note, note
+
+
+def test_export_says_the_iteration_of_a_nanogpt_checkpoint(tmp_path, capsys):
+    """scripts/export_weights.py of nanoGPT's out_dir: its iter_num is the step the line names."""
+    from scripts.export_weights import main
+
+    torch.save({"model": _nanogpt_state(), "iter_num": 5000, "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
+    assert main([str(tmp_path), str(tmp_path / "w.pt")]) == 0
+    assert capsys.readouterr().out.strip() == (f"wrote {tmp_path / 'w.pt'}: the weights of {tmp_path / 'ckpt.pt'} "
+                                               "(at step 5000), 29 tensors")
+
+
+def test_a_runs_own_checkpoint_comes_before_a_nanogpt_one_in_the_same_folder(tmp_path):
+    """hydra.run.dir=out (nanoGPT's out_dir) puts a run's checkpoints/ beside nanoGPT's ckpt.pt:
+    init_weights=out reads the run's, the newer."""
+    torch.save(_nanogpt_state(), tmp_path / "ckpt.pt")
+    (tmp_path / "checkpoints").mkdir()
+    torch.save(_nanogpt_state(seed=1), tmp_path / "checkpoints" / "last.pt")
+    model, m = _gpt(f"model.block_size={T}")
+    assert f"from {tmp_path / 'checkpoints' / 'last.pt'} " in load_weights(model, tmp_path, m)
