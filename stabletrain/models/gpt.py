@@ -91,13 +91,20 @@ def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tup
     if "lm_head.weight" not in state and wte is not None:  # tied, so saved once
         state = {**state, "lm_head.weight": wte}
     wpe = state.get("wpe.weight")
+    refused = []  # (what the source has, the setting that fits it): named together, not one per try
     if wte is not None and wte.ndim == 2 and wte.shape[0] != m.vocab_size:
-        raise ConfigError(f"its vocabulary has {wte.shape[0]} tokens (wte.weight), this model's "
-                          f"model.vocab_size={m.vocab_size}; set model.vocab_size={wte.shape[0]}")
-    if wpe is not None and wpe.ndim == 2 and wpe.shape[0] != m.block_size:
-        if wpe.shape[0] < m.block_size:
-            raise ConfigError(f"it has {wpe.shape[0]} positions (wpe.weight), this model's model.block_size="
-                              f"{m.block_size}; set model.block_size={wpe.shape[0]} or less")
+        refused.append((f"a vocabulary of {wte.shape[0]} tokens (wte.weight; model.vocab_size={m.vocab_size} here)",
+                        f"model.vocab_size={wte.shape[0]}"))
+    if wpe is not None and wpe.ndim == 2 and wpe.shape[0] < m.block_size:
+        refused.append((f"{wpe.shape[0]} positions (wpe.weight; model.block_size={m.block_size} here)",
+                        f"model.block_size={wpe.shape[0]} (or less)"))
+    if not m.bias and any(k.endswith(".attn.qkv.bias") for k in state):  # dropped, they take its function along
+        refused.append(("biases in its layers (model.bias=false here)", "model.bias=true"))
+    if refused:
+        act = settings.get("act")
+        also = f" (and model.act={act}, its activation)" if act is not None and act != m.act else ""
+        raise ConfigError(f"it has {' and '.join(a for a, _ in refused)}; set {' '.join(b for _, b in refused)}{also}")
+    if wpe is not None and wpe.ndim == 2 and wpe.shape[0] > m.block_size:
         state = {**state, "wpe.weight": wpe[:m.block_size]}
         settings = {**settings, "block_size": m.block_size}  # the function of what fits is the same
         read_as.append(f"its first {m.block_size} of {wpe.shape[0]} positions")
