@@ -26,6 +26,7 @@ non-finite values (a diverged run's) or an all-zero block that sigmaReparam woul
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -271,9 +272,11 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
     used |= {k for k in take if k in src}
     unused = [k for k in src if k not in used]
     differ = _settings_differ(settings, model_cfg)  # the source's own words for why its shapes differ
+    shaped = ", ".join(said for k, said in differ.items() if k not in SHAPELESS)
     if 2 * len(kept) > len(mine) or 2 * len(unused) > len(src):  # a head may differ (a fine-tune), not most
         said = _shape_said(kept[0], mine, src) if kept else f"{unused[0]} (not here)"
-        fix = f"set what the source's model had: {differ}" if differ else "start from a run of the same model"
+        fix = (f"set what the source's model had: {', '.join(differ.values())}" if differ
+               else "start from a run of the same model")
         raise ConfigError(f"init_weights={pt}: {len(used)} of its {len(src)} tensors fit this model's {len(mine)} "
                           f"(names or shapes differ: {said}); {fix}")
     with torch.no_grad():
@@ -285,43 +288,89 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
     if kept:
         shown = ", ".join(_shape_said(k, mine, src) for k in kept[:4])
         note += f"; {len(kept)} kept their initialisation: {shown}" + (" ..." if len(kept) > 4 else "")
+        note += f" (the source's model had {shaped})" if shaped else ""  # a resampled size is not said: it fits
     if unused:
         note += f"; {len(unused)} of the source's unused: {', '.join(unused[:4])}" + (" ..." if len(unused) > 4 else "")
-    if differ:  # the same tensors under another function
-        note += f"; the source's model had {differ}: the weights load, the function they compute here is another"
+    if same_shapes := ", ".join(said for k, said in differ.items() if k in SHAPELESS):  # another function
+        note += f"; the source's model had {same_shapes}: the weights load, the function they compute here is another"
     if averaged:  # its val_ema/* scored another set of weights than the ones that come over
         note += ("; its weight average (ema) is not loaded, its live weights are (scripts/export_weights.py "
                  "--ema writes the average as a file to start from)")
     return note + "; the optimizer, schedule and step count start afresh"
 
 
+_RESAMPLED = ("img_size", "patch_size", "window_size", "in_chans")  # the sizes timm_filter fits
+
+
 def timm_filter(filter_fn):
     """A family's ``weights`` hook made of timm's own checkpoint filter (its ``checkpoint_filter_fn``,
     what timm applies to pretrained weights): a source of another image or patch size, or another
     window, has its position embedding, patch embedding or relative position tables resampled as
-    timm resamples them (bicubic), older layouts renamed; the note names each tensor resampled."""
-    def hook(state: dict[str, Tensor], settings: dict, _model_cfg, model: nn.Module):
+    timm resamples them (bicubic), older layouts renamed; a patch embedding of another channel count
+    (RGB weights, grey digits) is summed or repeated as timm's pretrained loading adapts it (the same
+    function of a grey image). The note names each tensor resampled; one resampled into a shape this
+    model does not hold (a class token on one side only) is left as the source holds it."""
+    def hook(state: dict[str, Tensor], settings: dict, model_cfg, model: nn.Module):
+        mine = model.state_dict()
+        proj = "patch_embed.proj"
+        here = mine.get(f"{proj}.weight", mine.get(proj + _ORIGINAL))
+        if proj + _ORIGINAL in state and here is not None and state[proj + _ORIGINAL].shape != here.shape:
+            # a sigmaReparam run's: timm resamples the weight its forward applied, under the plain name
+            state = {k: v for k, v in state.items() if not k.startswith(f"{proj}.parametrizations.")
+                     } | {f"{proj}.weight": _applied(state, proj)}
+        said_by_timm = logging.getLogger("timm.layers")  # "Resized position embedding": the note says it
+        level = said_by_timm.level
+        said_by_timm.setLevel(logging.WARNING)
         try:
             with warnings.catch_warnings():  # timm's table resize warns of its own indexing, not the user's
                 warnings.filterwarnings("ignore", category=UserWarning, module="timm.layers.interpolate")
                 out = filter_fn(state, model)
         except Exception:  # a layout the filter cannot resample (a class token on one side only):
-            return state, settings, []  # loaded as it is, the tensors that do not fit named
-        resampled = [f"{k} resampled from {tuple(state[k].shape)} to {tuple(v.shape)} as timm does"
-                     for k, v in out.items() if k in state and v.shape != state[k].shape]
-        return out, settings, resampled
+            out = dict(state)  # loaded as it is, the tensors that do not fit named
+        finally:
+            said_by_timm.setLevel(level)
+        w = out.get(f"{proj}.weight")
+        if w is not None and here is not None and w.dim() == 4 and w.shape[1] != here.shape[1]:
+            out[f"{proj}.weight"] = _channels_adapted(w, here.shape[1])
+        said, passed = [], {id(v) for v in state.values()}  # what the filter passed on, renamed or not
+        for k, v in out.items():  # (an older layout's tensor renamed onto another's name is no resample)
+            if id(v) not in passed and k in state and v.shape != state[k].shape:
+                held = mine.get(k, mine.get(k.removesuffix(".weight") + _ORIGINAL))
+                if held is None or v.shape != held.shape:  # not resampled to this model: named as it is
+                    out[k] = state[k]
+                else:
+                    said.append(f"{k} resampled from {tuple(state[k].shape)} to {tuple(v.shape)} as timm does")
+        if said:  # the sizes the resample fitted: no longer the source's settings to name
+            settings = {**settings, **{k: _plain(model_cfg[k]) for k in _RESAMPLED if k in settings}}
+        return out, settings, said
 
     return hook
 
 
-def _settings_differ(theirs: dict, model_cfg) -> str:
-    """The source's model settings that this model's differ from, as ``key=theirs (this run: ours)``;
-    only keys its family reads, dropout aside (it trains, it does not change the function)."""
+def _channels_adapted(w: Tensor, chans: int) -> Tensor:
+    """A patch embedding ``(out, in, kh, kw)`` for ``chans`` input channels, computing on a grey image
+    (each channel alike) what ``w`` computed: summed into one channel, or one spread over ``chans``
+    (timm's adapt_input_conv, whose signature differs across the timm versions allowed). Other counts
+    keep ``w``, which then does not fit and is named."""
+    if chans == 1:
+        return w.sum(1, keepdim=True)
+    return w.repeat(1, chans, 1, 1) / chans if w.shape[1] == 1 else w
+
+
+# model.* settings that change what the same tensors compute: the others change shapes, which the
+# note names tensor by tensor (kept, resampled, cut), with the source's settings where tensors are kept
+SHAPELESS = ("num_heads", "stage_heads", "act")
+
+
+def _settings_differ(theirs: dict, model_cfg) -> dict[str, str]:
+    """The source's model settings that this model's differ from, by key, each said as
+    ``model.key=theirs (this run: ours)``; only keys its family reads, dropout aside (it trains, it
+    does not change the function)."""
     if model_cfg is None or model_cfg.family not in MODELS:
-        return ""
-    keys = MODELS.entry(model_cfg.family).info.get("keys", ())
-    pairs = [(k, theirs[k], _plain(model_cfg[k])) for k in keys if k in theirs and k not in ("dropout", "drop_path")]
-    return ", ".join(f"model.{k}={_said(a)} (this run: {_said(b)})" for k, a, b in pairs if a != b)
+        return {}
+    keys = [k for k in MODELS.entry(model_cfg.family).info.get("keys", ()) if k not in ("dropout", "drop_path")]
+    pairs = [(k, theirs[k], _plain(model_cfg[k])) for k in keys if k in theirs]
+    return {k: f"model.{k}={_said(a)} (this run: {_said(b)})" for k, a, b in pairs if a != b}
 
 
 def _plain(v):

@@ -275,14 +275,17 @@ def test_an_untied_output_layer_is_left_out_and_said(tmp_path):
 
 
 def test_hugging_faces_n_inner_is_model_mlp_hidden(tmp_path):
-    """config.json's n_inner (the MLP's width, null for 4 x n_embd) is named as model.mlp_hidden."""
+    """config.json's n_inner (the MLP's width, null for 4 x n_embd) is named as model.mlp_hidden where
+    the MLP's tensors keep their initialisation: the setting that would load them."""
     from safetensors.torch import save_file
 
     save_file(_hf_state(_nanogpt_state(hidden=64)), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"n_layer": L, "n_head": H, "n_embd": D, "n_positions": T,
                                                       "n_inner": 64, "vocab_size": V}))
     model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
-    assert "the source's model had model.mlp_hidden=64 (this run: null):" in load_weights(model, tmp_path, m)
+    note = load_weights(model, tmp_path, m)
+    assert "6 kept their initialisation: blocks.0.mlp.fc1.weight ((128, 32) here, (64, 32) there)" in note, note
+    assert " ... (the source's model had model.mlp_hidden=64 (this run: null));" in note, note
     model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh", "model.mlp_hidden=64")
     note = load_weights(model, tmp_path, m)
     assert "29 of 29" in note and "had" not in note, note
