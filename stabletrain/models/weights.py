@@ -6,7 +6,10 @@ start afresh (``resume`` continues a run instead). The source is a run directory
 ``checkpoints/last.pt``), any checkpoint a run wrote (a sharded run's ``last.pt`` reads its
 ``last_dcp/``), or a saved state dict: ``torch.save(model.state_dict())``, ``{"model": ...}``
 or timm's ``{"state_dict": ...}`` (the ViT and Swin here have timm's tensor names), with the
-``_orig_mod.`` and ``module.`` prefixes of compiled and DDP-wrapped models dropped.
+``_orig_mod.`` and ``module.`` prefixes of compiled and DDP-wrapped models dropped; a folder of
+another code base holds one of ``_FOREIGN_FILES``. The model family's ``weights`` hook reads its kin
+before anything loads: GPT renames nanoGPT's and Hugging Face's GPT-2 tensors; ViT and Swin resample
+through timm's own filters the tensors tied to another image, patch or window size (:func:`timm_filter`).
 
 sigmaReparam on either side goes through the weight the forward applies, so the new model
 computes the source's function at step 0:
