@@ -656,8 +656,8 @@ def shown_value(value: Any) -> str:
     from omegaconf import OmegaConf
 
     value = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-    if isinstance(value, bool):  # as it is written on the command line
-        return str(value).lower()
+    if value is None or isinstance(value, bool):  # as it is written on the command line
+        return "null" if value is None else str(value).lower()
     return str(getattr(value, "value", value)).replace(" ", "")
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from stabletrain.config import differs, shown_value
 from stabletrain.errors import ConfigError
 from stabletrain.models.registry import MODELS
 
@@ -344,7 +345,7 @@ def timm_filter(filter_fn):
                 else:
                     said.append(f"{k} resampled from {tuple(state[k].shape)} to {tuple(v.shape)} as timm does")
         if said:  # the sizes the resample fitted: no longer the source's settings to name
-            settings = {**settings, **{k: _plain(model_cfg[k]) for k in _RESAMPLED if k in settings}}
+            settings = {**settings, **{k: model_cfg[k] for k in _RESAMPLED if k in settings}}
         return out, settings, said
 
     return hook
@@ -372,17 +373,8 @@ def _settings_differ(theirs: dict, model_cfg) -> dict[str, str]:
     if model_cfg is None or model_cfg.family not in MODELS:
         return {}
     keys = [k for k in MODELS.entry(model_cfg.family).info.get("keys", ()) if k not in ("dropout", "drop_path")]
-    pairs = [(k, theirs[k], _plain(model_cfg[k])) for k in keys if k in theirs]
-    return {k: f"model.{k}={_said(a)} (this run: {_said(b)})" for k, a, b in pairs if a != b}
-
-
-def _plain(v):
-    return list(v) if isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig" else v
-
-
-def _said(v) -> str:
-    """``v`` as a command line sets it: true, false, null (not Python's True, False, None)."""
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return {k: f"model.{k}={shown_value(theirs[k])} (this run: {shown_value(model_cfg[k])})" for k in keys
+            if k in theirs and differs(model_cfg[k], theirs[k])}
 
 
 def _shape_said(key: str, mine: dict, src: dict) -> str:
