@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stabletrain.config import Components
+from stabletrain.config import Components, shown_value
 from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
 from stabletrain.layers.deescalate import DEESCALATIONS
@@ -49,6 +49,9 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 _THEIR_ARGS = {"n_layer": "depth", "n_head": "num_heads", "n_embd": "embed_dim", "block_size": "block_size",
                "n_positions": "block_size", "vocab_size": "vocab_size", "bias": "bias", "n_inner": "mlp_hidden"}
 _THEIR_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+# config.json options of Hugging Face's GPT-2 that change its function, which this GPT has no setting for:
+# its value of each (Hugging Face's default)
+_THEIR_FIXED = {"layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
 
 
 def _their_name(k: str) -> str:
@@ -81,8 +84,14 @@ def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tup
             theirs["act"] = _THEIR_ACTS.get(act, act)
         # Hugging Face's config.json has no bias key (GPT-2 has biases): the tensors say
         theirs.setdefault("bias", any(k.endswith(".attn.qkv.bias") for k in state))
-        settings = theirs
         read_as.append("Hugging Face GPT-2's tensors, its Conv1D weights transposed" if conv1d else "nanoGPT's tensors")
+        other = [k for k, ours in _THEIR_FIXED.items() if k in settings and settings[k] != ours]
+        if other:  # loaded all the same: the nearest function there is here, said
+            theirs_said = " and ".join(f"{k}={shown_value(settings[k])}" for k in other)
+            ours_said = " and ".join(shown_value(_THEIR_FIXED[k]) for k in other)
+            read_as.append(f"its config.json's {theirs_said}, which this GPT does not have ({ours_said} here): "
+                           "the function they compute here is another")
+        settings = theirs
     lm_head, wte = state.get("lm_head.weight"), state.get("wte.weight")
     # this GPT ties them: of an untied source's two, loading both would keep whichever loads last, unsaid
     if lm_head is not None and wte is not None and not (lm_head.shape == wte.shape and torch.equal(lm_head, wte)):

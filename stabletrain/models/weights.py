@@ -47,8 +47,10 @@ _ORIGINAL = ".parametrizations.weight.original"
 _PART = re.compile(r"^(.*)\.parametrizations\.weight\.0\.parts\.(\d+)\.(gamma|u|v)$")
 
 
-# a folder of another code base: nanoGPT's out_dir, a Hugging Face model's
-_FOREIGN_FILES = ("ckpt.pt", "model.safetensors", "pytorch_model.bin")
+# a folder of another code base: nanoGPT's out_dir, a Hugging Face model's (whole, or sharded with an index)
+_FOREIGN_FILES = ("ckpt.pt", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                  "pytorch_model.bin.index.json")
+_SHARD = re.compile(r"-\d+-of-\d+(?=\.(safetensors|bin)$)")  # model-00001-of-00003.safetensors
 
 
 def _source_file(path: Path, key: str) -> Path:
@@ -61,7 +63,8 @@ def _source_file(path: Path, key: str) -> Path:
     if not path.is_file():
         raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
                           "(checkpoints/last.pt), a saved state dict, nanoGPT's out_dir or a Hugging Face model folder")
-    return path
+    index = path.parent / f"{_SHARD.sub('', path.name)}.index.json"  # one shard of several: all of them
+    return index if _SHARD.search(path.name) and index.is_file() else path
 
 
 def _read_sharded(pt: Path, key: str, which: str) -> dict[str, Tensor]:
@@ -116,6 +119,8 @@ class Weights(NamedTuple):
 
 
 def _load(pt: Path, key: str):
+    if pt.name.endswith(".index.json"):
+        return _load_shards(pt, key)
     try:
         if pt.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -125,6 +130,31 @@ def _load(pt: Path, key: str):
     except Exception as e:  # a torn write, a file that is no checkpoint
         raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
                           "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
+
+
+def _load_shards(index: Path, key: str) -> dict[str, Tensor]:
+    """The tensors of a Hugging Face model saved in shards: its index's ``weight_map`` names the
+    file of each tensor."""
+    import json
+
+    try:
+        files = json.loads(index.read_text())["weight_map"]
+        files = dict.fromkeys(files.values()) if isinstance(files, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        files = None
+    if not files or not all(isinstance(f, str) for f in files):
+        raise ConfigError(f"{key}{index}: not an index of weight files (no weight_map); download it again")
+    missing = [f for f in files if not (index.parent / f).is_file()]
+    if missing:
+        raise ConfigError(f"{key}{index}: {len(missing)} of the {len(files)} files its weight_map names are not in "
+                          f"{index.parent} ({', '.join(missing[:3])}); download the whole folder")
+    out = {}
+    for f in files:
+        shard = _load(index.parent / f, key)
+        if not isinstance(shard, dict):
+            raise ConfigError(f"{key}{index.parent / f}: holds no tensors by name; download the shard again")
+        out |= shard
+    return out
 
 
 def read_weights(path: str | Path, average: bool = False, key: str = "init_weights=") -> Weights:
@@ -338,17 +368,25 @@ def timm_filter(filter_fn):
             out[f"{proj}.weight"] = _channels_adapted(w, here.shape[1])
         said, passed = [], {id(v) for v in state.values()}  # what the filter passed on, renamed or not
         for k, v in out.items():  # (an older layout's tensor renamed onto another's name is no resample)
-            if id(v) not in passed and k in state and v.shape != state[k].shape:
+            was = k if k in state else _prefixed(k, state)  # OpenCLIP's visual.trunk.pos_embed: pos_embed
+            if id(v) not in passed and was is not None and v.shape != state[was].shape:
                 held = mine.get(k, mine.get(k.removesuffix(".weight") + _ORIGINAL))
                 if held is None or v.shape != held.shape:  # not resampled to this model: named as it is
-                    out[k] = state[k]
+                    out[k] = state[was]
                 else:
-                    said.append(f"{k} resampled from {tuple(state[k].shape)} to {tuple(v.shape)} as timm does")
+                    there = f" ({was} there)" if was != k else ""
+                    said.append(f"{k}{there} resampled from {tuple(state[was].shape)} to {tuple(v.shape)} as timm does")
         if said:  # the sizes the resample fitted: no longer the source's settings to name
             settings = {**settings, **{k: model_cfg[k] for k in _RESAMPLED if k in settings}}
         return out, settings, said
 
     return hook
+
+
+def _prefixed(key: str, state: dict) -> str | None:
+    """The one name of ``state`` that is ``key`` under a prefix (a trunk inside a larger model's)."""
+    found = [k for k in state if k.endswith("." + key)]
+    return found[0] if len(found) == 1 else None
 
 
 def _channels_adapted(w: Tensor, chans: int) -> Tensor:

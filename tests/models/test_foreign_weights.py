@@ -309,3 +309,64 @@ def test_a_runs_own_checkpoint_comes_before_a_nanogpt_one_in_the_same_folder(tmp
     torch.save(_nanogpt_state(seed=1), tmp_path / "checkpoints" / "last.pt")
     model, m = _gpt(f"model.block_size={T}")
     assert f"from {tmp_path / 'checkpoints' / 'last.pt'} " in load_weights(model, tmp_path, m)
+
+
+def _shard(state: dict, folder, name: str, parts: int = 3) -> dict:
+    """``state`` saved as Hugging Face saves a large model: ``parts`` files and an index naming each
+    tensor's file; returns the weight map."""
+    from safetensors.torch import save_file
+
+    keys, stem, ext = sorted(state), *name.rsplit(".", 1)
+    weight_map = {}
+    for i in range(parts):
+        file = f"{stem}-{i + 1:05d}-of-{parts:05d}.{ext}"
+        chunk = {k: state[k] for k in keys[i::parts]}
+        save_file(chunk, str(folder / file)) if ext == "safetensors" else torch.save(chunk, folder / file)
+        weight_map |= dict.fromkeys(chunk, file)
+    (folder / f"{name}.index.json").write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return weight_map
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "pytorch_model.bin"])
+def test_a_hugging_face_folder_of_sharded_weights_loads_whole_with_its_function(tmp_path, name):
+    """A model saved in shards (model-0000N-of-0000M.safetensors and its index.json): the folder, or
+    any one of its shards, reads every shard the index names; a missing shard is named."""
+    sd = _nanogpt_state(seed=4)
+    weight_map = _shard(_hf_state(sd), tmp_path, name)
+    (tmp_path / "config.json").write_text(json.dumps({"n_layer": L, "n_head": H, "n_embd": D, "n_positions": T,
+                                                      "vocab_size": V}))
+    index = tmp_path / f"{name}.index.json"
+    for source in (tmp_path, tmp_path / sorted(set(weight_map.values()))[1]):
+        model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+        note = load_weights(model, source, m)
+        assert f"29 of 29 tensors from {index} (Hugging Face GPT-2's tensors" in note and "had" not in note, note
+        with torch.no_grad():
+            torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
+    gone = sorted(set(weight_map.values()))[2]
+    (tmp_path / gone).unlink()
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path, m)
+    assert str(e.value) == (f"init_weights={index}: 1 of the 3 files its weight_map names are not in {tmp_path} "
+                            f"({gone}); download the whole folder")
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ConfigError, match=r"not an index of weight files \(no weight_map\); download it again$"):
+        load_weights(model, tmp_path, m)
+
+
+def test_hugging_face_options_this_gpt_does_not_have_are_named(tmp_path):
+    """config.json's layer_norm_epsilon, scale_attn_weights and scale_attn_by_inverse_layer_idx change
+    GPT-2's function and have no setting here: the weights load, and the note says which differ."""
+    from safetensors.torch import save_file
+
+    save_file(_hf_state(_nanogpt_state()), str(tmp_path / "model.safetensors"))
+    said = {"n_layer": L, "n_head": H, "n_embd": D, "n_positions": T, "vocab_size": V}
+    (tmp_path / "config.json").write_text(json.dumps({**said, "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+                                                      "scale_attn_by_inverse_layer_idx": False}))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    assert "another" not in load_weights(model, tmp_path, m)  # GPT-2's own values: this GPT's function
+    (tmp_path / "config.json").write_text(json.dumps({**said, "layer_norm_epsilon": 1e-6,
+                                                      "scale_attn_by_inverse_layer_idx": True}))
+    note = load_weights(model, tmp_path, m)
+    assert ("transposed; its config.json's layer_norm_epsilon=1e-06 and scale_attn_by_inverse_layer_idx=true, which "
+            "this GPT does not have (1e-05 and false here): the function they compute here is another); the "
+            "optimizer") in note, note

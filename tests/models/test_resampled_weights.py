@@ -191,15 +191,17 @@ def test_a_folder_timm_saved_for_the_hub_starts_a_run(tmp_path, caplog, safe, fi
 
 
 def test_a_timm_trunk_under_open_clips_names_loads_as_timms_own_loads_it(tmp_path):
-    """timm's filter renames OpenCLIP's ``visual.trunk.`` tensors and resamples them under the new
-    name, one the source does not hold."""
+    """timm's filter renames OpenCLIP's ``visual.trunk.`` tensors (its text tower left out) and
+    resamples them under the new name, one the source does not hold: the note names both."""
     src = _randomised(_timm_vit(16, 4))
-    torch.save({f"visual.trunk.{k}": v for k, v in src.state_dict().items()}, tmp_path / "open_clip.bin")
+    text = {"text.token_embedding.weight": torch.randn(50, 32), "logit_scale": torch.tensor(2.6)}
+    torch.save({f"visual.trunk.{k}": v for k, v in src.state_dict().items()} | text, tmp_path / "open_clip.bin")
     ref = _timm_vit(32, 4, seed=1)
     ref.load_state_dict(vision_transformer.checkpoint_filter_fn(src.state_dict(), ref))
     model, m = _ours("vit_test", "model.img_size=32")
     note = load_weights(model, tmp_path / "open_clip.bin", m)
-    assert "32 of 32 tensors" in note and "kept" not in note, note
+    assert (f"32 of 32 tensors from {tmp_path / 'open_clip.bin'} (pos_embed (visual.trunk.pos_embed there) resampled "
+            "from (1, 17, 32) to (1, 65, 32) as timm does); the optimizer") in note, note
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
