@@ -1,6 +1,7 @@
 """What a new user meets on the command line: one line for each mistake, and a dry run."""
 
 import re
+import shutil
 
 import pytest
 
@@ -567,4 +568,27 @@ def test_a_sweep_resumed_with_a_change_its_points_refuse_keeps_their_records(tmp
     assert r.returncode == 0 and f"sweep {tmp_path}: 2 points, 2 completed" in r.stderr, r.stderr[-2000:]
     assert "steps=3" in (tmp_path / "0" / ".hydra" / "overrides.yaml").read_text()
     assert "steps=3" in (tmp_path / "multirun.yaml").read_text()
+    assert not [p.name for p in tmp_path.rglob("*") if p.name.endswith((".kept", ".kept.yaml", "refused_now"))]
+
+
+def test_a_sweep_run_again_where_one_point_refuses_keeps_the_others_as_the_new_command(tmp_path):
+    """Run again with optim.lr changed: point 0 (completed) refuses, point 1 (never trained) takes
+    the new command. The refusal must not stick to the next point (its .hydra/ put back, the tally
+    '2 refused this time'), and a .hydra.kept left by a killed sweep is replaced, not a crash."""
+    base = ["-m", "model=gpt_test", "steps=2", "batch_size=8", "logger=none", "monitor=off", "optim.tau=0.01,0.02",
+            f"hydra.sweep.dir={tmp_path}"]
+    assert cli(*base).returncode == 0
+    for p in (tmp_path / "1").iterdir():  # point 1 as a sweep killed before it trained leaves it
+        if p.name != ".hydra":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    stale = tmp_path / "0" / ".hydra.kept"  # what a killed sweep left
+    stale.mkdir()
+    (stale / "overrides.yaml").write_text("- stale\n")
+    record = (tmp_path / "0" / ".hydra" / "overrides.yaml").read_text()
+    r = cli(*base, "optim.lr=0.003", "resume=auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"sweep {tmp_path}: 2 points, 1 refused this time, 1 completed; 0/ refused this time (its run is as it " \
+           f"was): resume=auto would change the resumed run's optim.lr (0.001 there, 0.003 here)" in r.stderr
+    assert (tmp_path / "0" / ".hydra" / "overrides.yaml").read_text() == record
+    assert "optim.lr=0.003" in (tmp_path / "1" / ".hydra" / "overrides.yaml").read_text()
     assert not [p.name for p in tmp_path.rglob("*") if p.name.endswith((".kept", ".kept.yaml", "refused_now"))]

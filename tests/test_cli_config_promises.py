@@ -3,7 +3,7 @@ mistake's one line names, the overrides that pass untouched, the bounds each key
 notes for keys nothing reads.
 
 Each test states the exact line (or value) expected, so that a dropped branch or a moved bound
-fails; they come from a mutation audit of cli.py and config.py."""
+fails."""
 
 from __future__ import annotations
 
@@ -55,6 +55,19 @@ def test_a_misspelt_key_gets_no_suggestion_that_is_not_a_key(key, hint):
     from stabletrain.cli import _nearest_key
 
     assert _nearest_key(key) == hint
+
+
+def test_an_unknown_prefixed_key_that_is_no_key_either_gets_no_guess():
+    """'did you mean imports?' for train.imports holds only where the key without its prefix is
+    one: xyz.notakey is not in the schema, and no 'did you mean notakey?' is made up."""
+    from stabletrain.cli import compose_config, explain
+
+    ovs = ["model=gpt_test", "xyz.notakey=1"]
+    with pytest.raises(Exception) as e:
+        compose_config(ovs)
+    said = explain(e.value, ovs)
+    assert said.startswith("unknown key 'xyz.notakey': not in the config schema"), said
+    assert "did you mean" not in said
 
 
 @pytest.mark.parametrize("override,line", [
@@ -151,6 +164,14 @@ def test_epochs_null_alone_keeps_the_steps():
 
     assert epochs_over_steps(["epochs=null"]) == ["epochs=null"]
     assert compose_config(["epochs=null"]).steps == 600
+
+
+def test_epochs_given_with_a_force_add_prefix_still_trains_by_epochs():
+    """``++epochs=2`` is epochs=2: steps=null goes right after it (not a StopIteration from
+    looking for an override spelled exactly ``epochs=``)."""
+    from stabletrain.cli import epochs_over_steps
+
+    assert epochs_over_steps(["++epochs=2", "--cfg", "job"]) == ["++epochs=2", "steps=null", "--cfg", "job"]
 
 
 def test_a_sweep_of_exactly_check_every_point_points_is_checked_point_by_point():

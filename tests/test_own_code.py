@@ -585,6 +585,53 @@ def test_an_option_of_ones_own_that_returns_the_wrong_thing_is_one_line(tmp_path
         build_trainer(cfg, tmp_path / "run")
 
 
+CLASS_DATA = """
+    from stabletrain.data import DATASETS, Data
+
+    @DATASETS.register("class_data_own", kind="text")
+    def class_data_own(d, m, seed):
+        return Data
+"""
+CLASS_DATA_LINE = (r"^data=class_data_own: [\w.]+\.class_data_own returned the class Data, not an instance of it; "
+                   r"a data option returns a stabletrain.data.Data$")
+
+
+def test_a_training_run_with_a_data_set_that_returns_the_class_is_one_line(tmp_path):
+    """A data set of one's own that returns the class Data, not an instance of it: the trainer
+    builds its data with data_from_config, which met "type object 'Data' has no attribute 'extra'"
+    instead of the one line."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, "class_data_run", CLASS_DATA)
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "data.name=class_data_own", "steps=1")
+    validate(cfg)
+    with pytest.raises(ConfigError, match=CLASS_DATA_LINE):
+        build_trainer(cfg, tmp_path / "run")
+
+
+def test_a_reparam_of_ones_own_that_returns_no_hook_is_one_line(tmp_path):
+    """reparam= is checked as the other groups are: a reparametrisation returning a dict (or the
+    model), not its step hook or None, was met only after the first optimizer step."""
+    path = _module(tmp_path, "dict_reparam", """
+        from stabletrain.layers.reparam import REPARAMS
+
+        @REPARAMS.register("dict_own")
+        def dict_own(model, cfg):
+            return {"hook": None}
+
+        @REPARAMS.register("model_own")
+        def model_own(model, cfg):  # callable, but the first step would call the model with no input
+            return model
+    """)
+    for name, got in (("dict_own", "a dict"), ("model_own", "a GPT")):
+        cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", f"reparam.name={name}")
+        validate(cfg)
+        with pytest.raises(ConfigError, match=rf"^reparam={name}: [\w.]+\.{name} returned {got}; a reparam option "
+                                              r"returns the hook to run after each optimizer step \(a function, "
+                                              r"not the model or a class\), or None$"):
+            model_of(cfg)
+
+
 @pytest.mark.parametrize("model,body,needle", [
     ("model=vit_test", """
         from torch import nn
@@ -635,6 +682,72 @@ def test_a_model_whose_output_does_not_fit_the_data_is_one_line(tmp_path, model,
         trainer.fit()
 
 
+OWN_VISION = """
+    from torch import nn
+    from stabletrain.models.registry import MODELS
+
+    class OneRow(nn.Module):  # one row of logits for the whole batch
+        def __init__(self, m):
+            super().__init__()
+            self.head = nn.Linear(m.in_chans * m.img_size ** 2, m.num_classes)
+
+        def forward(self, x):
+            return self.head(x.flatten(1)).mean(0, keepdim=True)
+
+    @MODELS.register("{name}", kind="vision")
+    def build(m, components):
+        return OneRow(m)
+"""
+OWN_TEXT = """
+    from torch import nn
+    from stabletrain.models.registry import MODELS
+
+    class Lm(nn.Module):
+        def __init__(self, m, extra, drop):
+            super().__init__()
+            self.emb, self.out, self.drop = nn.Embedding(m.vocab_size, 8), nn.Linear(8, m.vocab_size + extra), drop
+
+        def forward(self, x):
+            logits = self.out(self.emb(x))
+            return logits[:, :-1] if self.drop else logits
+
+    @MODELS.register("{name}", kind="text", data="pytext")
+    def build(m, components):
+        return Lm(m, {extra}, {drop})
+"""
+
+
+def _own_trainer(tmp_path, name: str, body: str, model: str):
+    """The trainer of a one-step run of the model family ``name`` that ``body`` registers."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, name, body)
+    cfg = make_cfg(f"imports=[{path}]", model, f"model.family={name}", "steps=1", "batch_size=4", "monitor=off",
+                   "logger=none", "optim=adamw")
+    return build_trainer(cfg, tmp_path / "run")
+
+
+@pytest.mark.parametrize("name, body, model, needle", [
+    ("one_row_own", OWN_VISION, "model=vit_test", r"output has shape \(1, 10\) for an input of \(4, "),
+    ("short_own", OWN_TEXT.replace("{extra}", "0").replace("{drop}", "True"), "model=gpt_test",
+     r"output has shape \(4, \d+, \d+\) .* the loss needs \(batch, sequence, at least \d+\)"),
+], ids=["vision_batch", "text_sequence"])
+def test_logits_for_another_batch_or_sequence_are_one_line(tmp_path, name, body, model, needle):
+    """The right number of classes is not enough: logits of another batch size (a head that pools
+    over the batch) or a shorter sequence fail the first step's check, not the loss."""
+    trainer = _own_trainer(tmp_path, name, body.replace("{name}", name), model)
+    with pytest.raises(ConfigError, match=needle):
+        trainer.fit()
+
+
+def test_a_language_model_with_a_padded_vocabulary_trains(tmp_path):
+    """Logits over more ids than the data has (a vocabulary padded to a multiple of 64, as GPT-2's
+    50304): "at least" model.vocab_size, as the check says."""
+    body = OWN_TEXT.replace("{name}", "padded_own").replace("{extra}", "64").replace("{drop}", "False")
+    s = _own_trainer(tmp_path, "padded_own", body, "model=gpt_test").fit()
+    assert s["status"] == "completed"
+
+
 def test_an_init_of_ones_own_that_returns_a_new_tensor_is_applied(tmp_path):
     """``return xavier_normal_(w) * scale`` wrote the Xavier draw and dropped the scale: runs at
     every scale were the same run, while the start line named the scale. The returned tensor is
@@ -658,6 +771,22 @@ def test_an_init_of_ones_own_that_returns_a_new_tensor_is_applied(tmp_path):
     with pytest.raises(ConfigError, match=r"^init=flat_own returned a tensor of shape \(\d+,\) for a weight of shape "
                                           r"\(\d+, \d+\): an init writes the weight it is given in place, or returns"):
         model_of(make_cfg(f"imports=[{path}]", "model=gpt_test", "init.name=flat_own"))  # imported above
+
+
+def test_an_init_of_ones_own_that_writes_in_place_and_returns_nothing_is_applied(tmp_path):
+    """An init writes the weight it is given in place (INITS' documented form): one without a
+    ``return`` is that form, not a wrong return, and its values are the model's."""
+    path = _module(tmp_path, "inplace_init", """
+        from stabletrain.layers.init import INITS
+
+        @INITS.register("inplace_own")
+        def inplace_own(w, gain=1.0):
+            w.fill_(0.25)
+    """)
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "init.name=inplace_own")
+    validate(cfg)
+    net = model_of(cfg)
+    assert torch.all(net.blocks[0].attn.qkv.weight == 0.25) and torch.all(net.blocks[0].mlp.fc2.weight == 0.25)
 
 
 def test_an_argument_without_its_plus_that_the_option_would_refuse_says_so_at_once(tmp_path):
@@ -708,3 +837,36 @@ def test_an_option_of_ones_own_that_declares_its_keys_has_the_others_noted_and_u
     cfg = make_cfg(f"imports=[{undeclared}]", "model=gpt_test", "norm.name=scale_any", "norm.alpha=0.4")
     validate(cfg)
     assert own_groups(cfg) == {"norm": None} and not unread_keys(cfg, own_groups(cfg))
+
+
+def test_an_own_options_kwargs_are_no_unread_key_when_it_declares_its_keys(tmp_path):
+    """register(keys=...) names the keys of the group the option reads besides its own arguments:
+    its kwargs (declared with kwargs=) are read, and not noted as changing nothing."""
+    from stabletrain.build import own_groups
+    from stabletrain.config import unread_keys
+
+    path = _module(tmp_path, "gain_keys_norm", GAIN_NORM.replace(
+        '@NORMS.register("gain_own", layer=GainNorm, kwargs=("g0",))',
+        '@NORMS.register("gain_keys_own", layer=GainNorm, kwargs=("g0",), keys=("eps",))').replace(
+        "def gain_own(", "def gain_keys_own("))
+    cfg = make_cfg(f"imports=[{path}]", "model=gpt_test", "norm.name=gain_keys_own", "+norm.kwargs.g0=2")
+    validate(cfg)
+    assert own_groups(cfg) == {"norm": ("eps",)}
+    assert unread_keys(cfg, own_groups(cfg)) == []
+
+
+@pytest.mark.parametrize("swept", [["norm.placement=pre,post"], ["attention=stable", "norm.alpha=0.1,0.4"]])
+def test_a_key_of_a_declared_group_read_elsewhere_may_be_swept(tmp_path, swept):
+    """A norm of one's own that declares keys=("eps",): norm.placement is still read by the model
+    (pre/post), norm.alpha by attention=stable; a sweep over either launches different runs."""
+    from stabletrain.cli import check_overrides
+
+    path = _module(tmp_path, "eps_norm", """
+        import torch
+        from stabletrain.layers.norm import NORMS
+
+        @NORMS.register("eps_own", layer=torch.nn.LayerNorm, keys=("eps",))
+        def eps_own(cfg, dim, **kw):
+            return torch.nn.LayerNorm(dim, eps=cfg.eps or 1e-5)
+    """)
+    check_overrides(["-m", f"imports=[{path}]", "model=gpt_test", "norm.name=eps_own", *swept])

@@ -113,6 +113,17 @@ def test_the_run_notes_a_key_its_command_line_sets_to_the_default(tmp_path, caps
     assert "note: norm.alpha=0.5 changes nothing: only norm=stablenorm" in capsys.readouterr().err
 
 
+def test_the_run_notes_a_model_key_its_command_line_sets_to_the_default(tmp_path, capsys, monkeypatch):
+    """A sweep's point model.dropout=0.0 on a ViT (which reads no dropout) is noted, as 0.1 is."""
+    import stabletrain.build as B
+    from tests.helpers import train
+
+    monkeypatch.setattr(B, "task_overrides", lambda: ("model=vit_test", "model.dropout=0.0"))
+    train(tmp_path, "model=vit_test", "model.dropout=0.0", "steps=1", "batch_size=4", "optim=adamw",
+          "logger=none", "monitor=off", quiet=False)
+    assert "note: model.dropout=0.0 changes nothing" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("overrides,error", [
     (["model=gpt_test", "data.path=/some/train.bin"],
      "data.path=/some/train.bin is read by data=tokens only, and data=auto picks pytext for a gpt model: "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import numpy as np
 import pytest
 
 from stabletrain.monitor import names as N
@@ -15,6 +16,7 @@ from stabletrain.analysis import plots as P
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [f"blocks.{i}" for i in range(4)]
 D_H = 8
+STEPS = np.array([0.0, 10.0])  # two logged steps, for hand-written metrics
 
 
 @pytest.fixture(autouse=True)
@@ -88,6 +90,22 @@ def _check_pngs(paths):
         img = mpimg.imread(p)
         assert img.shape[0] > 200 and img.shape[1] > 300
         assert img[..., :3].std() > 0.01  # not a blank canvas
+
+
+def _figures(monkeypatch) -> dict:
+    """The figures the plots draw, by file name (``_save`` patched: nothing is written)."""
+    figures: dict = {}
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig) and out / name)
+    return figures
+
+
+def _run_dir(path, records: list[dict], summary: dict | None = None):
+    """A run directory of the given records (and summary.json, if given)."""
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+    return path
 
 
 def test_plot_dynamics_script_writes_every_figure(tmp_path):
@@ -437,6 +455,15 @@ def test_compare_runs_never_wraps_a_label_inside_a_setting(tmp_path, monkeypatch
     assert room.x0 - 1 <= box.x0 and box.x1 <= room.x1 + 1 and room.y0 - 1 <= box.y0 and box.y1 <= room.y1 + 1
 
 
+def test_a_label_breaks_after_the_commas_of_a_sweeps_settings():
+    """A sweep point's label 'a=1,b=2' wraps after its commas (and at spaces), never inside a setting."""
+    from stabletrain.analysis.plots import _wrapped
+
+    assert _wrapped("optim.tau=0.001,deescalate.alpha=0.05 seed=1", 20) == \
+        "optim.tau=0.001,\ndeescalate.alpha=0.05\nseed=1"
+    assert _wrapped("a=1,b=2 c=3", 20) == "a=1,b=2 c=3"
+
+
 def test_compare_runs_draws_adamw2s_bound_when_the_runs_share_one_schedule(tmp_path, monkeypatch):
     """A sweep of tau: the scheduled-lr panel was one line for every run, and nothing showed what tau
     changed. With one schedule it draws the share of tensors at the bound; an lr sweep keeps its lr."""
@@ -456,6 +483,52 @@ def test_compare_runs_draws_adamw2s_bound_when_the_runs_share_one_schedule(tmp_p
     assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == [0.2, 0.9]
     P.compare_runs([run("l1", 1e-3, 0.5), run("l2", 3e-3, 0.5)], tmp_path / "cmp", labels=["lr 1e-3", "lr 3e-3"])
     assert figures[-1].axes[2].get_title() == "scheduled lr"
+
+
+def _lr_run(path, lr, frac=None, steps=50):
+    """A run of a constant lr, with AdamW²'s share of tensors at the bound where ``frac`` is given."""
+    path.mkdir()
+    extra = {} if frac is None else {"adamw2/frac_bounded": frac}
+    path.joinpath("metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0, "lr": lr, **extra}) + "\n"
+                                                      for s in range(0, steps, 10)))
+    path.joinpath("summary.json").write_text(json.dumps({"status": "completed", "step": steps - 10}))
+    return path
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """Every figure the plots draw, in order (``_save`` patched: nothing is written)."""
+    out = []
+    monkeypatch.setattr(P, "_save", lambda fig, where, name: out.append(fig))
+    return out
+
+
+def test_one_run_keeps_its_lr_panel(tmp_path, figures):
+    """The bound's share replaces the lr panel only where several runs share one schedule: a run
+    alone with AdamW²'s telemetry still draws its scheduled lr."""
+    P.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5)], tmp_path / "cmp", labels=["a"])
+    assert figures[-1].axes[2].get_title() == "scheduled lr"
+
+
+def test_runs_without_adamw2s_telemetry_keep_the_lr_panel(tmp_path, figures):
+    """Two AdamW runs with one schedule log no bound: the panel stays the scheduled lr, not an
+    empty 'fraction of tensors at the bound'."""
+    P.compare_runs([_lr_run(tmp_path / "a", 1e-3), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
+                   labels=["a", "b"])
+    assert figures[-1].axes[2].get_title() == "scheduled lr"
+
+
+def test_a_run_lacking_the_bound_is_said_to_lack_the_bound(tmp_path, figures):
+    """Where the bound's panel replaced the lr's, a run without AdamW²'s telemetry is said not to
+    log 'bound' (it logged its lr, which the figure does not draw)."""
+    P.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
+                   labels=["with", "without"])
+    assert figures[-1].axes[2].get_title().startswith("AdamW²: fraction of tensors at the bound")
+    slot = next(ax for ax in figures[-1].axes if ax.get_legend() is not None)
+    texts = [" ".join(t.get_text().split()) for t in slot.get_legend().get_texts()]
+    assert texts[0].startswith("with") and "not logged" in texts[1], texts
+    logged = texts[1].split("not logged: ")[1]
+    assert "bound" in logged and "lr" not in logged.replace("validation", ""), texts
 
 
 def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
@@ -712,6 +785,39 @@ def test_blocks_over_different_numbers_of_keys_each_get_their_uniform_level(tmp_
     assert "uniform over each query's keys, per block" in [t.get_text() for t in mean_ax.get_legend().get_texts()]
 
 
+def _entropy_metrics(levels: dict[str, float | None]) -> dict:
+    """Each block's mean and min entropy near its uniform level, and that level (log_T) unless None."""
+    metrics = {}
+    for b, level in levels.items():
+        base = 3.0 if level is None else level
+        metrics[f"entropy/{b}/mean"] = metrics[f"entropy/{b}/min"] = (STEPS, np.array([base - 0.1, base - 0.5]))
+        if level is not None:
+            metrics[f"entropy/{b}/log_T"] = (STEPS, np.array([level, level]))
+    return metrics
+
+
+def _dashed(ax) -> list[float]:
+    """The levels of a panel's dashed horizontal lines."""
+    return sorted(float(ln.get_ydata()[0]) for ln in ax.get_lines()
+                  if ln.get_linestyle() == "--" and len(ln.get_xdata()))
+
+
+def test_entropy_png_of_a_run_without_log_t_draws_no_uniform_level(tmp_path, monkeypatch):
+    """A run recorded before log_T was logged: its entropy.png is drawn, without a uniform line
+    (not a StopIteration from an empty set of levels)."""
+    figures = _figures(monkeypatch)
+    P.plot_entropy(P.Run("r", tmp_path, _entropy_metrics({"blocks.0": None, "blocks.1": None}), None), [], tmp_path)
+    assert _dashed(figures["entropy.png"].axes[0]) == []
+
+
+def test_entropy_png_tells_windows_of_49_and_36_keys_apart(tmp_path, monkeypatch):
+    """log 49 = 3.89 and log 36 = 3.58 are two levels (Swin windows of 7x7 and 6x6), not one."""
+    figures = _figures(monkeypatch)
+    levels = {"layers.0.blocks.0": float(np.log(49)), "layers.1.blocks.0": float(np.log(36))}
+    P.plot_entropy(P.Run("r", tmp_path, _entropy_metrics(levels), None), [], tmp_path)
+    assert np.allclose(_dashed(figures["entropy.png"].axes[0]), sorted(levels.values()))
+
+
 def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(tmp_path):
     """Two rollbacks, the second to an earlier step: the first one's record went with the history
     it dropped, so one orange line is drawn, and the title says why there are not two."""
@@ -797,6 +903,33 @@ def test_sec_draws_the_step_where_concentration_jumped(tmp_path, monkeypatch):
     assert P._largest_rise(flat) is None and P._largest_rise(None) is None
 
 
+def test_sec_png_marks_the_rise_of_the_alerts_size_not_that_of_another_size(tmp_path, monkeypatch):
+    """The step drawn as the largest rise is where SEC(d_h, s*) jumped, s* the size the health
+    alert tests (4 at d_h = 64): SEC(64, 1) rose most at step 30, SEC(64, 4) at step 130."""
+    d_h, steps = 64, np.arange(0.0, 210.0, 10.0)
+    assert N.sec_alert_size(d_h) == 4
+    levels = {1: (0.1, 0.5, 0.6), 2: (0.2, 0.52, 0.9), 4: (0.3, 0.55, 0.999), 8: (0.4, 0.6, 0.9995),
+              16: (0.5, 0.7, 0.9997), 32: (0.6, 0.8, 0.9999), 64: (1.0, 1.0, 1.0)}
+    assert list(levels) == N.sec_sizes(d_h)
+    metrics = {N.metric("sec", "blocks.0", f"s{s}"): (steps, np.where(steps < 30, a, np.where(steps < 130, b, c)))
+               for s, (a, b, c) in levels.items()}
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    P.plot_sec(P.Run("r", tmp_path, metrics, None), ["blocks.0"], tmp_path)
+    labels = figures[0].axes[0].get_legend_handles_labels()[1]
+    assert [lb for lb in labels if "largest rise" in lb] == ["step 130 (largest rise)"], labels
+
+
+def test_the_largest_rise_of_short_or_unfinished_sec_records():
+    """Two records that rose: the second step; one record: none (not an error on an empty
+    difference); records whose every rise is NaN (a diverged run's): none, not an error."""
+    two = (np.array([0.0, 10.0]), np.array([0.2, 0.999]))
+    assert P._largest_rise(two) == 10
+    assert P._largest_rise((np.array([0.0]), np.array([0.5]))) is None
+    assert P._largest_rise((np.array([0.0, 10.0, 20.0]), np.array([np.nan, 0.5, np.nan]))) is None
+    assert P._largest_rise((np.array([0.0, 10.0, 20.0]), np.array([0.2, np.nan, 0.9]))) is None
+
+
 def test_titles_say_what_a_runs_config_changes_in_the_weights_read(tmp_path):
     """Under q/k normalisation W_q^T W_k bounds no logit; under sigmaReparam the weights read are
     the applied ones: both from the run's config.yaml, nothing where it has none."""
@@ -860,6 +993,70 @@ def test_compare_keeps_every_runs_alert_visible_when_they_share_a_step(tmp_path,
     assert len({ln.get_color() for ln in edge}) == 2
 
 
+def _ent_records(blocks: dict[str, tuple[float, float | None]]) -> list[dict]:
+    """Three steps; each block's min entropy and, unless None, its log_T."""
+    out = []
+    for s in (0, 10, 20):
+        rec = {"step": s, "loss": 3.0 - 0.01 * s, "lr": 1e-3}
+        for b, (ent, log_t) in blocks.items():
+            rec[f"entropy/{b}/min"] = ent
+            if log_t is not None:
+                rec[f"entropy/{b}/log_T"] = log_t
+        out.append(rec)
+    return out
+
+
+def _entropy_panel(figures):
+    return next(a for a in figures["compare.png"].axes if "attention entropy" in a.get_title())
+
+
+def _curves(ax) -> list[list[float]]:
+    return [list(ln.get_ydata()) for ln in ax.get_lines() if len(ln.get_xdata()) == 3]
+
+
+def test_compare_leaves_a_block_without_log_t_out_of_the_fractions(tmp_path, monkeypatch):
+    """Relative entropy: a block with no log_T has no fraction; its nats are not one of them."""
+    a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (0.1, None)}))
+    b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (1.9, 3.8)}))
+    figures = _figures(monkeypatch)
+    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
+    assert np.allclose(_curves(_entropy_panel(figures)), [[0.5] * 3, [0.5] * 3])
+
+
+def test_compare_of_one_block_sets_runs_over_different_numbers_of_keys_on_one_scale(tmp_path, monkeypatch):
+    """--entropy-block: that block's entropy over its own log T, as the min over blocks is."""
+    a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2)}))
+    b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (1.9, 3.8)}))
+    figures = _figures(monkeypatch)
+    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"], entropy_block="blocks.0")
+    ax = _entropy_panel(figures)
+    assert "over log T" in ax.get_title() and ax.get_ylabel() == "entropy / uniform entropy"
+    assert np.allclose(_curves(ax), [[0.5] * 3, [0.5] * 3])
+
+
+def test_compare_reads_every_blocks_uniform_level_not_the_first_ones(tmp_path, monkeypatch):
+    """Two runs whose first blocks attend over as many keys, their later ones not: different scales."""
+    a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (2.6, 5.2)}))
+    b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (1.5, 3.0)}))
+    figures = _figures(monkeypatch)
+    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
+    assert _entropy_panel(figures).get_ylabel() == "entropy / uniform entropy"
+
+
+def test_compare_puts_the_first_alerted_runs_triangles_on_the_top_edge(tmp_path, monkeypatch):
+    """A run without alerts takes no row: the first alerted run's triangles sit on the top edge,
+    the next one's one row lower."""
+    alert = {"status": "completed", "alerts": [{"step": 10, "layer": "blocks.0", "value": 0.1, "message": "m"}]}
+    recs = _ent_records({"blocks.0": (2.0, None)})
+    dirs = [_run_dir(tmp_path / "calm", recs, {"status": "completed"}),
+            _run_dir(tmp_path / "x", recs, alert), _run_dir(tmp_path / "y", recs, alert)]
+    figures = _figures(monkeypatch)
+    P.compare_runs(dirs, tmp_path / "cmp", labels=["calm", "x", "y"])
+    rows = [float(ln.get_ydata()[0]) for ln in _entropy_panel(figures).get_lines()
+            if ln.get_marker() == "v" and len(ln.get_xdata())]
+    assert rows == pytest.approx([1.0, 1.0 - 0.045])
+
+
 def test_heads_png_shows_the_blocks_that_alerted_or_fell_lowest_and_names_the_rest(tmp_path, monkeypatch, capsys):
     """Of six blocks, four columns: not the first four, which left out the deep blocks that collapsed."""
     import numpy as np
@@ -878,6 +1075,49 @@ def test_heads_png_shows_the_blocks_that_alerted_or_fell_lowest_and_names_the_re
     assert "note: skipping blocks.0, blocks.1 in heads.png" in capsys.readouterr().out
 
 
+def _head_metrics(lowest: dict[int, float]) -> dict:
+    """Blocks whose min entropy (and head 0's) falls from 3.4 to ``lowest[i]``."""
+    metrics = {}
+    for i, low in lowest.items():
+        metrics[f"entropy/blocks.{i}/min"] = metrics[f"entropy/blocks.{i}/head0"] = (STEPS, np.array([3.4, low]))
+    return metrics
+
+
+def _head_titles(figures) -> list[str]:
+    """The blocks heads.png shows, by its panels' titles."""
+    return [ax.get_title().split(":")[0] for ax in figures["heads.png"].axes if ax.get_title()]
+
+
+def test_heads_png_of_four_blocks_shows_them_all_without_a_note(tmp_path, monkeypatch, capsys):
+    """Four blocks fit heads.png: each is shown, and no block is said to be left out."""
+    figures = _figures(monkeypatch)
+    P.plot_heads(P.Run("r", tmp_path, _head_metrics({0: 3.0, 1: 2.0, 2: 1.0, 3: 0.5}), None),
+                 [f"blocks.{i}" for i in range(4)], tmp_path)
+    assert _head_titles(figures) == [f"blocks.{i}" for i in range(4)]
+    assert "heads.png" not in capsys.readouterr().out
+
+
+def test_heads_png_puts_a_block_that_alerted_before_one_whose_entropy_fell_lower(tmp_path, monkeypatch):
+    """blocks.0 alerted (a threshold of its own, or a collapse between probes) though its entropy
+    stayed the highest: it is shown, the highest-entropy of the others left out."""
+    figures = _figures(monkeypatch)
+    summary = {"status": "completed", "alerts": [{"step": 10, "layer": "blocks.0", "value": 3.3}]}
+    lowest = {0: 3.3, 1: 2.0, 2: 1.0, 3: 0.5, 4: 0.4, 5: 3.0}
+    P.plot_heads(P.Run("r", tmp_path, _head_metrics(lowest), summary), [f"blocks.{i}" for i in range(6)], tmp_path)
+    assert _head_titles(figures) == ["blocks.0", "blocks.2", "blocks.3", "blocks.4"]
+
+
+def test_plot_dynamics_gives_heads_png_the_deep_block_that_collapsed(tmp_path, monkeypatch):
+    """plot_dynamics hands heads.png every chosen block (it picks four), not the first four."""
+    lowest = {0: 3.0, 1: 2.9, 2: 2.8, 3: 2.7, 4: 2.6, 5: 0.1}
+    records = [{"step": int(s), "loss": 3.0 - 0.01 * s,
+                **{k: float(v[1][j]) for k, v in _head_metrics(lowest).items()}} for j, s in enumerate(STEPS)]
+    run = _run_dir(tmp_path / "run", records, {"status": "completed", "step": 10})
+    figures = _figures(monkeypatch)
+    P.plot_dynamics(run, out_dir=tmp_path / "plots")
+    assert "blocks.5" in _head_titles(figures)
+
+
 def test_a_missing_norm_panel_says_why(tmp_path, monkeypatch):
     """norm=none has no gains at all: its panels said "e.g. no norm bias", a gain being no bias."""
     import numpy as np
@@ -893,3 +1133,20 @@ def test_a_missing_norm_panel_says_why(tmp_path, monkeypatch):
     assert "no norm gains in this block" in notes["none"][r"$\|\gamma_1\|_2$"]
     assert "bias" not in notes["none"][r"$\|\gamma_1\|_2$"]
     assert "the norm has no bias" in notes["rms"][r"$\|\beta_1\|_2$"]
+
+
+def test_a_missing_norm_panel_names_both_norms_bias_and_a_block_with_one_norms_gains_has_gains(tmp_path, monkeypatch):
+    """Both beta panels of a bias-free norm say so (not only beta_1's); a block that logged the
+    gains of one norm is not said to have no norm gains."""
+    figures = []
+    monkeypatch.setattr(P, "_save", lambda fig, out, n: figures.append(fig))
+    notes = {}
+    for name, gains in (("both", ("norm1_gamma", "norm2_gamma")), ("first", ("norm1_gamma",))):
+        metrics = {"sigma1/blocks.0/wq": (STEPS, np.array([1.0, 2.0]))}
+        metrics.update({f"norm/blocks.0/{g}": (STEPS, np.array([1.0, 1.1])) for g in gains})
+        P.plot_block_dynamics(P.Run("r", tmp_path, metrics, None), "blocks.0", tmp_path)
+        notes[name] = {ax.get_title(): " ".join(t.get_text() for t in ax.texts) for ax in figures[-1].axes}
+    assert "the norm has no bias" in notes["both"][r"$\|\beta_1\|_2$"]
+    assert "the norm has no bias" in notes["both"][r"$\|\beta_2\|_2$"]
+    assert "not logged" in notes["first"][r"$\|\gamma_2\|_2$"]
+    assert "no norm gains" not in notes["first"][r"$\|\gamma_2\|_2$"]

@@ -1,5 +1,5 @@
-"""What docs/data.md promises of preparing and loading data, pinned where a mutation audit found
-no test that would notice the promise broken (token files, the prepare script, image folders).
+"""What docs/data.md promises of preparing and loading data (token files, the prepare script,
+image folders), each test failing if its promise breaks.
 
 Every expected value is worked out by hand from the inputs here; nothing touches the network.
 """

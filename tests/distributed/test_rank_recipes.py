@@ -1,5 +1,6 @@
-"""FSDP2 wrapping and the rank helpers (device choice, stop-signal agreement, the finite verdict of
-sharded checkpoints) against what docs/distributed.md says, on gloo ranks."""
+"""FSDP2 wrapping and the rank helpers (device choice, stop-signal agreement, the errors that say a
+peer rank went away, the finite verdict of sharded checkpoints) against what docs/distributed.md
+says, on gloo ranks."""
 
 import signal
 
@@ -66,6 +67,20 @@ def test_cuda_device_is_the_local_rank_modulo_the_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
     assert D.pick_device("cuda", D.DistInfo(rank=6, world=8, local_rank=1)) == torch.device("cuda:1")
     assert D.pick_device("cuda", D.DistInfo(rank=9, world=16, local_rank=7)) == torch.device("cuda:3")
+
+
+def test_a_peer_gone_is_gloos_and_nccls_wording_of_a_collective_only():
+    """is_peer_gone reads gloo's 'Connection closed by peer' (what a SIGKILLed rank leaves its
+    peers) and NCCL's remote error, of a collective's error only: a broken pipe of this process's
+    own stdout is no other rank's death."""
+    from stabletrain.engine.distributed import is_peer_gone
+
+    assert is_peer_gone(RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                                     "[127.0.0.1]:60412"))
+    assert is_peer_gone(RuntimeError("NCCL error: remote process exited or there was a network error, "
+                                     "NCCL version 2.21.5 ncclRemoteError"))
+    assert not is_peer_gone(BrokenPipeError(32, "Broken pipe"))
+    assert not is_peer_gone(RuntimeError("CUDA out of memory"))
 
 
 _TWO_RANKS = """

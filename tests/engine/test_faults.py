@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -202,6 +204,32 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_what_goes_on(tmp_pat
     then = ("free space, then continue it with: " if checkpointed else
             "free space and run it again (no checkpoint was written)")
     assert err[-1].startswith(f"error: cannot write into {tmp_path}: the disk is full; {then}"), err[-1]
+
+
+def test_a_used_up_quota_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    """EDQUOT is a full disk of one's own quota: the same one line, which says so and names the
+    file that could not be written; another OSError (a permission) is not taken for a full disk."""
+    from stabletrain import run as R
+
+    where = str(tmp_path / "metrics.jsonl")
+
+    def quota(cfg, run_dir):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded", where)
+
+    monkeypatch.setattr(R, "run", quota)
+    with pytest.raises(SystemExit) as e:
+        R.main_guarded(SimpleNamespace(), tmp_path)
+    assert e.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"error: cannot write into {tmp_path}: the disk quota is used up ({where}); free space and run "
+                    f"it again (no checkpoint was written)"), last
+
+    def denied(cfg, run_dir):
+        raise PermissionError(errno.EACCES, "Permission denied", where)
+
+    monkeypatch.setattr(R, "run", denied)
+    with pytest.raises(PermissionError):
+        R.main_guarded(SimpleNamespace(), Path(tmp_path))
 
 
 def test_a_full_disk_while_copying_into_the_ring_is_one_line(tmp_path, monkeypatch, capsys):

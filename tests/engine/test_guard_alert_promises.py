@@ -4,6 +4,7 @@ and the run directory's helpers that no other test holds, each checked directly 
 import contextlib
 import shlex
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -478,3 +479,18 @@ def test_a_rollback_on_an_alert_goes_back_before_the_collapse_began_or_stops(tmp
             assert s["reason"].endswith("no ring checkpoint before step 1, where the collapse began, to roll back "
                                         "to: the ring holds step(s) 4, 6, 8 (ckpt.keep=3); ckpt.keep=5 would have "
                                         "kept step 0"), s["reason"]
+
+
+def test_no_rollback_names_the_last_ring_step_before_the_onset_not_the_onset(tmp_path):
+    """Trouble from step 6, ckpt_every=2, the ring holding 6 and 8: step 6 is no checkpoint from
+    before the trouble (ring_before is strict), step 4 is, and ckpt.keep=3 would have kept it."""
+    from stabletrain.engine.loop import Trainer
+    from stabletrain.topology import DistInfo
+
+    (tmp_path / "checkpoints").mkdir()
+    for step in (6, 8):
+        (tmp_path / "checkpoints" / f"step_{step}.pt").write_bytes(b"")
+    fake = SimpleNamespace(run_dir=tmp_path, info=DistInfo(), settings=SimpleNamespace(ckpt_every=2, ckpt_keep=2))
+    line = Trainer._no_checkpoint_before(fake, 6, "spike")
+    assert line == ("no ring checkpoint before step 6 to roll back to: the ring holds step(s) 6, 8 (ckpt.keep=2); "
+                    "ckpt.keep=3 would have kept step 4")

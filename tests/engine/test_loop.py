@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import sys
 
@@ -375,6 +376,27 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         HydraConfig.instance().cfg = None
 
 
+def test_the_continue_command_of_a_sweep_run_again_is_this_one(tmp_path, monkeypatch):
+    """While a sweep runs again, the earlier multirun.yaml is kept beside the new one: a point that
+    refuses is told the earlier command, but one that stops (Ctrl-C, a rollback limit) is told to
+    run again the command it is running."""
+    import yaml
+
+    from stabletrain.engine import rundir
+
+    def multirun(path, task):
+        path.write_text(yaml.safe_dump({"hydra": {"overrides": {"hydra": ["hydra.mode=MULTIRUN"], "task": task}}}))
+
+    multirun(tmp_path / "multirun.yaml", ["model=gpt_test", "steps=4", "optim.tau=0.01,0.02"])
+    multirun(tmp_path / rundir.KEPT_MULTIRUN, ["model=gpt_test", "steps=2", "optim.tau=0.01,0.02"])
+    monkeypatch.setattr(rundir, "sweep_dir", lambda: tmp_path)
+    now, earlier = rundir.continue_with(tmp_path / "0"), rundir.continue_with(tmp_path / "0", earlier=True)
+    assert now.endswith(f"train.py -m model=gpt_test steps=4 optim.tau=0.01,0.02 resume=auto "
+                        f"hydra.sweep.dir={tmp_path}"), now
+    assert earlier.endswith(f"train.py -m model=gpt_test steps=2 optim.tau=0.01,0.02 resume=auto "
+                            f"hydra.sweep.dir={tmp_path}"), earlier
+
+
 @pytest.mark.parametrize("step,after_step,said", [
     (3, False, "stopping after step 4, with a checkpoint"),  # inside step 4
     (4, True, "stopping after step 4, with a checkpoint"),  # step 4's evaluation or checkpoint
@@ -449,6 +471,34 @@ def test_a_spike_with_skipped_steps_inside_starts_where_its_first_step_was():
     again = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3)))
     again.load_state_dict(w.state_dict())
     assert (again.spike_from, again.above_at) == (10, 13)
+
+
+def test_a_run_dates_a_spike_with_a_skipped_step_inside_from_its_first_step(tmp_path, capsys):
+    """A spike at step 5, a NaN step at 6: the progress line at 6 and the spike's record date it
+    from step 5, not counted back from the last step over the skipped one."""
+    s = train(tmp_path, *GPT, "steps=10", "divergence.warmup_steps=2", "debug.spike_at_step=5",
+              "debug.nan_at_step=6", quiet=False)
+    lines = {int(m.group(1)): x for x in capsys.readouterr().err.splitlines()
+             if (m := re.search(r"step (\d+)/10 \|", x))}
+    assert "| spike since step 5, " in lines[6], lines[6]
+    assert s["spikes"][0]["step"] == 5, s["spikes"]
+
+
+def test_a_run_that_ends_inside_a_spike_with_skips_inside_dates_it_from_its_first_step():
+    """A spike from step 10 with skipped steps at 11 and 13 still open at the end: the unresolved
+    spike is said from step 10, and its onset is step 10."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=5, warmup_steps=5, spike_factor=2.0)))
+    for s in range(10):
+        w.update(s, 1.0)
+    for s, loss, skipped in ((10, 5.0, False), (11, math.nan, True), (12, 5.0, False), (13, math.nan, True)):
+        assert w.update(s, loss, skipped) is None
+    assert "above 2x its running mean at step 10 and the last 1 step(s)" in w.unresolved_at_end(13)
+    assert w.onset == 10
 
 
 def test_the_divergence_watchs_spike_state_survives_a_resume():

@@ -1,16 +1,21 @@
 """Never lose a run: finite checkpoints, completing a run whose steps are done, resume checks."""
 
 import json
+import re
 import signal
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from stabletrain.errors import ConfigError
-from tests.helpers import train
+from stabletrain.monitor import names as N
+from stabletrain.optim.schedule import LRSchedule
+from tests.helpers import make_cfg, train
 
 GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
+QUIET_RUN = ["optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
 
 
 def _finite(state) -> bool:
@@ -205,6 +210,38 @@ def test_a_longer_run_whose_schedule_ignores_its_length_is_not_said_to_reshape_i
     assert "warning: the cosine reaches lr 0 at step 3 (schedule.horizon) and stays there" in err
 
 
+def _follows(schedule: LRSchedule, step: int) -> bool:
+    """Whether the trainer takes the lr of ``schedule`` at ``step`` to follow the run's length."""
+    from stabletrain.engine.loop import Trainer
+
+    return Trainer._lr_follows_the_length(SimpleNamespace(schedule=SimpleNamespace(lr_at=schedule)), step)
+
+
+def test_a_cosine_to_the_runs_end_follows_the_length_from_inside_its_warmup():
+    """Resumed at step 2 of a 10-step warmup, a cosine to the end of a 12-step run: the warmup
+    ignores the length, the cosine after it does not; one of its own horizon, or a constant, ignores it."""
+    assert _follows(LRSchedule("cosine", base_lr=1.0, total_steps=12, warmup_steps=10), 2)
+    assert _follows(LRSchedule("cosine", base_lr=1.0, total_steps=40, warmup_steps=4), 2)
+    assert not _follows(LRSchedule("cosine", base_lr=1.0, total_steps=40, warmup_steps=4, horizon_steps=20), 2)
+    assert not _follows(LRSchedule("constant", base_lr=1.0, total_steps=40, warmup_steps=4), 2)
+
+
+def test_the_length_note_gives_the_lr_a_rollback_scaled(tmp_path, capsys):
+    """After a rollback with lr_scale_on_rollback=0.5 the run goes on at half the schedule's lr:
+    the note on a longer resumed run gives that lr, not the schedule's."""
+    from stabletrain.optim.schedule import make_schedule
+
+    own = [*GPT, "optim=adamw", "precision=fp32", "divergence.action=rollback", "divergence.max_skips=1",
+           "ckpt_every=4", "debug.nan_at_step=6", "divergence.lr_scale_on_rollback=0.5"]
+    assert len(train(tmp_path, *own, "steps=8")["rollbacks"]) == 1
+    capsys.readouterr()
+    train(tmp_path, *own, "steps=12", "resume=auto", quiet=False)
+    cfg = make_cfg(*own, "steps=12")
+    lr = 0.5 * make_schedule(cfg.schedule, cfg.optim.lr, 12, warmup=cfg.warmup, steps_per_epoch=1)(8)
+    assert f"the lr schedule is that of 12 steps from step 0, so at step 8 the lr is {lr:.3g}\n" in \
+        capsys.readouterr().err
+
+
 def test_a_fresh_run_sets_the_earlier_runs_config_aside_with_its_records(tmp_path, capsys):
     """config.yaml goes aside with the checkpoints and records it describes (the fresh run writes
     its own): otherwise metrics.previous.jsonl is left with the new run's settings beside it, and a
@@ -367,6 +404,51 @@ def test_the_command_that_continues_another_runs_checkpoint_goes_where_it_lies(t
         f"steps=8 resume=auto hydra.run.dir={tmp_path / 'new'}")
 
 
+def _with_overrides(ck_path, overrides):
+    """The checkpoint as a train.py run writes it: with its command line (an in-process run has none)."""
+    state = torch.load(ck_path, weights_only=False)
+    state["overrides"], state["launcher"] = list(overrides), None
+    torch.save(state, ck_path)
+
+
+def test_a_checkpoint_past_this_runs_steps_is_continued_in_its_own_run_dir(tmp_path):
+    """resume=PATH of another run's checkpoint at step 4 into a 2-step run: 'continue it with its
+    own command' named this directory with resume=auto, which finds nothing and trains from 0."""
+    train(tmp_path / "old", *GPT, "steps=4")
+    ck = tmp_path / "old" / "checkpoints" / "last.pt"
+    _with_overrides(ck, ["model=gpt_test", "steps=4"])
+    old = re.escape(str(tmp_path / "old"))
+    with pytest.raises(ConfigError, match=rf"past this run's 2 steps: continue it with its own command, \S+ "
+                                          rf"\S*train.py model=gpt_test steps=4 resume=auto hydra.run.dir={old}; or "
+                                          rf"pass steps=4"):
+        train(tmp_path / "new", *GPT, "steps=2", f"resume={ck}")
+
+
+def test_another_optimizers_checkpoint_names_its_own_command(tmp_path):
+    """resume=PATH of a checkpoint written with another optim=: the refusal names the command it
+    was written with, in its own run directory."""
+    train(tmp_path / "old", *GPT, "steps=2", "optim=adamw")
+    ck = tmp_path / "old" / "checkpoints" / "last.pt"
+    _with_overrides(ck, ["model=gpt_test", "optim=adamw"])
+    old = re.escape(str(tmp_path / "old"))
+    with pytest.raises(ConfigError, match=rf"; resume with optim=adamw \(its own command: \S+ \S*train.py "
+                                          rf"model=gpt_test optim=adamw resume=auto hydra.run.dir={old}\), "
+                                          rf"or start a new run$"):
+        train(tmp_path / "new", *GPT, "steps=4", "optim=adamw2", f"resume={ck}")
+
+
+def test_a_checkpoint_of_another_model_names_the_command_in_its_own_run_dir(tmp_path):
+    """resume=PATH of a checkpoint whose weights do not fit: 'resume it with the command it was
+    written with' names its run's directory, not this one."""
+    train(tmp_path / "old", *GPT, "steps=2")
+    ck = tmp_path / "old" / "checkpoints" / "last.pt"
+    _with_overrides(ck, ["model=gpt_test"])
+    with pytest.raises(ConfigError, match=rf"does not fit this run's model or optimizer \(.*\); resume it with the "
+                                          rf"command it was written with, \S+ \S*train.py model=gpt_test resume=auto "
+                                          rf"hydra.run.dir={re.escape(str(tmp_path / 'old'))}$"):
+        train(tmp_path / "new", *GPT, "steps=4", "model.embed_dim=64", f"resume={ck}")
+
+
 def test_resume_allow_changes_says_what_changed(tmp_path, capsys):
     """resume_allow_changes=true took a norm of one's own swapped for LayerNorm (the same
     parameter names) without a word: the start lines name each changed key with both values."""
@@ -399,6 +481,62 @@ def test_a_resume_records_what_it_changed_in_the_run_directory(tmp_path, capsys)
     train(tmp_path, *args, "steps=6", "optim.lr=0.002", "eval_batches=2", "resume=auto", quiet=False)
     [_, again] = [r for r in read_records(tmp_path / "metrics.jsonl") if "run/resumed_at" in r]
     assert again == {"step": 4, "run/resumed_at": 4, "run/changed": "steps: 4 -> 6"}
+
+
+def _said(err: str, start: str) -> list[str]:
+    """The lines of ``err`` that start with ``start``."""
+    return [ln for ln in err.splitlines() if ln.startswith(start)]
+
+
+def test_resumed_with_other_settings_names_only_those_no_other_line_says(tmp_path, capsys):
+    """The run's length (steps, epochs) and the weight average have notes of their own, a changed
+    optim.lr the resume_allow_changes one, a dry run's own dry_run=true is no change: the line of
+    'other settings' names none of them, only eval_batches here; none at all where nothing else changed."""
+    own = [*GPT, *QUIET_RUN, "steps=null"]
+    train(tmp_path, *own, "epochs=0.00004", "ema.decay=0.99")
+    capsys.readouterr()
+    more = [*own, "epochs=0.00008", "ema.decay=0.9", "eval_batches=2", "optim.lr=0.002"]
+    train(tmp_path, *more, "resume=auto", "resume_allow_changes=true", quiet=False)
+    err = capsys.readouterr().err
+    assert _said(err, "resumed with other settings") == ["resumed with other settings: eval_batches (20 there, 2 here)"]
+    assert _said(err, "the weight average changed on resume") and _said(err, "the run's length changed")
+    train(tmp_path, *more, "steps=8", "resume=auto", quiet=False)  # steps only
+    err = capsys.readouterr().err
+    assert _said(err, "the run's length changed") and not _said(err, "resumed with other settings"), err
+    assert train(tmp_path, *more, "steps=10", "resume=auto", "dry_run=true", quiet=False)["status"] == "dry_run"
+    err = capsys.readouterr().err
+    assert _said(err, "resume: would continue from step 8") and not _said(err, "resumed with other settings"), err
+
+
+def test_a_resume_that_changes_nothing_records_no_changes(tmp_path):
+    """resume=PATH of the run's own ring checkpoint, with its own settings: the record of the
+    resume holds the step it continued from, and no run/changed (not a null one)."""
+    from stabletrain.metrics import read_records
+
+    own = [*GPT, *QUIET_RUN, "steps=4", "ckpt_every=2", "ckpt.keep=2"]
+    train(tmp_path, *own)
+    train(tmp_path, *own, f"resume={tmp_path / 'checkpoints/step_000002.pt'}")
+    assert [r for r in read_records(tmp_path / "metrics.jsonl") if N.RESUMED_AT in r] == [
+        {"step": 2, N.RESUMED_AT: 2}]
+
+
+def _changes_of(saved: str, mine: str) -> dict:
+    """What the trainer records as changed from a checkpoint of config ``saved`` to its own ``mine``."""
+    from stabletrain.config import changed_keys
+    from stabletrain.engine.loop import Trainer
+
+    ckpt = SimpleNamespace(config_yaml=mine, changed_keys=lambda s, allowed: changed_keys(s, mine, allowed))
+    return Trainer._changes_of(SimpleNamespace(ckpt=ckpt), {"config": saved})
+
+
+def test_run_changed_says_unset_for_a_key_one_side_lacks_and_nothing_without_a_config():
+    """A key only one config has is 'unset' on the other side (not None, which reads as null);
+    a checkpoint or a trainer without a config has no changes to record (not every key)."""
+    saved, mine = "steps: 4\noptim:\n  lr: 0.001\n", "steps: 6\noptim:\n  lr: 0.001\n  extra: 3\n"
+    assert _changes_of(saved, mine) == {"optim.extra": "unset -> 3", "steps": "4 -> 6"}
+    assert _changes_of(mine, saved) == {"optim.extra": "3 -> unset", "steps": "6 -> 4"}
+    assert _changes_of(saved, "") == {} and _changes_of("", mine) == {}
+    assert _changes_of("steps: null\n", "steps: 8\n") == {"steps": "null -> 8"}  # as the start lines spell it
 
 
 @pytest.mark.parametrize("how", ["allow_changes", "path"])
@@ -436,6 +574,19 @@ def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed on 1 process(es), written on 2: the global batch and its data are the same" in err
     train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", quiet=False)
+    assert "written on" not in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_its_world_size_is_no_world_note(tmp_path, capsys):
+    """Checkpoints written before the world size was saved: nothing is known of their process
+    count, and the start lines say nothing of it ('written on None')."""
+    train(tmp_path, *GPT, "steps=2")
+    ck = tmp_path / "checkpoints" / "last.pt"
+    state = torch.load(ck, weights_only=False)
+    del state["world"]
+    torch.save(state, ck)
+    capsys.readouterr()
+    assert train(tmp_path, *GPT, "steps=3", "resume=auto", quiet=False)["step"] == 3
     assert "written on" not in capsys.readouterr().err
 
 

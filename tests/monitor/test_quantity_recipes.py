@@ -1,6 +1,6 @@
-"""Monitor recipes the other monitor tests leave open, each against an explicit formula, an exact
-SVD or a hand-computed value (docs/methods.md §7); found by a mutation audit of
-monitor/quantities.py, monitor/runner.py, monitor/names.py and spectral.py."""
+"""Monitor recipes the other monitor tests leave open (monitor/quantities.py, runner.py, names.py
+and spectral.py), each against an explicit formula, an exact SVD or a hand-computed value
+(docs/methods.md §7)."""
 
 import math
 

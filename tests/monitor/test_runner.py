@@ -1,11 +1,17 @@
-"""Monitors wired into training: they change nothing, they catch the papers' collapse."""
+"""Monitors wired into training: they change nothing, they catch the papers' collapse; the
+runner's forensic weight passes and the blocks it reads."""
 
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
-from tests.helpers import losses, train
+from tests.helpers import losses, make_cfg, model_of, train
 
+GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 MON = ["monitor=standard", "monitor.weight_every=2", "monitor.probe_every=3"]
 
 
@@ -70,6 +76,90 @@ def test_divergence_forensics(tmp_path):
     # both findings: the module whose output first went non-finite, and the block whose spectrum grew
     assert f["first_nonfinite"].startswith("first non-finite: "), f
     assert f["growth"].startswith("max sigma1(Wq^T Wk) grew ") and " steps at blocks." in f["growth"], f
+
+
+def test_a_diverged_run_stopped_between_weight_passes_reports_its_last_weights(tmp_path):
+    """The trainer hands the monitors the step it stopped at: a NaN step 3 stops the run
+    (max_skips=1) with finite weights, which the forensics describe at step 3, not step 0."""
+    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "divergence.max_skips=1", "monitor=standard",
+              "monitor.weight_every=100")
+    assert s["status"] == "diverged" and s["step"] == 3, (s["status"], s["step"], s["reason"])
+    assert s["forensics"]["last_finite_snapshot"]["step"] == 3
+
+
+def _vit_runner(*overrides):
+    """The monitors of vit_test, attached to a logger that keeps nothing; probes never due."""
+    from stabletrain.monitor.runner import MonitorRunner
+
+    cfg = make_cfg("model=vit_test", "monitor=standard", "monitor.probe_every=100000", "monitor.alerts=false",
+                   *overrides)
+    torch.manual_seed(0)
+    model = model_of(cfg)
+    batch = (torch.randn(2, 3, cfg.model.img_size, cfg.model.img_size), torch.randint(0, 10, (2,)))
+    runner = MonitorRunner(model, cfg.monitor, batch, device=torch.device("cpu"))
+    runner.attach(SimpleNamespace(log=lambda step, values: None, message=lambda text: None))
+    return runner
+
+
+def test_no_extra_forensic_pass_on_non_finite_weights_nor_at_a_step_already_weighed():
+    """The summary of a diverged run weighs the weights once more for its forensics, but not at a
+    step the weight pass already read, nor once they are no longer finite: the last finite
+    snapshot stays the scheduled pass's."""
+    runner = _vit_runner("monitor.weight_every=10")
+    runner.after_step(-1)
+    runner.after_step(29)  # a scheduled pass at step 30
+    assert [h["step"] for h in runner.history] == [0, 30]
+    runner.summary("diverged", 30)
+    assert [h["step"] for h in runner.history] == [0, 30]  # not weighed twice
+    with torch.no_grad():
+        next(runner.model.parameters()).fill_(math.nan)
+    forensics = runner.summary("diverged", 35)["forensics"]
+    assert [h["step"] for h in runner.history] == [0, 30]  # weights no longer finite: no pass at 35
+    assert forensics["last_finite_snapshot"]["step"] == 30
+
+
+def test_monitor_runner_refuses_a_probe_every_of_zero():
+    from stabletrain.config import MonitorConfig
+    from stabletrain.monitor.runner import MonitorRunner
+
+    with pytest.raises(ValueError, match="monitor.probe_every=0 must be >= 1"):
+        MonitorRunner(nn.Linear(2, 2), MonitorConfig(probe_every=0), (torch.zeros(1, 2), torch.zeros(1)),
+                      device="cpu")
+
+
+class _Attention(nn.Module):
+    """``fused``: a qkv of 2 x d rows (q and k only), which no 3 x heads split reads; else
+    separate q, k, v: neither stabletrain's nor timm's layout."""
+
+    def __init__(self, d: int, fused: bool):
+        super().__init__()
+        self.num_heads = 2
+        if fused:
+            self.qkv = nn.Linear(d, 2 * d)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.proj = nn.Linear(d, d)
+
+
+class _OtherBlock(nn.Module):
+    def __init__(self, fused: bool, d: int = 8):
+        super().__init__()
+        self.norm1, self.norm2, self.attn = nn.LayerNorm(d), nn.LayerNorm(d), _Attention(d, fused)
+        self.mlp = nn.Sequential()
+        self.mlp.fc1, self.mlp.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_blocks_of_another_layout_are_said_to_be_read_by_neither_pass(fused):
+    """Blocks whose attention neither pass can read get no weight pass, and the coverage line says so."""
+    from stabletrain.config import MonitorConfig
+    from stabletrain.monitor.runner import MonitorRunner
+
+    model = nn.Sequential(_OtherBlock(fused), _OtherBlock(fused))
+    runner = MonitorRunner(model, MonitorConfig(), (torch.zeros(1, 4, 8), torch.zeros(1)), device="cpu")
+    assert runner.weight_blocks == []
+    assert runner.coverage().endswith("skips them, and so does the weight pass (no fused attn.qkv, attn.proj, "
+                                      "mlp.fc1, mlp.fc2 to read)")
 
 
 @pytest.mark.parametrize("model", ["vit_test", "gpt_test"])

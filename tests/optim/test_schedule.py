@@ -68,6 +68,17 @@ def test_a_cosine_whose_horizon_ends_before_the_run_at_lr_0_is_warned():
     assert LRSchedule("cosine", base_lr=1.0, total_steps=80, horizon_steps=600).warnings() == []
 
 
+def test_the_lr_0_warning_counts_the_steps_the_run_trains_at_lr_0():
+    """A horizon at the run's end trains no step at lr 0 (step ``steps`` is never trained): no
+    warning; one step short, the last step is at lr 0 and is warned; a step or constant schedule
+    does not read schedule.horizon, so a horizon there warns of nothing."""
+    assert LRSchedule("cosine", base_lr=1.0, total_steps=40, horizon_steps=40).warnings() == []
+    (w,) = LRSchedule("cosine", base_lr=1.0, total_steps=40, horizon_steps=39).warnings()
+    assert "the run's last 1 of 40 steps train at lr 0" in w
+    for name in ("step", "constant"):
+        assert LRSchedule(name, base_lr=1.0, total_steps=40, horizon_steps=20).warnings() == []
+
+
 def test_constant_with_warmup():
     lr = LRSchedule("constant", base_lr=1.0, total_steps=50, warmup_steps=2)
     assert [lr(0), lr(1), lr(2), lr(49)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
