@@ -12,6 +12,8 @@ from stabletrain.cli import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["logger=none", "monitor=off", "logger.progress=false"]
+# a gpt_test run that logs every step and does not evaluate: the runs of the loop and checkpoint tests
+GPT_LOGGED = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 
 
 def make_cfg(*overrides: str):

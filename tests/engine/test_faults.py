@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from stabletrain.errors import ConfigError
-from tests.helpers import QUIET, ROOT, train
+from tests.helpers import GPT_LOGGED, QUIET, ROOT, train
 
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 
 
 def _steps(run_dir) -> list[int]:
@@ -60,9 +59,9 @@ def test_a_checkpoint_is_synced_before_and_after_its_rename(tmp_path, monkeypatc
 
 
 def test_a_torn_summary_is_no_completed_run(tmp_path):
-    train(tmp_path, *GPT, "steps=2")
+    train(tmp_path, *GPT_LOGGED, "steps=2")
     (tmp_path / "summary.json").write_text('{"status": "compl')  # torn by a kill (pre-atomic writes)
-    s = train(tmp_path, *GPT, "steps=2", "resume=auto")
+    s = train(tmp_path, *GPT_LOGGED, "steps=2", "resume=auto")
     assert s["status"] == "completed" and json.loads((tmp_path / "summary.json").read_text())["step"] == 2
 
 
@@ -72,10 +71,10 @@ def test_a_torn_or_non_utf8_metrics_line_is_dropped_on_resume(tmp_path, tail):
     from tests.engine.test_loop import _run_until
     from tests.helpers import make_cfg
 
-    _run_until(build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2"), tmp_path), 2)
+    _run_until(build_trainer(make_cfg(*QUIET, *GPT_LOGGED, "steps=4", "ckpt_every=2"), tmp_path), 2)
     with open(tmp_path / "metrics.jsonl", "ab") as f:
         f.write(tail)
-    s = train(tmp_path, *GPT, "steps=4", "resume=auto")
+    s = train(tmp_path, *GPT_LOGGED, "steps=4", "resume=auto")
     assert s["status"] == "completed"
     assert _steps(tmp_path) == [1, 2, 3, 4]
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
@@ -83,12 +82,12 @@ def test_a_torn_or_non_utf8_metrics_line_is_dropped_on_resume(tmp_path, tail):
 
 
 def test_metrics_history_is_kept_when_the_checkpoint_is_unreadable(tmp_path):
-    train(tmp_path, *GPT, "steps=4", "ckpt_every=2")
+    train(tmp_path, *GPT_LOGGED, "steps=4", "ckpt_every=2")
     before = (tmp_path / "metrics.jsonl").read_bytes()
     ck = tmp_path / "checkpoints/last.pt"
     ck.write_bytes(ck.read_bytes()[:1000])  # a corrupt checkpoint
     with pytest.raises(ConfigError, match="not a readable checkpoint"):
-        train(tmp_path, *GPT, "steps=4", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "resume=auto")
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
     assert (tmp_path / "config.yaml").is_file()
 
@@ -96,15 +95,15 @@ def test_metrics_history_is_kept_when_the_checkpoint_is_unreadable(tmp_path):
 def test_an_unreadable_last_checkpoint_names_the_ring_checkpoint_to_resume(tmp_path):
     """A torn last.pt under resume=auto: the advice was 'pass a last.pt written by a run, or
     resume=auto', which is what failed; the ring's newest checkpoint is named instead."""
-    train(tmp_path, *GPT, "steps=6", "ckpt_every=2", "ckpt.keep=2")
+    train(tmp_path, *GPT_LOGGED, "steps=6", "ckpt_every=2", "ckpt.keep=2")
     ck = tmp_path / "checkpoints"
     (ck / "last.pt").write_bytes((ck / "last.pt").read_bytes()[:1000])
     with pytest.raises(ConfigError, match=rf"; resume={ck / 'step_000006.pt'} \(the newest ring checkpoint beside "
                                           r"it\)$"):
-        train(tmp_path, *GPT, "steps=6", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=6", "resume=auto")
     (ck / "step_000006.pt").write_bytes(b"torn")
     with pytest.raises(ConfigError, match=rf"; resume={ck / 'step_000004.pt'} \(the newest ring"):
-        train(tmp_path, *GPT, "steps=6", f"resume={ck / 'step_000006.pt'}")
+        train(tmp_path, *GPT_LOGGED, "steps=6", f"resume={ck / 'step_000006.pt'}")
 
 
 def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
@@ -114,7 +113,7 @@ def test_stale_checkpoint_temp_files_are_removed_on_start(tmp_path, capsys):
     half_sharded = tmp_path / "checkpoints/.last_dcp.tmp"  # a sharded save cut short: a directory
     half_sharded.mkdir()
     (half_sharded / "__0_0.distcp").write_bytes(b"shards")
-    train(tmp_path, *GPT, "steps=1")
+    train(tmp_path, *GPT_LOGGED, "steps=1")
     assert not stale.exists() and "removed .last.pt.tmp99999" in capsys.readouterr().err
     assert not half_sharded.exists()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt", "step_000001.pt"]
@@ -144,7 +143,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
     from stabletrain.engine import checkpoint
     from stabletrain.engine.checkpoint import CheckpointWriteError
 
-    train(tmp_path, *GPT, "steps=2")
+    train(tmp_path, *GPT_LOGGED, "steps=2")
     before = torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"]
     real_save = torch.save
 
@@ -154,7 +153,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, mon
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     with pytest.raises(CheckpointWriteError) as e:
-        train(tmp_path, *GPT, "steps=4", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "resume=auto")
     msg = str(e.value)
     assert "\n" not in msg and "disk is full" in msg and "still holds the previous checkpoint" in msg
     monkeypatch.undo()
@@ -173,7 +172,7 @@ def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     with pytest.raises(SystemExit) as e:
-        main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
+        main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=1"), tmp_path)
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: cannot write last.pt: the disk is full") and "Traceback" not in "".join(err)
@@ -195,7 +194,7 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_what_goes_on(tmp_pat
         return real(self, step, values)
 
     monkeypatch.setattr(metrics.Metrics, "log", full)
-    args = [*GPT, "steps=6", "logger.wandb=disabled", "monitor=off", f"ckpt_every={2 if checkpointed else 100}"]
+    args = [*GPT_LOGGED, "steps=6", "logger.wandb=disabled", "monitor=off", f"ckpt_every={2 if checkpointed else 100}"]
     with pytest.raises(SystemExit) as e:
         main_guarded(make_cfg(*args), tmp_path)
     assert e.value.code == 1
@@ -250,7 +249,7 @@ def test_a_full_disk_while_copying_into_the_ring_is_one_line(tmp_path, monkeypat
     monkeypatch.setattr(checkpoint.os, "link", no_link)
     monkeypatch.setattr(shutil, "copyfile", full)
     with pytest.raises(SystemExit) as e:
-        main_guarded(make_cfg(*QUIET, *GPT, "steps=1", "ckpt.keep=2"), tmp_path)
+        main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=1", "ckpt.keep=2"), tmp_path)
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: cannot write step_000001.pt: the disk is full; {tmp_path / 'checkpoints/last.pt'} "
@@ -266,12 +265,12 @@ def test_a_second_run_in_a_locked_directory_is_refused_naming_the_pid(tmp_path):
     lock = RunDirLock(tmp_path).acquire()  # as another run holding it would
     try:
         with pytest.raises(ConfigError, match=f"in use by another run \\(pid {os.getpid()} holds"):
-            train(tmp_path, *GPT, "steps=1")
+            train(tmp_path, *GPT_LOGGED, "steps=1")
         assert not (tmp_path / "config.yaml").exists() and not (tmp_path / "metrics.jsonl").exists()
     finally:
         lock.release()
     assert (tmp_path / ".lock").read_text() == ""  # names no process once released
-    assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # released: the next run may
+    assert train(tmp_path, *GPT_LOGGED, "steps=1")["status"] == "completed"  # released: the next run may
     assert (tmp_path / ".lock").read_text() == ""
 
 
@@ -284,14 +283,14 @@ def test_the_lock_of_another_process_refuses_train_py(tmp_path):
         assert holder.stdout.readline().strip() == "locked"
         from tests.helpers import cli
 
-        r = cli(*QUIET, *GPT, "steps=1", f"hydra.run.dir={tmp_path}")
+        r = cli(*QUIET, *GPT_LOGGED, "steps=1", f"hydra.run.dir={tmp_path}")
         assert r.returncode == 2
         assert f"error: {tmp_path} is in use by another run (pid {holder.pid} holds" in r.stderr
         assert not (tmp_path / ".hydra").exists()  # refused before Hydra writes over the running run's
     finally:
         holder.kill()
         holder.wait()
-    assert train(tmp_path, *GPT, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
+    assert train(tmp_path, *GPT_LOGGED, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
 
 
 def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):
@@ -300,7 +299,7 @@ def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):
     from stabletrain.build import build_trainer
     from tests.helpers import make_cfg
 
-    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=10"), tmp_path)
+    t = build_trainer(make_cfg(*QUIET, *GPT_LOGGED, "steps=10"), tmp_path)
     orig = t.train_step
 
     def step(*a, **k):
@@ -346,7 +345,7 @@ def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_pa
 
     monkeypatch.setattr(build_module, "build_trainer", build)
     with pytest.raises(RuntimeError, match="DataLoader timed out"):
-        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=1"), tmp_path)
+        run_module.main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=1"), tmp_path)
 
 
 @pytest.mark.parametrize("at,reason,then", [
@@ -383,7 +382,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypa
     # Python's own handler, or SIG_IGN where the shell started the tests in the background
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit) as stopped:
-        run_module.main_guarded(make_cfg(*QUIET, *GPT, "steps=10", "ckpt_every=2", "logger.log_every=2"), tmp_path)
+        cfg = make_cfg(*QUIET, *GPT_LOGGED, "steps=10", "ckpt_every=2", "logger.log_every=2")
+        run_module.main_guarded(cfg, tmp_path)
     assert stopped.value.code == 128 + signal.SIGINT
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "interrupted" and s["step"] == at and s["reason"] == reason
@@ -402,7 +402,7 @@ def test_a_run_stopped_between_evaluations_says_when_its_val_was_measured(tmp_pa
     from stabletrain.build import build_trainer
     from tests.helpers import make_cfg
 
-    t = build_trainer(make_cfg(*GPT, "steps=10", "eval_every=2", "logger=none", "monitor=off"), tmp_path)
+    t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "eval_every=2", "logger=none", "monitor=off"), tmp_path)
     orig = t.train_step
 
     def step(*a, **k):

@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import losses, train
+from tests.helpers import GPT_LOGGED, losses, train
 
 FAST = ["model=vit_test", "batch_size=16", "eval_every=1000", "logger.log_every=1"]
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 
 
 def test_run_directory_contents(tmp_path):
@@ -27,7 +26,7 @@ def test_run_directory_contents(tmp_path):
     assert ck["step"] == 4 and {"model", "optimizer", "rng", "config"} <= set(ck)
 
 
-@pytest.mark.parametrize("family", [FAST, GPT])
+@pytest.mark.parametrize("family", [FAST, GPT_LOGGED])
 def test_same_seed_same_curve(tmp_path, family):
     train(tmp_path / "a", *family, "steps=5")
     train(tmp_path / "b", *family, "steps=5")
@@ -59,7 +58,7 @@ def test_resume_continues_identically(tmp_path, extra):
 def test_adamw2_overlap_trains_the_inline_run(tmp_path):
     """sigma1(W) iterated right after each step (overlap_sigma_w) changes no number of a run
     with clipping, a weight average and evaluation between steps."""
-    args = [*GPT, "optim=adamw2", "optim.tau=0.002", "grad_clip=1.0", "ema.decay=0.9", "eval_every=3",
+    args = [*GPT_LOGGED, "optim=adamw2", "optim.tau=0.002", "grad_clip=1.0", "ema.decay=0.9", "eval_every=3",
             "steps=6", "precision=fp32"]
     a = train(tmp_path / "inline", *args)
     b = train(tmp_path / "overlap", *args, "optim.overlap_sigma_w=true")
@@ -90,7 +89,7 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    cfg = make_cfg(*QUIET, *GPT, "steps=1000")
+    cfg = make_cfg(*QUIET, *GPT_LOGGED, "steps=1000")
     t = build_trainer(cfg, tmp_path)
     orig = t.train_step
     calls = []
@@ -110,7 +109,7 @@ def test_sigterm_checkpoints_and_records_interrupted(tmp_path):
 
 
 def test_huge_lr_diverges_cleanly(tmp_path):
-    s = train(tmp_path, *GPT, "steps=60", "optim=sgd", "optim.lr=1e4", "optim.momentum=0.0")
+    s = train(tmp_path, *GPT_LOGGED, "steps=60", "optim=sgd", "optim.lr=1e4", "optim.momentum=0.0")
     assert s["status"] == "diverged"
     assert s["reason"] and ("non-finite" in s["reason"] or "above" in s["reason"])
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "diverged"
@@ -138,8 +137,8 @@ def test_divergence_watch_spike_window():
 def test_gradient_accumulation_matches_full_batch(tmp_path, extra):
     """Also with LocAteR's penalty and sigmaReparam's power iteration, which must count once
     per optimizer step, not once per micro-batch."""
-    train(tmp_path / "a", *GPT, "steps=3", "optim=sgd", *extra)
-    train(tmp_path / "b", *GPT, "steps=3", "optim=sgd", "micro_batch_size=2", *extra)
+    train(tmp_path / "a", *GPT_LOGGED, "steps=3", "optim=sgd", *extra)
+    train(tmp_path / "b", *GPT_LOGGED, "steps=3", "optim=sgd", "micro_batch_size=2", *extra)
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     for k in a:
         assert a[k] == pytest.approx(b[k], rel=1e-5)
@@ -205,7 +204,7 @@ def test_bad_resume_targets_are_one_clear_error(tmp_path):
 
     train(tmp_path / "vit", *FAST, "steps=2")
     with pytest.raises(ConfigError, match="does not fit this run's model or optimizer"):
-        train(tmp_path / "gpt", *GPT, "steps=2", f"resume={tmp_path / 'vit/checkpoints/last.pt'}")
+        train(tmp_path / "gpt", *GPT_LOGGED, "steps=2", f"resume={tmp_path / 'vit/checkpoints/last.pt'}")
     with pytest.raises(ConfigError, match="not a readable checkpoint"):
         train(tmp_path / "dir", *FAST, "steps=2", f"resume={tmp_path / 'vit'}")
 
@@ -237,7 +236,7 @@ def test_locater_penalty_is_logged_beside_the_loss(tmp_path):
     from stabletrain.layers.locater import locater_penalty
     from tests.helpers import QUIET, make_cfg
 
-    args = [*GPT, "steps=1", "regularizer=locater"]
+    args = [*GPT_LOGGED, "steps=1", "regularizer=locater"]
     train(tmp_path / "run", *args)
     recs = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     rec = next(r for r in recs if "loss" in r)
@@ -255,7 +254,7 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
 
     for var in ("SLURM_JOB_ID", "SUBMITIT_EXECUTOR"):  # under a scheduler the job is requeued instead
         monkeypatch.delenv(var, raising=False)
-    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
+    t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off"), tmp_path)
     s = _run_until(t, 3)
     assert s["reason"] == "signal SIGTERM" and s["step"] == 3  # the summary keeps the reason alone
     *_, status, hint = capsys.readouterr().err.strip().splitlines()
@@ -264,7 +263,7 @@ def test_an_interrupted_run_says_how_to_continue_it(tmp_path, capsys, monkeypatc
     assert hint == f"continue it with: the run's command plus resume=auto hydra.run.dir={tmp_path}"
 
     # from the command line: the command itself, quoted for the shell, on a line of its own
-    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path / "cli")
+    t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off"), tmp_path / "cli")
     t.settings.overrides = ("model=gpt_test", "steps=10", "imports=[my fix.py]", "resume=auto",
                             f"hydra.run.dir={tmp_path / 'cli'}")
     _run_until(t, 3)
@@ -352,7 +351,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         hydra_cfg.hydra.mode = "MULTIRUN"
     HydraConfig.instance().set_config(hydra_cfg)
     try:
-        t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off", "resume=auto"), sweep / "0")
+        t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off", "resume=auto"), sweep / "0")
         _run_until(t, 3)
         err = capsys.readouterr().err
         assert "starting from step 0 (this sweep point had not started)\n" in err, err
@@ -363,7 +362,7 @@ def test_a_sweep_point_says_to_continue_its_sweep(tmp_path, capsys, monkeypatch)
         (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"overrides": {
             "hydra": [f"hydra.sweep.dir={sweep}", "hydra.mode=MULTIRUN", "hydra.searchpath=[file:///mine]"],
             "task": ["model=gpt_test", "optim.lr=1e-3,2e-3", "resume=auto"]}}}))
-        t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), sweep / "2")
+        t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off"), sweep / "2")
         _run_until(t, 3)
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last == (f"continue it with: {interpreter()} train.py -m 'hydra.searchpath=[file:///mine]' "
@@ -407,7 +406,7 @@ def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, s
     from stabletrain.build import build_trainer
     from tests.helpers import make_cfg
 
-    t = build_trainer(make_cfg(*GPT, "steps=10", "logger=none", "monitor=off"), tmp_path)
+    t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off"), tmp_path)
     capsys.readouterr()
     t.step, t.after_step = step, after_step
     old = t._install_signals()
@@ -476,7 +475,7 @@ def test_a_spike_with_skipped_steps_inside_starts_where_its_first_step_was():
 def test_a_run_dates_a_spike_with_a_skipped_step_inside_from_its_first_step(tmp_path, capsys):
     """A spike at step 5, a NaN step at 6: the progress line at 6 and the spike's record date it
     from step 5, not counted back from the last step over the skipped one."""
-    s = train(tmp_path, *GPT, "steps=10", "divergence.warmup_steps=2", "debug.spike_at_step=5",
+    s = train(tmp_path, *GPT_LOGGED, "steps=10", "divergence.warmup_steps=2", "debug.spike_at_step=5",
               "debug.nan_at_step=6", quiet=False)
     lines = {int(m.group(1)): x for x in capsys.readouterr().err.splitlines()
              if (m := re.search(r"step (\d+)/10 \|", x))}

@@ -12,9 +12,8 @@ import torch
 from stabletrain.errors import ConfigError
 from stabletrain.monitor import names as N
 from stabletrain.optim.schedule import LRSchedule
-from tests.helpers import make_cfg, train
+from tests.helpers import GPT_LOGGED, make_cfg, train
 
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 QUIET_RUN = ["optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
 
 
@@ -51,7 +50,7 @@ def test_a_signal_in_the_last_step_lets_the_run_complete(tmp_path):
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=4", "ckpt_every=2", "divergence.action=rollback"), tmp_path)
+    t = build_trainer(make_cfg(*QUIET, *GPT_LOGGED, "steps=4", "ckpt_every=2", "divergence.action=rollback"), tmp_path)
     orig = t.train_step
 
     def step(*a, **k):
@@ -69,73 +68,73 @@ def test_a_signal_in_the_last_step_lets_the_run_complete(tmp_path):
 def test_a_run_whose_steps_are_done_without_a_summary_completes_on_resume(tmp_path, capsys):
     """A kill after the last checkpoint but before summary.json: the resume runs the final
     evaluation, logs it once, and writes the summary; the next resume has nothing to train."""
-    train(tmp_path, *GPT, "steps=4")
+    train(tmp_path, *GPT_LOGGED, "steps=4")
     (tmp_path / "summary.json").unlink()
     capsys.readouterr()
-    again = train(tmp_path, *GPT, "steps=4", "resume=auto")
+    again = train(tmp_path, *GPT_LOGGED, "steps=4", "resume=auto")
     assert again["status"] == "completed" and again["step"] == 4 and "val/loss" in again["final"]
     assert "running the final evaluation" in capsys.readouterr().err
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert sum("val/loss" in r for r in recs) == 1  # the evaluation the first run logged, once
-    assert train(tmp_path, *GPT, "steps=4", "resume=auto") == again  # now nothing to train
+    assert train(tmp_path, *GPT_LOGGED, "steps=4", "resume=auto") == again  # now nothing to train
 
 
 def test_another_runs_completed_summary_is_not_taken_for_this_ones(tmp_path, capsys):
     """A fresh run in a used directory moves the earlier summary.json aside; a resume trusts a
     completed summary only if it is of this step and length."""
-    train(tmp_path, *GPT, "steps=3")
-    train(tmp_path, *GPT, "steps=2", "seed=1")
+    train(tmp_path, *GPT_LOGGED, "steps=3")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "seed=1")
     assert json.loads((tmp_path / "summary.previous.json").read_text())["total_steps"] == 3
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "step": 3, "total_steps": 3}))
-    s = train(tmp_path, *GPT, "steps=2", "seed=1", "resume=auto")
+    s = train(tmp_path, *GPT_LOGGED, "steps=2", "seed=1", "resume=auto")
     assert s["status"] == "completed" and s["total_steps"] == 2 and "val/loss" in s["final"]
 
 
 def test_a_refused_resume_changes_nothing_and_names_the_changed_keys(tmp_path):
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
     config = (tmp_path / "config.yaml").read_text()
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     with pytest.raises(ConfigError, match=r"resume=auto would change the resumed run's .*model.dropout.*seed"):
-        train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "model.dropout=0.1", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "seed=3", "model.dropout=0.1", "resume=auto")
     assert (tmp_path / "config.yaml").read_text() == config  # today it was rewritten before the refusal
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
     # cadences and length may change; with resume_allow_changes=true, anything may
-    s = train(tmp_path, *GPT, "steps=3", "optim=adamw", "eval_every=7", "ckpt_every=9", "resume=auto")
+    s = train(tmp_path, *GPT_LOGGED, "steps=3", "optim=adamw", "eval_every=7", "ckpt_every=9", "resume=auto")
     assert s["status"] == "completed" and s["step"] == 3
-    s = train(tmp_path, *GPT, "steps=4", "optim=adamw", "seed=3", "resume=auto", "resume_allow_changes=true")
+    s = train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "seed=3", "resume=auto", "resume_allow_changes=true")
     assert s["status"] == "completed" and "seed: 3" in (tmp_path / "config.yaml").read_text()
 
 
 def test_data_auto_and_the_data_it_picks_are_the_same_run(tmp_path):
     """GPT's data=auto is pytext: naming it on resume is no change; another data set is."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")  # data=auto
-    s = train(tmp_path, *GPT, "steps=3", "optim=adamw", "data=pytext", "resume=auto")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")  # data=auto
+    s = train(tmp_path, *GPT_LOGGED, "steps=3", "optim=adamw", "data=pytext", "resume=auto")
     assert s["status"] == "completed" and s["step"] == 3
-    s = train(tmp_path, *GPT, "steps=4", "optim=adamw", "data=auto", "resume=auto")  # and back
+    s = train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "data=auto", "resume=auto")  # and back
     assert s["status"] == "completed" and s["step"] == 4
     from stabletrain.data.token_files import prepare_tokens
 
     prepare_tokens(tmp_path / "tok", [b"some other text " * 500], block_size=64)
     changed = r"would change the resumed run's data.name \(auto there, tokens here\), data.path \(null there"
     with pytest.raises(ConfigError, match=changed):
-        train(tmp_path, *GPT, "steps=5", "optim=adamw", "data=tokens", f"data.path={tmp_path / 'tok/train.bin'}",
+        train(tmp_path, *GPT_LOGGED, "steps=5", "optim=adamw", "data=tokens", f"data.path={tmp_path / 'tok/train.bin'}",
               "resume=auto")
 
 
 @pytest.mark.parametrize("allow", [False, True])
 def test_a_checkpoint_of_another_optimizer_is_refused(tmp_path, allow):
     """AdamW² -> AdamW loads without an error (the same state keys) and would silently train on."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw2")
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
     with pytest.raises(ConfigError, match="written with optim=adamw2, this run uses optim=adamw"):
-        train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", f"resume_allow_changes={allow}")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "resume=auto", f"resume_allow_changes={allow}")
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 
 def test_a_checkpoint_of_another_parallel_says_so_first(tmp_path):
     """An FSDP checkpoint resumed under DDP: the changed-keys refusal offered resume_allow_changes,
     which then met this refusal."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
     ck = tmp_path / "checkpoints/last.pt"
     state = torch.load(ck, weights_only=False)
     state["dcp"], state["config"] = "last_dcp", state["config"].replace("parallel: ddp", "parallel: fsdp")
@@ -143,32 +142,32 @@ def test_a_checkpoint_of_another_parallel_says_so_first(tmp_path):
     torch.save(state, ck)
     with pytest.raises(ConfigError, match=r"last.pt was written with parallel=fsdp, this run uses parallel=ddp: "
                                           r"resume it with the parallel it was written with$"):
-        train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "resume=auto")
 
 
 def test_the_optimizer_of_a_checkpoint_without_its_name_comes_from_its_config(tmp_path):
-    train(tmp_path, *GPT, "steps=2", "optim=adamw2")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw2")
     ck = tmp_path / "checkpoints/last.pt"
     state = torch.load(ck, weights_only=True)
     del state["optim_name"]  # as written before it was stored
     torch.save(state, ck)
     with pytest.raises(ConfigError, match="written with optim=adamw2"):
-        train(tmp_path / "other", *GPT, "steps=4", "optim=adamw", f"resume={ck}")
+        train(tmp_path / "other", *GPT_LOGGED, "steps=4", "optim=adamw", f"resume={ck}")
 
 
 def test_a_resume_past_the_runs_steps_is_refused(tmp_path):
     """steps below the checkpoint's step would mark an unfinished run completed: refused, nothing changed."""
-    train(tmp_path, *GPT, "steps=4", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw")
     summary = (tmp_path / "summary.json").read_text()
     with pytest.raises(ConfigError, match=r"is at step 4, past this run's 2 steps: pass steps=4 to end it there, more"):
-        train(tmp_path, *GPT, "steps=2", "optim=adamw", "resume=auto")
+        train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw", "resume=auto")
     assert (tmp_path / "summary.json").read_text() == summary
 
 
 def test_a_fresh_run_on_a_used_directory_moves_the_earlier_runs_files_aside(tmp_path):
     """Without resume, an earlier run's checkpoints and records are kept under a free
     ``.previous`` name: its last.pt is not overwritten, and no rollback restores its ring."""
-    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false", "ckpt.keep=3"]
+    args = [*GPT_LOGGED, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false", "ckpt.keep=3"]
 
     def step_of(path):
         return torch.load(path, weights_only=True)["step"]
@@ -231,7 +230,7 @@ def test_the_length_note_gives_the_lr_a_rollback_scaled(tmp_path, capsys):
     the note on a longer resumed run gives that lr, not the schedule's."""
     from stabletrain.optim.schedule import make_schedule
 
-    own = [*GPT, "optim=adamw", "precision=fp32", "divergence.action=rollback", "divergence.max_skips=1",
+    own = [*GPT_LOGGED, "optim=adamw", "precision=fp32", "divergence.action=rollback", "divergence.max_skips=1",
            "ckpt_every=4", "debug.nan_at_step=6", "divergence.lr_scale_on_rollback=0.5"]
     assert len(train(tmp_path, *own, "steps=8")["rollbacks"]) == 1
     capsys.readouterr()
@@ -248,7 +247,7 @@ def test_a_fresh_run_sets_the_earlier_runs_config_aside_with_its_records(tmp_pat
     config.yaml that was no run's is lost without a word."""
     import yaml
 
-    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    args = [*GPT_LOGGED, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
     train(tmp_path, *args, "steps=2", "optim.lr=0.002")
     train(tmp_path, *args, "steps=1", "optim.lr=0.003", quiet=False)
     assert yaml.safe_load((tmp_path / "config.previous.yaml").read_text())["optim"]["lr"] == 0.002
@@ -264,17 +263,17 @@ def test_a_fresh_run_sets_the_earlier_runs_config_aside_with_its_records(tmp_pat
 def test_a_resume_says_what_it_changes(tmp_path, capsys):
     """resume=PATH takes changed keys (resume=auto refuses them) and says which; a new length
     reshapes the schedule from step 0, and the note gives the lr the run continues with."""
-    train(tmp_path / "a", *GPT, "steps=4", "optim=adamw")
+    train(tmp_path / "a", *GPT_LOGGED, "steps=4", "optim=adamw")
     capsys.readouterr()
     last = tmp_path / "a/checkpoints/last.pt"
-    train(tmp_path / "b", *GPT, "steps=8", "optim=adamw", "optim.lr=0.002", "seed=3", f"resume={last}",
+    train(tmp_path / "b", *GPT_LOGGED, "steps=8", "optim=adamw", "optim.lr=0.002", "seed=3", f"resume={last}",
           quiet=False)
     err = capsys.readouterr().err
     assert f"resume={last} continues with another optim.lr, seed than the run that wrote it" in err
     from stabletrain.optim.schedule import make_schedule
     from tests.helpers import make_cfg
 
-    cfg = make_cfg(*GPT, "steps=8", "optim=adamw", "optim.lr=0.002")
+    cfg = make_cfg(*GPT_LOGGED, "steps=8", "optim=adamw", "optim.lr=0.002")
     lr = make_schedule(cfg.schedule, 0.002, 8, warmup=cfg.warmup, steps_per_epoch=1)(4)
     assert f"the lr schedule is that of 8 steps from step 0, so at step 4 the lr is {lr:.3g}" in err
 
@@ -284,7 +283,7 @@ def test_the_set_aside_runs_hint_continues_that_run(tmp_path, capsys):
     resume=auto, which would find the new run's)."""
     import re
 
-    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    args = [*GPT_LOGGED, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
     train(tmp_path, *args, "steps=4")
     train(tmp_path, *args, "steps=1", quiet=False)
     hint = re.search(r"to continue that run instead, stop this one and pass (resume=\S+)\)", capsys.readouterr().err)
@@ -312,8 +311,8 @@ def test_a_resumed_run_that_trains_on_has_no_summary_until_it_ends(tmp_path):
     from stabletrain.build import build_trainer
     from tests.helpers import make_cfg
 
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
-    t = build_trainer(make_cfg(*GPT, "steps=4", "optim=adamw", "resume=auto", "logger=none"), tmp_path)
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
+    t = build_trainer(make_cfg(*GPT_LOGGED, "steps=4", "optim=adamw", "resume=auto", "logger=none"), tmp_path)
     seen, orig = [], t.train_step
 
     def step(*a, **k):
@@ -393,7 +392,7 @@ def test_the_command_that_continues_another_runs_checkpoint_goes_where_it_lies(t
     from stabletrain.build import build_trainer
     from tests.helpers import QUIET, make_cfg
 
-    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=2"), tmp_path / "new")
+    t = build_trainer(make_cfg(*QUIET, *GPT_LOGGED, "steps=2"), tmp_path / "new")
     ck = {"overrides": ["model=gpt_test", "steps=8"], "launcher": None}
     old = tmp_path / "old"
     assert t.ckpt.command_of(ck, old / "checkpoints" / "last.pt").endswith(
@@ -414,47 +413,47 @@ def _with_overrides(ck_path, overrides):
 def test_a_checkpoint_past_this_runs_steps_is_continued_in_its_own_run_dir(tmp_path):
     """resume=PATH of another run's checkpoint at step 4 into a 2-step run: 'continue it with its
     own command' named this directory with resume=auto, which finds nothing and trains from 0."""
-    train(tmp_path / "old", *GPT, "steps=4")
+    train(tmp_path / "old", *GPT_LOGGED, "steps=4")
     ck = tmp_path / "old" / "checkpoints" / "last.pt"
     _with_overrides(ck, ["model=gpt_test", "steps=4"])
     old = re.escape(str(tmp_path / "old"))
     with pytest.raises(ConfigError, match=rf"past this run's 2 steps: continue it with its own command, \S+ "
                                           rf"\S*train.py model=gpt_test steps=4 resume=auto hydra.run.dir={old}; or "
                                           rf"pass steps=4"):
-        train(tmp_path / "new", *GPT, "steps=2", f"resume={ck}")
+        train(tmp_path / "new", *GPT_LOGGED, "steps=2", f"resume={ck}")
 
 
 def test_another_optimizers_checkpoint_names_its_own_command(tmp_path):
     """resume=PATH of a checkpoint written with another optim=: the refusal names the command it
     was written with, in its own run directory."""
-    train(tmp_path / "old", *GPT, "steps=2", "optim=adamw")
+    train(tmp_path / "old", *GPT_LOGGED, "steps=2", "optim=adamw")
     ck = tmp_path / "old" / "checkpoints" / "last.pt"
     _with_overrides(ck, ["model=gpt_test", "optim=adamw"])
     old = re.escape(str(tmp_path / "old"))
     with pytest.raises(ConfigError, match=rf"; resume with optim=adamw \(its own command: \S+ \S*train.py "
                                           rf"model=gpt_test optim=adamw resume=auto hydra.run.dir={old}\), "
                                           rf"or start a new run$"):
-        train(tmp_path / "new", *GPT, "steps=4", "optim=adamw2", f"resume={ck}")
+        train(tmp_path / "new", *GPT_LOGGED, "steps=4", "optim=adamw2", f"resume={ck}")
 
 
 def test_a_checkpoint_of_another_model_names_the_command_in_its_own_run_dir(tmp_path):
     """resume=PATH of a checkpoint whose weights do not fit: 'resume it with the command it was
     written with' names its run's directory, not this one."""
-    train(tmp_path / "old", *GPT, "steps=2")
+    train(tmp_path / "old", *GPT_LOGGED, "steps=2")
     ck = tmp_path / "old" / "checkpoints" / "last.pt"
     _with_overrides(ck, ["model=gpt_test"])
     with pytest.raises(ConfigError, match=rf"does not fit this run's model or optimizer \(.*\); resume it with the "
                                           rf"command it was written with, \S+ \S*train.py model=gpt_test resume=auto "
                                           rf"hydra.run.dir={re.escape(str(tmp_path / 'old'))}$"):
-        train(tmp_path / "new", *GPT, "steps=4", "model.embed_dim=64", f"resume={ck}")
+        train(tmp_path / "new", *GPT_LOGGED, "steps=4", "model.embed_dim=64", f"resume={ck}")
 
 
 def test_resume_allow_changes_says_what_changed(tmp_path, capsys):
     """resume_allow_changes=true took a norm of one's own swapped for LayerNorm (the same
     parameter names) without a word: the start lines name each changed key with both values."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
     capsys.readouterr()
-    train(tmp_path, *GPT, "steps=4", "optim=adamw", "optim.lr=0.002", "norm=rmsnorm", "resume=auto",
+    train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "optim.lr=0.002", "norm=rmsnorm", "resume=auto",
           "resume_allow_changes=true", quiet=False)
     err = capsys.readouterr().err
     assert "resume_allow_changes=true: the run goes on with changes: " in err, err
@@ -469,7 +468,7 @@ def test_a_resume_records_what_it_changed_in_the_run_directory(tmp_path, capsys)
     every change at the step the run resumed, and the start lines name those a resume may make."""
     from stabletrain.metrics import read_records
 
-    args = [*GPT, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
+    args = [*GPT_LOGGED, "optim=adamw", "monitor=off", "logger.wandb=disabled", "logger.progress=false"]
     train(tmp_path, *args, "steps=2", quiet=False)
     capsys.readouterr()
     train(tmp_path, *args, "steps=4", "optim.lr=0.002", "eval_batches=2", "resume=auto",
@@ -492,7 +491,7 @@ def test_resumed_with_other_settings_names_only_those_no_other_line_says(tmp_pat
     """The run's length (steps, epochs) and the weight average have notes of their own, a changed
     optim.lr the resume_allow_changes one, a dry run's own dry_run=true is no change: the line of
     'other settings' names none of them, only eval_batches here; none at all where nothing else changed."""
-    own = [*GPT, *QUIET_RUN, "steps=null"]
+    own = [*GPT_LOGGED, *QUIET_RUN, "steps=null"]
     train(tmp_path, *own, "epochs=0.00004", "ema.decay=0.99")
     capsys.readouterr()
     more = [*own, "epochs=0.00008", "ema.decay=0.9", "eval_batches=2", "optim.lr=0.002"]
@@ -513,7 +512,7 @@ def test_a_resume_that_changes_nothing_records_no_changes(tmp_path):
     resume holds the step it continued from, and no run/changed (not a null one)."""
     from stabletrain.metrics import read_records
 
-    own = [*GPT, *QUIET_RUN, "steps=4", "ckpt_every=2", "ckpt.keep=2"]
+    own = [*GPT_LOGGED, *QUIET_RUN, "steps=4", "ckpt_every=2", "ckpt.keep=2"]
     train(tmp_path, *own)
     train(tmp_path, *own, f"resume={tmp_path / 'checkpoints/step_000002.pt'}")
     assert [r for r in read_records(tmp_path / "metrics.jsonl") if N.RESUMED_AT in r] == [
@@ -544,13 +543,13 @@ def test_optimizer_settings_changed_on_resume_take_effect(tmp_path, how):
     """Loading the optimizer's state dict put the checkpoint's param-group values back: a weight
     decay, betas or tau changed on resume was silently dropped while config.yaml and the notes
     claimed it. The settings are this run's; the moments are the checkpoint's."""
-    train(tmp_path / "a", *GPT, "steps=2", "optim=adamw2")
+    train(tmp_path / "a", *GPT_LOGGED, "steps=2", "optim=adamw2")
     before = torch.load(tmp_path / "a/checkpoints/last.pt", weights_only=False)["optimizer"]
     changed = ["optim.weight_decay=0.5", "optim.betas=[0.8,0.9]", "optim.tau=0.05"]
     resume = (["resume=auto", "resume_allow_changes=true"] if how == "allow_changes"
               else [f"resume={tmp_path / 'a/checkpoints/last.pt'}"])
     run = tmp_path / "a" if how == "allow_changes" else tmp_path / "b"
-    train(run, *GPT, "steps=3", "optim=adamw2", *changed, *resume)
+    train(run, *GPT_LOGGED, "steps=3", "optim=adamw2", *changed, *resume)
     after = torch.load(run / "checkpoints/last.pt", weights_only=False)["optimizer"]
     for group in after["param_groups"]:
         assert (group["weight_decay"], tuple(group["betas"]), group["tau"]) in {(0.5, (0.8, 0.9), 0.05),
@@ -563,30 +562,30 @@ def test_optimizer_settings_changed_on_resume_take_effect(tmp_path, how):
 def test_a_resume_on_another_number_of_processes_says_so(tmp_path, capsys):
     """Allowed (the global batch is the same), but stochastic layers draw per process: the start
     lines said nothing, and the run differed from the one it would have been."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
     ck = tmp_path / "checkpoints/last.pt"
     state = torch.load(ck, weights_only=False)
     assert state["world"] == 1
     state["world"] = 2  # as a 2-process run writes it
     torch.save(state, ck)
     capsys.readouterr()
-    train(tmp_path, *GPT, "steps=3", "optim=adamw", "resume=auto", quiet=False)
+    train(tmp_path, *GPT_LOGGED, "steps=3", "optim=adamw", "resume=auto", quiet=False)
     err = capsys.readouterr().err
     assert "resumed on 1 process(es), written on 2: the global batch and its data are the same" in err
-    train(tmp_path, *GPT, "steps=4", "optim=adamw", "resume=auto", quiet=False)
+    train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "resume=auto", quiet=False)
     assert "written on" not in capsys.readouterr().err
 
 
 def test_a_checkpoint_without_its_world_size_is_no_world_note(tmp_path, capsys):
     """Checkpoints written before the world size was saved: nothing is known of their process
     count, and the start lines say nothing of it ('written on None')."""
-    train(tmp_path, *GPT, "steps=2")
+    train(tmp_path, *GPT_LOGGED, "steps=2")
     ck = tmp_path / "checkpoints" / "last.pt"
     state = torch.load(ck, weights_only=False)
     del state["world"]
     torch.save(state, ck)
     capsys.readouterr()
-    assert train(tmp_path, *GPT, "steps=3", "resume=auto", quiet=False)["step"] == 3
+    assert train(tmp_path, *GPT_LOGGED, "steps=3", "resume=auto", quiet=False)["step"] == 3
     assert "written on" not in capsys.readouterr().err
 
 
@@ -594,9 +593,9 @@ def test_a_requeued_job_with_a_larger_steps_is_told_resume_auto_suffices(tmp_pat
     """Under SLURM a run given no resume= continues its run dir's last.pt only with the same config;
     a larger steps= was told to pass resume_allow_changes=true, which a key a resume may change
     does not need. A changed lr still needs it."""
-    train(tmp_path, *GPT, "steps=2", "optim=adamw")
+    train(tmp_path, *GPT_LOGGED, "steps=2", "optim=adamw")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     with pytest.raises(ConfigError, match=r"was written by a run with another steps; pass resume=auto to continue"):
-        train(tmp_path, *GPT, "steps=4", "optim=adamw")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw")
     with pytest.raises(ConfigError, match=r"another optim.lr, steps; pass resume=auto resume_allow_changes=true to"):
-        train(tmp_path, *GPT, "steps=4", "optim=adamw", "optim.lr=0.01")
+        train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "optim.lr=0.01")

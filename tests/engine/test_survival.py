@@ -9,9 +9,9 @@ import signal
 import pytest
 import torch
 
-from tests.helpers import QUIET, losses, make_cfg, train
+from tests.helpers import GPT_LOGGED, QUIET, losses, make_cfg, train
 
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1", "precision=fp32"]
+GPT = [*GPT_LOGGED, "precision=fp32"]
 ROLLBACK = ["divergence.action=rollback", "divergence.max_skips=1", "ckpt_every=4"]
 
 

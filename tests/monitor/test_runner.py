@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import losses, make_cfg, model_of, train
+from tests.helpers import GPT_LOGGED, losses, make_cfg, model_of, train
 
-GPT = ["model=gpt_test", "batch_size=8", "eval_every=1000", "logger.log_every=1"]
 MON = ["monitor=standard", "monitor.weight_every=2", "monitor.probe_every=3"]
 
 
@@ -81,7 +80,7 @@ def test_divergence_forensics(tmp_path):
 def test_a_diverged_run_stopped_between_weight_passes_reports_its_last_weights(tmp_path):
     """The trainer hands the monitors the step it stopped at: a NaN step 3 stops the run
     (max_skips=1) with finite weights, which the forensics describe at step 3, not step 0."""
-    s = train(tmp_path, *GPT, "steps=6", "debug.nan_at_step=3", "divergence.max_skips=1", "monitor=standard",
+    s = train(tmp_path, *GPT_LOGGED, "steps=6", "debug.nan_at_step=3", "divergence.max_skips=1", "monitor=standard",
               "monitor.weight_every=100")
     assert s["status"] == "diverged" and s["step"] == 3, (s["status"], s["step"], s["reason"])
     assert s["forensics"]["last_finite_snapshot"]["step"] == 3
