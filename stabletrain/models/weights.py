@@ -58,8 +58,9 @@ def _source_file(path: Path, key: str) -> Path:
         for f in (path / "checkpoints" / "last.pt", *(path / name for name in _FOREIGN_FILES)):
             if f.is_file():
                 return f
-        raise ConfigError(f"{key}{path}: a directory without checkpoints/last.pt (nor {', '.join(_FOREIGN_FILES)}); "
-                          "pass a run's directory, a checkpoint it wrote, or a saved state dict")
+        raise ConfigError(f"{key}{path}: a directory without checkpoints/last.pt, nanoGPT's ckpt.pt or a Hugging Face "
+                          "model's weights (model.safetensors, pytorch_model.bin, or their .index.json); pass a run's "
+                          "directory, a checkpoint it wrote, or a saved state dict")
     if not path.is_file():
         raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
                           "(checkpoints/last.pt), a saved state dict, nanoGPT's out_dir or a Hugging Face model folder")
