@@ -64,7 +64,7 @@ VIT_KEYS = ("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "q
 
 
 @MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops, no_decay=VIT_NO_DECAY,
-                 keys=VIT_KEYS, weights=timm_filter(checkpoint_filter_fn))
+                 keys=VIT_KEYS, weights=timm_filter(checkpoint_filter_fn, trunk="visual.trunk."))
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)

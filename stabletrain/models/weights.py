@@ -50,7 +50,7 @@ _PART = re.compile(r"^(.*)\.parametrizations\.weight\.0\.parts\.(\d+)\.(gamma|u|
 # a folder of another code base: nanoGPT's out_dir, a Hugging Face model's (whole, or sharded with an index)
 _FOREIGN_FILES = ("ckpt.pt", "model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                   "pytorch_model.bin.index.json")
-_SHARD = re.compile(r"-\d+-of-\d+(?=\.(safetensors|bin)$)")  # model-00001-of-00003.safetensors
+_SHARD = re.compile(r"-\d+-of-(\d+)(?=\.(?:safetensors|bin)$)")  # model-00001-of-00003.safetensors
 
 
 def _source_file(path: Path, key: str) -> Path:
@@ -64,8 +64,16 @@ def _source_file(path: Path, key: str) -> Path:
     if not path.is_file():
         raise ConfigError(f"{key}{path}: no such file; pass a run's directory, a checkpoint it wrote "
                           "(checkpoints/last.pt), a saved state dict, nanoGPT's out_dir or a Hugging Face model folder")
+    shard = _SHARD.search(path.name)
+    if shard is None:
+        return path
     index = path.parent / f"{_SHARD.sub('', path.name)}.index.json"  # one shard of several: all of them
-    return index if _SHARD.search(path.name) and index.is_file() else path
+    if index.is_file():
+        return index
+    if int(shard.group(1)) > 1:  # alone, it would load the part of the model it holds, the rest left at its init
+        raise ConfigError(f"{key}{path}: one of {int(shard.group(1))} shards, without the {index.name} that names the "
+                          "others; download the whole folder")
+    return path
 
 
 def _read_sharded(pt: Path, key: str, which: str) -> dict[str, Tensor]:
@@ -119,7 +127,10 @@ class Weights(NamedTuple):
     #                 nanoGPT's model_args, the config.json of a Hugging Face model beside the file
 
 
-def _load(pt: Path, key: str):
+_UNREAD = "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())"
+
+
+def _load(pt: Path, key: str, fix: str = _UNREAD):
     if pt.name.endswith(".index.json"):
         return _load_shards(pt, key)
     try:
@@ -129,8 +140,7 @@ def _load(pt: Path, key: str):
             return load_file(str(pt))
         return torch.load(pt, map_location="cpu", weights_only=True)
     except Exception as e:  # a torn write, a file that is no checkpoint
-        raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); "
-                          "pass a run's checkpoints/last.pt or a file of torch.save(model.state_dict())") from None
+        raise ConfigError(f"{key}{pt}: not a readable checkpoint or state dict ({type(e).__name__}); {fix}") from None
 
 
 def _load_shards(index: Path, key: str) -> dict[str, Tensor]:
@@ -139,10 +149,12 @@ def _load_shards(index: Path, key: str) -> dict[str, Tensor]:
     import json
 
     try:
-        files = json.loads(index.read_text())["weight_map"]
-        files = dict.fromkeys(files.values()) if isinstance(files, dict) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        files = None
+        said = json.loads(index.read_text())
+    except (OSError, ValueError) as e:  # a download cut short
+        raise ConfigError(f"{key}{index}: not a readable index of weight files ({type(e).__name__}); "
+                          "download it again") from None
+    files = said.get("weight_map") if isinstance(said, dict) else None
+    files = dict.fromkeys(files.values()) if isinstance(files, dict) else None
     if not files or not all(isinstance(f, str) for f in files):
         raise ConfigError(f"{key}{index}: not an index of weight files (no weight_map); download it again")
     missing = [f for f in files if not (index.parent / f).is_file()]
@@ -151,7 +163,7 @@ def _load_shards(index: Path, key: str) -> dict[str, Tensor]:
                           f"{index.parent} ({', '.join(missing[:3])}); download the whole folder")
     out = {}
     for f in files:
-        shard = _load(index.parent / f, key)
+        shard = _load(index.parent / f, key, f"download it again (one of the files {index.name} names)")
         if not isinstance(shard, dict):
             raise ConfigError(f"{key}{index.parent / f}: holds no tensors by name; download the shard again")
         out |= shard
@@ -337,14 +349,16 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
 _RESAMPLED = ("img_size", "patch_size", "window_size", "in_chans")  # the sizes timm_filter fits
 
 
-def timm_filter(filter_fn):
+def timm_filter(filter_fn, trunk: str = ""):
     """A family's ``weights`` hook made of timm's own checkpoint filter (its ``checkpoint_filter_fn``,
     what timm applies to pretrained weights): a source of another image or patch size, or another
     window, has its position embedding, patch embedding or relative position tables resampled as
     timm resamples them (bicubic), older layouts renamed; a patch embedding of another channel count
     (RGB weights, grey digits) is summed or repeated as timm's pretrained loading adapts it (the same
     function of a grey image). The note names each tensor resampled; one resampled into a shape this
-    model does not hold (a class token on one side only) is left as the source holds it."""
+    model does not hold (a class token on one side only) is left as the source holds it. ``trunk``: the
+    prefix the filter drops, of a trunk inside a larger model (OpenCLIP's ``visual.trunk.``); a tensor
+    resampled is named with its name there too, and where the filter fails, the trunk loads as it is."""
     def hook(state: dict[str, Tensor], settings: dict, model_cfg, model: nn.Module):
         mine = model.state_dict()
         proj = "patch_embed.proj"
@@ -353,6 +367,7 @@ def timm_filter(filter_fn):
             # a sigmaReparam run's: timm resamples the weight its forward applied, under the plain name
             state = {k: v for k, v in state.items() if not k.startswith(f"{proj}.parametrizations.")
                      } | {f"{proj}.weight": _applied(state, proj)}
+        prefix = trunk if trunk and any(k.startswith(trunk) for k in state) else ""
         said_by_timm = logging.getLogger("timm.layers")  # "Resized position embedding": the note says it
         level = said_by_timm.level
         said_by_timm.setLevel(logging.WARNING)
@@ -360,8 +375,9 @@ def timm_filter(filter_fn):
             with warnings.catch_warnings():  # timm's table resize warns of its own indexing, not the user's
                 warnings.filterwarnings("ignore", category=UserWarning, module="timm.layers.interpolate")
                 out = filter_fn(state, model)
-        except Exception:  # a layout the filter cannot resample (a class token on one side only):
-            out = dict(state)  # loaded as it is, the tensors that do not fit named
+        except Exception:  # a layout the filter cannot resample (a class token on one side only): the
+            # trunk loaded as it is, the tensors that do not fit named
+            out = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
         finally:
             said_by_timm.setLevel(level)
         w = out.get(f"{proj}.weight")
@@ -369,7 +385,7 @@ def timm_filter(filter_fn):
             out[f"{proj}.weight"] = _channels_adapted(w, here.shape[1])
         said, passed = [], {id(v) for v in state.values()}  # what the filter passed on, renamed or not
         for k, v in out.items():  # (an older layout's tensor renamed onto another's name is no resample)
-            was = k if k in state else _prefixed(k, state)  # OpenCLIP's visual.trunk.pos_embed: pos_embed
+            was = k if k in state else prefix + k if prefix + k in state else None  # visual.trunk.pos_embed
             if id(v) not in passed and was is not None and v.shape != state[was].shape:
                 held = mine.get(k, mine.get(k.removesuffix(".weight") + _ORIGINAL))
                 if held is None or v.shape != held.shape:  # not resampled to this model: named as it is
@@ -382,12 +398,6 @@ def timm_filter(filter_fn):
         return out, settings, said
 
     return hook
-
-
-def _prefixed(key: str, state: dict) -> str | None:
-    """The one name of ``state`` that is ``key`` under a prefix (a trunk inside a larger model's)."""
-    found = [k for k in state if k.endswith("." + key)]
-    return found[0] if len(found) == 1 else None
 
 
 def _channels_adapted(w: Tensor, chans: int) -> Tensor:

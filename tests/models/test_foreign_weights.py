@@ -370,3 +370,81 @@ def test_hugging_face_options_this_gpt_does_not_have_are_named(tmp_path):
     assert ("transposed; its config.json's layer_norm_epsilon=1e-06 and scale_attn_by_inverse_layer_idx=true, which "
             "this GPT does not have (1e-05 and false here): the function they compute here is another); the "
             "optimizer") in note, note
+    (tmp_path / "config.json").write_text(json.dumps({**said, "scale_attn_weights": False}))  # alone, it is named
+    note = load_weights(model, tmp_path, m)
+    assert ("transposed; its config.json's scale_attn_weights=false, which this GPT does not have (true here): the "
+            "function they compute here is another); the optimizer") in note, note
+
+
+def test_a_broken_index_or_shard_is_refused_in_one_line_naming_the_file_to_download(tmp_path):
+    """An index cut short, or not a map of tensor names to files; a shard torn, holding no tensors by
+    name, or missing (the first three of them named); a shard alone, its index gone: each is one line
+    naming the file, where loading the part there is would leave the rest of the model at its init."""
+    sd = _nanogpt_state(seed=5)
+    weight_map = _shard(_hf_state(sd), tmp_path, "model.safetensors", parts=4)
+    files = sorted(set(weight_map.values()))
+    index = tmp_path / "model.safetensors.index.json"
+    whole = index.read_text()
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+
+    def refused(source=tmp_path) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_weights(model, source, m)
+        return str(e.value)
+
+    index.write_text(whole[:100])  # a download cut short
+    assert refused() == (f"init_weights={index}: not a readable index of weight files (JSONDecodeError); "
+                         "download it again")
+    for bad in ({"weight_map": sorted(files)}, {"weight_map": {"transformer.wte.weight": 3}}, ["weight_map"]):
+        index.write_text(json.dumps(bad))
+        assert refused() == f"init_weights={index}: not an index of weight files (no weight_map); download it again"
+    index.write_text(whole)
+    torn = (tmp_path / files[1]).read_bytes()
+    (tmp_path / files[1]).write_bytes(torn[:len(torn) // 2])
+    assert refused(tmp_path / files[0]) == (
+        f"init_weights={tmp_path / files[1]}: not a readable checkpoint or state dict (SafetensorError); download it "
+        "again (one of the files model.safetensors.index.json names)")
+    (tmp_path / files[1]).write_bytes(torn)
+    for f in files:
+        (tmp_path / f).unlink()
+    assert refused() == (f"init_weights={index}: 4 of the 4 files its weight_map names are not in {tmp_path} "
+                         f"({files[0]}, {files[1]}, {files[2]}); download the whole folder")
+
+
+def test_a_shard_alone_or_holding_no_tensors_by_name_is_refused(tmp_path):
+    """pytorch_model-0000N-of-0000M.bin passed without its index, or one that torch.load reads as a
+    list: one line each, where the first would load the quarter of the model it holds; a shard of
+    one is the whole model."""
+    weight_map = _shard(_hf_state(_nanogpt_state(seed=6)), tmp_path, "pytorch_model.bin", parts=4)
+    files = sorted(set(weight_map.values()))
+    model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+    torch.save(list(torch.load(tmp_path / files[2]).values()), tmp_path / files[2])
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path / files[0], m)
+    assert str(e.value) == f"init_weights={tmp_path / files[2]}: holds no tensors by name; download the shard again"
+    (tmp_path / "pytorch_model.bin.index.json").unlink()
+    with pytest.raises(ConfigError) as e:
+        load_weights(model, tmp_path / files[0], m)
+    assert str(e.value) == (f"init_weights={tmp_path / files[0]}: one of 4 shards, without the "
+                            "pytorch_model.bin.index.json that names the others; download the whole folder")
+    (tmp_path / "one").mkdir()  # one shard of one: the whole model, read without an index
+    torch.save(_hf_state(_nanogpt_state(seed=6)), tmp_path / "one" / "pytorch_model-00001-of-00001.bin")
+    assert f"29 of 29 tensors from {tmp_path / 'one' / 'pytorch_model-00001-of-00001.bin'} (Hugging Face GPT-2's" \
+        in load_weights(model, tmp_path / "one" / "pytorch_model-00001-of-00001.bin", m)
+
+
+def test_a_whole_file_beside_the_index_an_earlier_sharded_save_left_is_read_itself(tmp_path):
+    """transformers' save_pretrained of a whole model.safetensors over a sharded save removes the
+    shards and leaves their index: the folder, and the file named, read the whole file."""
+    from safetensors.torch import save_file
+
+    sd = _nanogpt_state(seed=7)
+    _shard(_hf_state(_nanogpt_state(seed=8)), tmp_path, "model.safetensors")
+    for f in tmp_path.glob("model-*-of-*.safetensors"):
+        f.unlink()
+    save_file(_hf_state(sd), str(tmp_path / "model.safetensors"))
+    for source in (tmp_path, tmp_path / "model.safetensors"):
+        model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
+        assert f"29 of 29 tensors from {tmp_path / 'model.safetensors'} (Hugging" in load_weights(model, source, m)
+        with torch.no_grad():
+            torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
