@@ -65,6 +65,10 @@ def _their_name(k: str) -> str:
     return k
 
 
+def _listed(items: list[str]) -> str:
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 2 else items)
+
+
 def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tuple[dict[str, Tensor], dict, list[str]]:
     """A GPT checkpoint as this GPT's tensors (``init_weights``): nanoGPT's (its ckpt.pt, a
     from_pretrained model's state dict) and Hugging Face's GPT-2 renamed, the latter's Conv1D weights
@@ -87,8 +91,8 @@ def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tup
         read_as.append("Hugging Face GPT-2's tensors, its Conv1D weights transposed" if conv1d else "nanoGPT's tensors")
         other = [k for k, ours in _THEIR_FIXED.items() if k in settings and settings[k] != ours]
         if other:  # loaded all the same: the nearest function there is here, said
-            theirs_said = " and ".join(f"{k}={shown_value(settings[k])}" for k in other)
-            ours_said = " and ".join(shown_value(_THEIR_FIXED[k]) for k in other)
+            theirs_said = _listed([f"{k}={shown_value(settings[k])}" for k in other])
+            ours_said = _listed([shown_value(_THEIR_FIXED[k]) for k in other])
             read_as.append(f"its config.json's {theirs_said}, which this GPT does not have ({ours_said} here): "
                            "the function they compute here is another")
         settings = theirs

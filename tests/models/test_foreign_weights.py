@@ -374,6 +374,11 @@ def test_hugging_face_options_this_gpt_does_not_have_are_named(tmp_path):
     note = load_weights(model, tmp_path, m)
     assert ("transposed; its config.json's scale_attn_weights=false, which this GPT does not have (true here): the "
             "function they compute here is another); the optimizer") in note, note
+    (tmp_path / "config.json").write_text(json.dumps({**said, "layer_norm_epsilon": 1e-6, "scale_attn_weights": False,
+                                                      "scale_attn_by_inverse_layer_idx": True}))
+    note = load_weights(model, tmp_path, m)
+    assert ("its config.json's layer_norm_epsilon=1e-06, scale_attn_weights=false and scale_attn_by_inverse_layer_idx"
+            "=true, which this GPT does not have (1e-05, true and false here): the function") in note, note
 
 
 def test_a_broken_index_or_shard_is_refused_in_one_line_naming_the_file_to_download(tmp_path):
