@@ -23,7 +23,7 @@ import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,15 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabletrain.config import HOW_RECORDED, leaf_values, may_change
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints, spelled
+from stabletrain.engine import resume as R
+from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
-from stabletrain.engine.rundir import continue_with, sweep_dir
+from stabletrain.engine.rundir import continue_with
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
 from stabletrain.metrics import (StartNote, duration, logged_value, milliseconds, param_count, peak_flops,
-                                 previous_name, read_json, si, write_json)
+                                 read_json, si, write_json)
 from stabletrain.monitor import names as N
 
 
@@ -585,7 +585,7 @@ class Trainer:
         self.load_survival_state(ck.get("survival"))
         self.step = self.saved_step = ck["step"]
         self.notes += self.resume_notes(path, ck)
-        self.resume_changes = self._changes_of(ck)
+        self.resume_changes = R.changes_of(self.ckpt, ck)
         if path.absolute().parent == self.ckpt.dir.absolute():
             # this run's checkpoint: the history after it is abandoned, so no rollback may restore
             # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
@@ -598,160 +598,19 @@ class Trainer:
             self.ckpt.drop_after(self.step)
         else:  # another run's checkpoint: what this directory holds is no history of it
             self.resumed_elsewhere = path
-            self._set_aside_earlier_run()
+            R.set_aside_earlier_run(self.ckpt, self.notes)
         if path.absolute() != (self.ckpt.dir / "last.pt").absolute():
             self.save()
         return self.step
 
     def resume_source(self) -> tuple[Path, dict] | None:
-        """The checkpoint ``resume`` names (or a requeued job's own), loaded and checked against
-        this run, refused in one line where it does not fit; None where there is none. Nothing is
-        restored or cut: a dry run asks this too."""
-        r = self.settings.resume
-        requeued = r is None and D.may_be_requeued()
-        if r is None and not requeued:
-            return None
-        path = self.ckpt.find(r)
-        if path is None:
-            if r == "auto":
-                earlier = any((self.run_dir / f).is_file() for f in ("summary.json", "metrics.jsonl"))
-                why = ("the run there stopped before its first checkpoint" if earlier else
-                       "this sweep point had not started" if sweep_dir() is not None else
-                       "to continue a run, pass its directory as hydra.run.dir")
-                self.notes.append(f"resume=auto: no checkpoint in {self.ckpt.dir}, starting from step 0 ({why})")
-            return None
-        own = self._own_earlier_attempt(path) if r != "auto" and D.may_be_requeued() else None
-        if own is not None:  # a requeued job started with resume=PATH goes on from where it stopped
-            path, ck, requeued = *own, True
-        else:
-            ck = self.ckpt.load(path)
-        if ck["step"] > self.total_steps:
-            theirs = self.ckpt.command_of(ck, path)
-            raise ConfigError(f"{path} is at step {ck['step']}, past this run's {self.total_steps} steps: "
-                              + (f"continue it with its own command, {theirs}; or " if theirs else "")
-                              + f"pass steps={ck['step']} to end it there, more to train on (steps counts from "
-                              f"the run's start)")
-        # checked before anything is loaded or cut (metrics.jsonl is truncated only after this returns)
-        self.ckpt.check_resumable(path, ck, auto=r == "auto", requeued=requeued,
-                                  allow_changes=self.settings.resume_allow_changes)
-        return path, ck
-
-    def _own_earlier_attempt(self, path: Path) -> tuple[Path, dict] | None:
-        """Under a scheduler that requeues, the run dir's last.pt when this same config (its
-        ``resume=PATH`` included) wrote it: the job's earlier attempt, to continue rather than
-        start again from ``path``."""
-        last = self.ckpt.find("auto")
-        if last is None or last.absolute() == path.absolute():
-            return None
-        ck = self.ckpt.load(last)
-        if not ck.get("config") or self.ckpt.changed_keys(ck["config"]):
-            return None
-        self.notes.append(f"resumed from {last}, not resume={path}: this job was started again (requeued) and "
-                          f"goes on from its own last checkpoint")
-        return last, ck
-
-    def _set_aside_earlier_run(self) -> None:
-        """Move an earlier run's checkpoints, records, summary, figures and config aside (rank 0), so that
-        none is overwritten, restored by a rollback or taken for this run's. They share one suffix
-        (``checkpoints.previous2/`` goes with ``metrics.previous2.jsonl``), so that a resume from
-        the set-aside checkpoints finds their history (:func:`records_of`)."""
-        if self.info.is_main:
-            moved = self.ckpt.set_aside()
-            suffix = moved.name[len(self.ckpt.dir.name):] if moved is not None else None
-            went = [(self.ckpt.dir.name + "/", moved.name + "/")] if moved is not None else []
-            # config.yaml too: the fresh run writes its own, and the set-aside records say nothing
-            # of the settings that made them without it
-            for name in ("metrics.jsonl", "summary.json", "plots", "config.yaml"):
-                path = self.run_dir / name
-                if not path.exists():
-                    continue
-                stem, dot, ext = name.partition(".")
-                dest = self.run_dir / f"{stem}{suffix}{dot}{ext}" if suffix else None
-                dest = dest if dest is not None and not dest.exists() else previous_name(path)
-                path.replace(dest)
-                went.append((name, dest.name))
-            if went:
-                last = moved / "last.pt" if moved is not None else None  # resume=auto would find this run's
-                self.notes.append(f"{self.run_dir} held an earlier run: moved aside "
-                                  + ", ".join(f"{a} -> {b}" for a, b in went)
-                                  + (f" (to continue that run instead, stop this one and pass resume={last})"
-                                     if last is not None and last.is_file() else ""))
-        D.barrier(self.info)  # no rank writes a checkpoint into the directory before it has moved
-
-    def _changes_of(self, ck: dict) -> dict[str, str]:
-        """``{"optim.lr": "0.001 -> 0.003"}``: every setting this run changes from the checkpoint's,
-        those a resume may change included."""
-        saved, mine = ck.get("config"), self.ckpt.config_yaml
-        if not (saved and mine):
-            return {}
-        changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes", "dry_run"))
-        was, now = leaf_values(saved), leaf_values(mine)
-        return {k: f"{spelled(was, k)} -> {spelled(now, k)}" for k in changed}
+        """The checkpoint ``resume`` names, loaded and checked (:func:`stabletrain.engine.resume.resume_source`)."""
+        return R.resume_source(self.ckpt, self.settings, self.notes)
 
     def resume_notes(self, path: Path, ck: dict) -> list[str]:
-        """What resuming ``ck`` changes that the user may not expect: keys changed through
-        ``resume=PATH`` (only resume=auto refuses them), a new run length, which reshapes the lr
-        schedule, and a changed weight average. Read from the checkpoint alone: a dry run says them too."""
-        saved, mine = ck.get("config"), self.ckpt.config_yaml
-        if not (saved and mine):
-            return []
-        notes = []
-        changed = self.ckpt.changed_keys(saved, allowed=("resume", "resume_allow_changes"))
-        keys = [k for k in changed if not may_change(k)]
-        if keys and self.settings.resume not in (None, "auto"):
-            notes.append(f"resume={path} continues with another {', '.join(keys[:8])}"
-                         f"{' ...' if len(keys) > 8 else ''} than the run that wrote it")
-        elif keys and self.settings.resume_allow_changes:  # a norm of one's own swapped for LayerNorm: silent
-            notes.append(f"resume_allow_changes=true: the run goes on with changes: "
-                         f"{self.ckpt.changes_shown(ck, keys, at_most=8)}")
-        # the settings a resume may change, said too: a new eval_batches scores another part of
-        # the val set from here, a new cadence moves the curves' points
-        said = ("steps", "epochs", "ema.decay", "dry_run")  # notes of their own below; a dry run's own
-        allowed = [k for k in changed if may_change(k) and k not in said]
-        if allowed:
-            notes.append(f"resumed with other settings: {self.ckpt.changes_shown(ck, allowed)}")
-        if {"steps", "epochs"} & {k.split(".")[0] for k in changed}:
-            step, scale = ck["step"], float((ck.get("survival") or {}).get("lr_scale", 1.0))
-            lr = self.schedule.lr_at(step) * scale
-            if self._lr_follows_the_length(step):
-                notes.append(f"the run's length changed: the lr schedule is that of {self.total_steps} steps "
-                             f"from step 0, so at step {step} the lr is {lr:.3g}")
-            else:  # a cosine of its own horizon, a step or constant schedule: "reshaped" would be untrue
-                notes.append(f"the run's length changed, its lr schedule does not depend on it: at step {step} "
-                             f"the lr is {lr:.3g}")
-        world = ck.get("world")
-        if world is not None and world != self.info.world:  # allowed: the global batch is the same
-            notes.append(f"resumed on {self.info.world} process(es), written on {world}: the global batch and its data "
-                         f"are the same; dropout, drop path and mixup, where on, draw per process, so from here the "
-                         f"run is not bit for bit the one it would have been")
-        if "ema.decay" in changed:  # allowed on resume, but val_ema/* then means something else
-            notes.append("the weight average changed on resume (ema.decay): " + (
-                "it starts now, from the resumed weights" if self.ema is not None and ck.get("ema") is None
-                else "it goes on from the resumed average with the new decay" if self.ema is not None
-                else "it is off from here"))
-        return notes
-
-    def _note_a_divergence_ahead(self, previous: dict | None) -> None:
-        """Resumed unchanged before the step it diverged at, a run meets the same state and data
-        again: said before it spends the steps to find out."""
-        at = (previous or {}).get("diverged_at")
-        if (previous or {}).get("status") != "diverged" or not isinstance(at, int) or at <= self.step \
-                or self.divergence.action == "rollback" \
-                or any(not k.startswith(HOW_RECORDED) for k in self.resume_changes):
-            return
-        reason = previous.get("reason")
-        self.metrics.message(f"note: this run diverged at step {at}" + (f" ({reason})" if reason else "")
-                             + " from this checkpoint's state with these settings, and will likely diverge there "
-                             "again; divergence.action=rollback goes past it (back to a checkpoint before it, "
-                             "skipping the data from there)")
-
-    def _lr_follows_the_length(self, step: int) -> bool:
-        """Whether the lr schedule from ``step`` to the end depends on the run's length (a cosine
-        to the end of the run does; one of its own horizon, a step or constant schedule does not)."""
-        lr_at = self.schedule.lr_at
-        other = replace(lr_at, total_steps=lr_at.total_steps + 1)
-        ahead = {step, (step + lr_at.total_steps) // 2, lr_at.total_steps - 1}
-        return any(other(s) != lr_at(s) for s in ahead)
+        """What resuming ``ck`` changes that the user may not expect
+        (:func:`stabletrain.engine.resume.resume_notes`)."""
+        return R.resume_notes(self.ckpt, self.settings, self.schedule.lr_at, path, ck)
 
     def _no_checkpoint_before(self, onset: int, kind: str) -> str:
         """Why no rollback: what the ring holds, and the ckpt.keep that would have kept the last
@@ -852,7 +711,7 @@ class Trainer:
     def fit(self) -> dict:
         resumed = self.maybe_resume()
         if resumed is None:  # before config.yaml is written: the earlier run's goes aside with its records
-            self._set_aside_earlier_run()
+            R.set_aside_earlier_run(self.ckpt, self.notes)
         for hook in self.on_start:  # run.py writes config.yaml here: only once a resume has succeeded
             hook()
         # a run resumed from elsewhere starts its own records (and wandb run), with the history
@@ -928,7 +787,10 @@ class Trainer:
                               **({N.RESUME_CHANGES: ", ".join(f"{k}: {v}" for k, v in self.resume_changes.items())}
                                  if self.resume_changes else {})})
             if self.info.is_main:  # an earlier stop's summary would describe a run that is going on
-                self._note_a_divergence_ahead(read_json(self.run_dir / "summary.json"))
+                ahead = R.divergence_ahead(read_json(self.run_dir / "summary.json"), self.step,
+                                           self.divergence.action == "rollback", self.resume_changes)
+                if ahead:
+                    m.message(ahead)
                 (self.run_dir / "summary.json").unlink(missing_ok=True)
             return None
         done = self.run_dir / "summary.json"

@@ -211,9 +211,9 @@ def test_a_longer_run_whose_schedule_ignores_its_length_is_not_said_to_reshape_i
 
 def _follows(schedule: LRSchedule, step: int) -> bool:
     """Whether the trainer takes the lr of ``schedule`` at ``step`` to follow the run's length."""
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.engine.resume import lr_follows_the_length
 
-    return Trainer._lr_follows_the_length(SimpleNamespace(schedule=SimpleNamespace(lr_at=schedule)), step)
+    return lr_follows_the_length(schedule, step)
 
 
 def test_a_cosine_to_the_runs_end_follows_the_length_from_inside_its_warmup():
@@ -522,10 +522,10 @@ def test_a_resume_that_changes_nothing_records_no_changes(tmp_path):
 def _changes_of(saved: str, mine: str) -> dict:
     """What the trainer records as changed from a checkpoint of config ``saved`` to its own ``mine``."""
     from stabletrain.config import changed_keys
-    from stabletrain.engine.loop import Trainer
+    from stabletrain.engine.resume import changes_of
 
     ckpt = SimpleNamespace(config_yaml=mine, changed_keys=lambda s, allowed: changed_keys(s, mine, allowed))
-    return Trainer._changes_of(SimpleNamespace(ckpt=ckpt), {"config": saved})
+    return changes_of(ckpt, {"config": saved})
 
 
 def test_run_changed_says_unset_for_a_key_one_side_lacks_and_nothing_without_a_config():
