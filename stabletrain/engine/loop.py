@@ -16,11 +16,9 @@ resuming or rolling back to one means for the run, is the trainer's.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import signal
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -36,10 +34,10 @@ from stabletrain.engine import resume as R
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.guard import StepGuard
+from stabletrain.engine.progress import Pace, end_line, interval_fields
 from stabletrain.engine.rundir import continue_with
 from stabletrain.errors import ConfigError, StoppedAtOnce, first_line
-from stabletrain.metrics import (StartNote, duration, logged_value, milliseconds, param_count, peak_flops,
-                                 read_json, si, write_json)
+from stabletrain.metrics import StartNote, logged_value, param_count, peak_flops, read_json, write_json
 from stabletrain.monitor import names as N
 
 
@@ -178,9 +176,7 @@ class Trainer:
         self.last_train_loss: float | None = None
         self.last_penalty: float | None = None  # the loss terms' share of it, where any is active
         self.on_start: list = []  # called once fit() has resumed (or not), before the first step
-        self.step_time: float | None = None  # seconds per step, for the progress line's ETA
-        self.recent_step_times: collections.deque = collections.deque(maxlen=5)
-        self.intervals_logged = 0
+        self.pace = Pace()  # seconds per step, for the progress line's ETA
         # surviving a spike: skipped steps, and rollbacks (saved in checkpoints under "survival")
         self.guard = StepGuard(model, optimizer, ema) if self.divergence.skip_nonfinite else None
         self.data_offset = 0  # the batch of step s is the stream's position s + data_offset
@@ -494,45 +490,10 @@ class Trainer:
                   reason: str | None, last_vals: dict) -> None:
         """The interval's progress line: the loss, skipped steps, a spike under watch or passed, the
         lr, validation (on its own step's line only), speed, MFU and the time left."""
-        # validation only on the line of the step that evaluated it (last_vals is empty otherwise)
-        shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
-        # The ETA's seconds per step: the median of the last five intervals, so that an interval
-        # slowed by something else on the machine does not multiply it. The first interval of a
-        # process carries the warm-up (torch.compile, the allocator, kernel autotuning): the
-        # second replaces it, or a compiled run's ETA would stay minutes too long.
-        if self.intervals_logged == 1:
-            self.recent_step_times.clear()
-        self.recent_step_times.append(rec[N.STEP_TIME])
-        self.step_time = statistics.median(self.recent_step_times)
-        self.intervals_logged += 1
-        speed = {"tok/s" if self.data.kind == "text" else "img/s": si(rec[self._throughput]),
-                 "ms/step": milliseconds(rec[N.STEP_TIME]),
-                 **({"mfu": f"{rec[N.MFU]:.1%}"} if N.MFU in rec else {}),
-                 "eta": duration((self.total_steps - self.step) * self.step_time)}
-        # the loss is what is minimised; with loss terms it reads as task + penalty, for the task part
-        # is what val/loss and a run without the terms compare with. Skipped steps are named.
-        loss: float | str = rec[N.LOSS]
-        if N.LOSS_PENALTY in rec:
-            pen = rec[N.LOSS_PENALTY]
-            loss = f"{loss:.4g} (task {loss - pen:.4g} + penalty {pen:.4g})"
-        which = [s + 1 for s, skip in zip(steps, skipped) if skip]
-        extra = {"skipped": f"{len(which)} non-finite step(s) (step {', '.join(map(str, which[:3]))}"
-                            f"{', ...' if len(which) > 3 else ''})"} if which else {}
-        # what the divergence watch sees: a spike is a divergence only once it lasts divergence.window steps
-        w = self.divergence
-        if w.over and reason is None:
-            extra["spike"] = (f"since step {w.spike_start(self.step)}, the loss above {w.factor:g}x its running "
-                              f"mean {w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
-        elif w.above and reason is None and (w.above_at or 0) > self.step - len(steps):
-            # the warmup's: no window yet, the ring alone holds back. Said in the interval of its
-            # step only: the skipped (non-finite) steps after it leave `above` as it was
-            extra["spike"] = (f"at step {w.above_at}, above {w.factor:g}x the running mean {w.level:.4g}; not "
-                              f"counted in the first divergence.warmup_steps={w.warmup} steps")
-        elif passed:
-            first, length = passed[-1]
-            extra["spike"] = f"of step {first} passed after {length} step(s)"
-        self.metrics.progress(self.step, self.total_steps,
-                              {N.LOSS: loss, **extra, N.LR: rec[N.LR], **shown, **speed})
+        step_time = self.pace.add(rec[N.STEP_TIME])
+        self.metrics.progress(self.step, self.total_steps, interval_fields(
+            rec, steps, skipped, passed, reason, last_vals, watch=self.divergence, step=self.step,
+            total_steps=self.total_steps, text=self.data.kind == "text", step_time=step_time))
 
     def _mfu(self, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation on CUDA: the model's training FLOPs per sample (nanoGPT's
@@ -920,34 +881,10 @@ class Trainer:
                 if not quiet:
                     raise
             if not quiet:
-                at = summary.get("diverged_at", self.step)
-                # the losses are read once per logging interval (no host sync per step): the steps
-                # up to its end ran, and their skips count
-                where = f"at step {at}" + (f" (stopped at step {self.step}, where the logging interval that "
-                                           f"saw it ended)" if at != self.step else "")
-                skips = f" | {self.skipped_steps} non-finite step(s) skipped" if self.skipped_steps else ""
-                if self.spikes:  # their updates were applied: a final loss may carry them
-                    last = self.spikes[-1]
-                    skips += (f" | {len(self.spikes)} loss spike(s) passed, the last at step {last['step']} "
-                              f"({last['steps']} step(s))")
-                if self.rollbacks:
-                    last = self.rollbacks[-1]
-                    scaled = f", lr x{self.lr_scale:.4g} from then on" if self.lr_scale != 1.0 else ""
-                    skips += (f" | {len(self.rollbacks)} rollback(s), the last from step {last['trigger_step']} to "
-                              f"{last['restored_step']}{scaled}")
                 alerts = self.monitor.alerts if self.monitor is not None else []
-                if alerts:  # a completed run may have collapsed on the way: said where it ends
-                    kept = [a for a in alerts if not a.get("rolled_back")]
-                    gone = len(alerts) - len(kept)
-                    skips += f" | {len(alerts)} health alert(s)"
-                    if kept:
-                        skips += f", the first at {kept[0].get('layer')} step {kept[0].get('step')}"
-                    if gone:
-                        skips += f"{' and' if kept else ','} {gone} in the histories rollbacks abandoned"
-                stale = f" (evaluated at step {self.last_vals_step})" if self.last_vals_step != self.step else ""
-                self.metrics.message(f"{status} {where}" + (f": {reason}" if reason else "") + skips
-                                     + "".join(f" | {k} {v:.4g}" for k, v in last_vals.items())
-                                     + (stale if last_vals else ""))
+                at = summary.get("diverged_at", self.step)
+                self.metrics.message(end_line(summary, alerts=alerts, last_vals=last_vals,
+                                              eval_step=self.last_vals_step))
                 if status == "interrupted" and not D.may_be_requeued():  # a line of its own, to copy
                     self.metrics.message(f"continue it with: {continue_with(self.run_dir, self.settings.overrides)}")
                 onset = self.trigger[0] if self.trigger is not None else at  # a spike's first step: a rollback's aim

@@ -9,8 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from stabletrain.config import DivergenceConfig
+from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import Trainer
+from stabletrain.engine.progress import Pace, end_line, interval_fields
 from stabletrain.metrics import duration, milliseconds, peak_flops
+from stabletrain.monitor import names as N
 from tests.helpers import make_cfg, model_of, train
 
 
@@ -203,3 +207,72 @@ def test_the_progress_line_says_what_the_divergence_watch_sees(tmp_path, capsys)
     train(tmp_path / "b", *args, "debug.spike_at_step=25", quiet=False)
     out = capsys.readouterr().err
     assert "step 30/40 | loss 5" in out and "| spike of step 25 passed after 1 step(s) |" in out
+
+
+# --- the lines from the values alone (engine/progress.py) ---
+
+
+def test_pace_drops_the_first_interval_once_the_second_comes_and_takes_the_median_of_five():
+    pace = Pace()
+    assert pace.add(30.0) == 30.0  # the warm-up interval: all there is
+    assert pace.add(1.0) == 1.0  # replaced by the second
+    assert pace.add(3.0) == 2.0
+    for s in (2.0, 2.0, 100.0):  # an interval slowed by something else does not move the median
+        p = pace.add(s)
+    assert p == 2.0 and list(pace.recent) == [1.0, 3.0, 2.0, 2.0, 100.0]
+    assert pace.add(100.0) == 3.0  # five at most: the 1.0 went
+
+
+def _rec(**extra):
+    return {N.LOSS: 2.5, N.LR: 1e-3, N.STEP_TIME: 0.25, N.throughput("tokens"): 4096 / 0.25, **extra}
+
+
+def test_interval_fields_name_the_penalty_the_skipped_steps_validation_and_the_time_left():
+    fields = interval_fields(_rec(**{N.LOSS_PENALTY: 0.5, N.MFU: 0.4}), steps=[10, 11, 12, 13, 14],
+                             skipped=[False, True, False, True, True], passed=[], reason=None,
+                             last_vals={"val/loss": 2.0, "val_ema/loss": 1.9, "other": 7},
+                             watch=DivergenceWatch(), step=15, total_steps=255, text=True, step_time=0.25)
+    assert fields == {N.LOSS: "2.5 (task 2 + penalty 0.5)", "skipped": "3 non-finite step(s) (step 12, 14, 15)",
+                      N.LR: 1e-3, "val/loss": 2.0, "val_ema/loss": 1.9, "tok/s": "16.4k", "ms/step": "250",
+                      "mfu": "40.0%", "eta": "1m00s"}
+    fields = interval_fields(_rec(), [0, 1, 2, 3], [True] * 4, [], None, {}, watch=DivergenceWatch(), step=4,
+                             total_steps=4, text=True, step_time=1.0)
+    assert fields["skipped"] == "4 non-finite step(s) (step 1, 2, 3, ...)" and fields["eta"] == "0s"
+
+
+def test_interval_fields_say_a_spike_under_watch_one_in_the_warmup_and_one_that_passed():
+    w = DivergenceWatch(DivergenceConfig(spike_factor=2.0, window=5, warmup_steps=0, ema=0.0))
+    for step, loss in ((1, 1.0), (2, 3.0), (3, 3.0)):
+        assert w.update(step, loss) is None
+    args = dict(watch=w, step=3, total_steps=10, text=False, step_time=0.1)
+    rec = {N.LOSS: 3.0, N.LR: 0.1, N.STEP_TIME: 0.1, N.throughput("samples"): 10.0}
+    assert interval_fields(rec, [1, 2], [False] * 2, [], None, {}, **args)["spike"] == (
+        "since step 2, the loss above 2x its running mean 1 (2 of 5 steps to a divergence)")
+    assert "spike" not in interval_fields(rec, [1, 2], [False] * 2, [], "diverged", {}, **args)
+    warm = DivergenceWatch(DivergenceConfig(spike_factor=2.0, warmup_steps=10, ema=0.0))
+    warm.update(1, 1.0), warm.update(2, 5.0)
+    line = interval_fields(rec, [1], [False], [], None, {}, **{**args, "watch": warm, "step": 2})
+    assert line["spike"] == ("at step 2, above 2x the running mean 1; not counted in the first "
+                             "divergence.warmup_steps=10 steps")
+    assert "spike" not in interval_fields(rec, [2], [False], [], None, {}, **{**args, "watch": warm, "step": 3})
+    line = interval_fields(rec, [5, 6], [False] * 2, [(3, 2), (5, 1)], None, {}, **{**args, "watch": DivergenceWatch()})
+    assert line["spike"] == "of step 5 passed after 1 step(s)" and line["img/s"] == "10"
+
+
+def test_end_line_says_where_and_why_a_run_stopped_and_what_it_survived():
+    summary = {"status": "diverged", "step": 40, "reason": "non-finite loss (nan) at step 37", "diverged_at": 37,
+               "skipped_steps": 2, "spikes": [{"step": 9, "steps": 3}, {"step": 20, "steps": 1}],
+               "rollbacks": [{"trigger_step": 12, "restored_step": 10}, {"trigger_step": 30, "restored_step": 25}],
+               "lr_scale": 0.25}
+    alerts = [{"layer": "blocks.0.attn", "step": 14, "rolled_back": True}, {"layer": "blocks.1.attn", "step": 33}]
+    assert end_line(summary, alerts=alerts, last_vals={"val/loss": 2.345678}, eval_step=30) == (
+        "diverged at step 37 (stopped at step 40, where the logging interval that saw it ended): non-finite loss "
+        "(nan) at step 37 | 2 non-finite step(s) skipped | 2 loss spike(s) passed, the last at step 20 (1 step(s)) "
+        "| 2 rollback(s), the last from step 30 to 25, lr x0.25 from then on | 2 health alert(s), the first at "
+        "blocks.1.attn step 33 and 1 in the histories rollbacks abandoned | val/loss 2.346 (evaluated at step 30)")
+    done = {"status": "completed", "step": 8, "reason": None, "rollbacks": [], "lr_scale": 1.0}
+    assert end_line(done, alerts=[], last_vals={"val/loss": 1.5, "val/acc": 0.5}, eval_step=8) == (
+        "completed at step 8 | val/loss 1.5 | val/acc 0.5")
+    gone = [{"layer": "blocks.0.attn", "step": 3, "rolled_back": True}]
+    assert end_line(done, alerts=gone, last_vals={}, eval_step=None) == (
+        "completed at step 8 | 1 health alert(s), 1 in the histories rollbacks abandoned")
