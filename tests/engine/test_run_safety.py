@@ -599,3 +599,31 @@ def test_a_requeued_job_with_a_larger_steps_is_told_resume_auto_suffices(tmp_pat
         train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw")
     with pytest.raises(ConfigError, match=r"another optim.lr, steps; pass resume=auto resume_allow_changes=true to"):
         train(tmp_path, *GPT_LOGGED, "steps=4", "optim=adamw", "optim.lr=0.01")
+
+
+def test_a_requeued_job_started_with_resume_path_goes_on_from_its_own_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """Under SLURM, a job started as ``resume=<another run's last.pt>`` and requeued after writing
+    checkpoints of its own continues those, not the path it was started from; with another
+    config in its directory (not its own attempt) the path is taken as asked."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(a, *GPT_LOGGED, "steps=2", "optim=adamw")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    start = f"resume={a / 'checkpoints' / 'last.pt'}"
+    first = train(b, *GPT_LOGGED, "steps=4", "optim=adamw", start, quiet=False)
+    assert first["status"] == "completed" and first["step"] == 4
+    capsys.readouterr()
+    again = train(b, *GPT_LOGGED, "steps=4", "optim=adamw", start, quiet=False)
+    err = capsys.readouterr().err
+    assert f"resumed from {b / 'checkpoints' / 'last.pt'}, not {start}: this job was started again (requeued)" in err
+    assert "the checkpoint is at step 4 of 4: nothing to train" in err and again == first
+    # its own attempt run again with a longer length: a resubmission, not a requeue; asked as without resume=
+    with pytest.raises(ConfigError, match=r"b/checkpoints/last.pt was written by a run with another steps; pass "
+                                          r"resume=auto to continue it anyway"):
+        train(b, *GPT_LOGGED, "steps=5", "optim=adamw", start, quiet=False)
+    other = train(tmp_path / "c", *GPT_LOGGED, "steps=3", "optim=adamw", "optim.lr=0.01", quiet=False)
+    assert other["step"] == 3
+    capsys.readouterr()
+    train(tmp_path / "c", *GPT_LOGGED, "steps=4", "optim=adamw", start, quiet=False)  # not that run's attempt
+    err = capsys.readouterr().err
+    assert "started again (requeued)" not in err and "resumed from step 2" in err, err
+    assert f"{tmp_path / 'c'} held an earlier run: moved aside checkpoints/ -> checkpoints.previous/" in err
