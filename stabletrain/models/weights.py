@@ -384,6 +384,13 @@ def timm_filter(filter_fn, trunk: str = ""):
         if w is not None and here is not None and w.dim() == 4 and w.shape[1] != here.shape[1]:
             out[f"{proj}.weight"] = _channels_adapted(w, here.shape[1])
         said, passed = [], {id(v) for v in state.values()}  # what the filter passed on, renamed or not
+        name_there = {id(v): k for k, v in state.items()}
+        for k, v in list(out.items()):  # one the filter renamed or made that does not fit: the source's as it is
+            if k in state or prefix + k in state or (k in mine and v.shape == mine[k].shape):
+                continue
+            del out[k]  # a tensor it made (OpenCLIP's projection's zero bias) was never the source's
+            if id(v) in passed:  # renamed (OpenCLIP's visual.head.proj.weight as head.weight): its own name
+                out[name_there[id(v)]] = v
         for k, v in out.items():  # (an older layout's tensor renamed onto another's name is no resample)
             was = k if k in state else prefix + k if prefix + k in state else None  # visual.trunk.pos_embed
             if id(v) not in passed and was is not None and v.shape != state[was].shape:

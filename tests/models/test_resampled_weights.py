@@ -214,6 +214,29 @@ def test_a_timm_trunk_under_open_clips_names_loads_as_timms_own_loads_it(tmp_pat
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
 
 
+def test_an_open_clip_projection_that_does_not_fit_the_head_is_named_as_the_source_holds_it(tmp_path):
+    """OpenCLIP keeps its projection to the joint embedding outside the trunk (visual.head.proj);
+    timm's filter renames it head.weight and makes a zero head.bias. Into a classifier of another
+    width, the note names the source's tensor unused under its own name, and no bias the source
+    never had; the trunk loads. Where the widths match, the projection loads as timm's own load does."""
+    src = _randomised(_timm_vit(16, 4))
+    trunk = {f"visual.trunk.{k}": v for k, v in src.state_dict().items() if not k.startswith("head.")}
+    torch.save(trunk | {"visual.head.proj.weight": torch.randn(64, 32)}, tmp_path / "open_clip.bin")
+    model, m = _ours("vit_test")
+    note = load_weights(model, tmp_path / "open_clip.bin", m)
+    assert ("init_weights: 30 of 32 tensors from {}; 2 kept their initialisation: head.weight (not there), "
+            "head.bias (not there); 1 of the source's unused: visual.head.proj.weight; the optimizer"
+            .format(tmp_path / "open_clip.bin")) in note, note
+    mine = model.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in src.state_dict().items() if not k.startswith("head."))
+    proj = torch.randn(10, 32)
+    torch.save(trunk | {"visual.head.proj.weight": proj}, tmp_path / "fits.bin")
+    model, m = _ours("vit_test")
+    note = load_weights(model, tmp_path / "fits.bin", m)
+    assert f"32 of 32 tensors from {tmp_path / 'fits.bin'}; the optimizer" in note, note
+    assert torch.equal(model.head.weight, proj) and not model.head.bias.any()
+
+
 def test_a_run_resampled_to_another_size_is_not_said_to_compute_another_function(tmp_path):
     """The sizes that differ are what the resample is for: the note names the tensors resampled,
     not the source's img_size as a setting under which the same tensors compute another function;
