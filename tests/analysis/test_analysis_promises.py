@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from stabletrain.analysis import plots as P
+from stabletrain.analysis.runs import read_metrics
 from stabletrain.analysis import stability as S
 from stabletrain.analysis import sweeps
 from stabletrain.analysis.ticks import distinct_labels
@@ -423,7 +424,7 @@ def test_read_metrics_orders_by_step_and_skips_booleans(tmp_path):
     """Each series is sorted by step whatever the order of the lines; a boolean is no number."""
     lines = [{"step": 20, "loss": 1.0}, {"step": 0, "loss": 3.0, "eval": True}, {"step": 10, "loss": 2.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    m = P.read_metrics(tmp_path / "metrics.jsonl")
+    m = read_metrics(tmp_path / "metrics.jsonl")
     assert list(m["loss"][0]) == [0, 10, 20] and list(m["loss"][1]) == [3.0, 2.0, 1.0] and "eval" not in m
 
 

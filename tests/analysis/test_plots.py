@@ -12,6 +12,7 @@ import pytest
 
 from stabletrain.monitor import names as N
 from stabletrain.analysis import plots as P
+from stabletrain.analysis.runs import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS = [f"blocks.{i}" for i in range(4)]
@@ -295,7 +296,7 @@ def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     lines = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": float("nan"), "grad_norm": float("inf")},
              {"step": 3, "note": "text", "loss": float("-inf")}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(_clean(x)) + "\n" for x in lines))
-    m = P.read_metrics(tmp_path / "metrics.jsonl")
+    m = read_metrics(tmp_path / "metrics.jsonl")
     steps, loss = m["loss"]
     assert list(steps) == [1, 2, 3] and loss[0] == 2.0 and np.isnan(loss[1]) and loss[2] == -np.inf
     assert m["grad_norm"][1][0] == np.inf and "note" not in m
