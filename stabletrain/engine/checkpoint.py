@@ -523,13 +523,13 @@ class Checkpointer:
             found.append(previous_dcp(path.parent))
         return D.broadcast_object([p for p in found if (p / ".metadata").is_file()], self.info)
 
-    def set_aside(self) -> Path | None:
+    def set_aside(self, dest: Path | None = None) -> Path | None:
         """A fresh run in a directory that holds an earlier run's checkpoints: move them to
-        ``checkpoints.previous/`` (``.previous2/``, ... when taken), so that none is overwritten
-        and no rollback restores one of them. Returns where they went (rank 0)."""
+        ``dest``, by default ``checkpoints.previous/`` (``.previous2/``, ... when taken), so that
+        none is overwritten and no rollback restores one of them. Returns where they went (rank 0)."""
         if not self.dir.is_dir() or not any(self.dir.iterdir()):
             return None
-        dest = previous_name(self.dir)
+        dest = dest or previous_name(self.dir)
         self.dir.rename(dest)
         return dest
 

@@ -31,6 +31,9 @@ class DivergenceWatch:
         # skipped steps may fall inside a spike: its steps are not counted back from the last one
         self.spike_from: int | None = None  # the first step of the spike under watch (while over > 0)
         self.above_at: int | None = None  # the step of the last loss above factor x its running mean
+        # (step, running mean) of the last such loss the warmup did not count: for the progress line of
+        # its interval, whatever the steps after it were
+        self.uncounted: tuple[int, float] | None = None
 
     def update(self, step: int, loss: float, skipped: bool = False) -> str | None:
         """Feed one step's loss (``skipped``: its update was not applied); returns the reason
@@ -54,6 +57,8 @@ class DivergenceWatch:
         if self.above:
             self.above_at = step
         spiking = self.above and self.seen >= self.warmup
+        if self.above and not spiking:
+            self.uncounted = (step, self.ema)
         if spiking and not self.over:
             self.spike_from = step
         self.over = self.over + 1 if spiking else 0
@@ -101,6 +106,7 @@ class DivergenceWatch:
         self.above = bool(s.get("above", self.over))
         self.level = s.get("level", self.ema)
         self.spike_from, self.above_at = s.get("spike_from"), s.get("above_at")
+        self.uncounted = None  # of the history left behind, on no line from here
         if step is not None and "spike_from" not in s:
             last = step - self.skips
             self.spike_from = last - self.over + 1 if self.over else None

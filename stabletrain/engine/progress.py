@@ -58,10 +58,11 @@ def interval_fields(rec: dict, steps: list[int], skipped: list[bool], passed: li
     if w.over and reason is None:
         extra["spike"] = (f"since step {w.spike_start(step)}, the loss above {w.factor:g}x its running "
                           f"mean {w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
-    elif w.above and reason is None and (w.above_at or 0) > step - len(steps):
-        # the warmup's: no window yet, the ring alone holds back. Said in the interval of its
-        # step only: the skipped (non-finite) steps after it leave `above` as it was
-        extra["spike"] = (f"at step {w.above_at}, above {w.factor:g}x the running mean {w.level:.4g}; not "
+    elif w.uncounted is not None and reason is None and w.uncounted[0] > step - len(steps):
+        # the warmup's: no window yet, the ring alone holds back. Said in the interval of its step,
+        # healthy or skipped steps after it or not; on no later line
+        at, level = w.uncounted
+        extra["spike"] = (f"at step {at}, above {w.factor:g}x the running mean {level:.4g}; not "
                           f"counted in the first divergence.warmup_steps={w.warmup} steps")
     elif passed:
         first, length = passed[-1]

@@ -207,6 +207,13 @@ def test_the_progress_line_says_what_the_divergence_watch_sees(tmp_path, capsys)
     train(tmp_path / "b", *args, "debug.spike_at_step=25", quiet=False)
     out = capsys.readouterr().err
     assert "step 30/40 | loss 5" in out and "| spike of step 25 passed after 1 step(s) |" in out
+    # in the divergence warmup (20 steps), inside an interval: its line says why its mean loss is so high
+    train(tmp_path / "c", *args, "debug.spike_at_step=12", quiet=False)
+    err = capsys.readouterr().err
+    lines = {int(m.group(1)): ln for ln in err.splitlines() if (m := re.match(r"step (\d+)/40 ", ln))}
+    assert re.search(r"\| spike at step 12, above 4x the running mean 5\.\d+; not counted in the first "
+                     r"divergence.warmup_steps=20 steps \|", lines[20]), lines[20]
+    assert "spike" not in lines[10] + lines[30] + lines[40]
 
 
 # --- the lines from the values alone (engine/progress.py) ---
@@ -255,6 +262,9 @@ def test_interval_fields_say_a_spike_under_watch_one_in_the_warmup_and_one_that_
     assert line["spike"] == ("at step 2, above 2x the running mean 1; not counted in the first "
                              "divergence.warmup_steps=10 steps")
     assert "spike" not in interval_fields(rec, [2], [False], [], None, {}, **{**args, "watch": warm, "step": 3})
+    warm.update(3, 1.5)  # a healthy step after it, in the same interval: the line still explains its loss
+    line = interval_fields(rec, [0, 1, 2], [False] * 3, [], None, {}, **{**args, "watch": warm, "step": 3})
+    assert line["spike"].startswith("at step 2, above 2x the running mean 1;"), line
     line = interval_fields(rec, [5, 6], [False] * 2, [(3, 2), (5, 1)], None, {}, **{**args, "watch": DivergenceWatch()})
     assert line["spike"] == "of step 5 passed after 1 step(s)" and line["img/s"] == "10"
 
@@ -276,3 +286,26 @@ def test_end_line_says_where_and_why_a_run_stopped_and_what_it_survived():
     gone = [{"layer": "blocks.0.attn", "step": 3, "rolled_back": True}]
     assert end_line(done, alerts=gone, last_vals={}, eval_step=None) == (
         "completed at step 8 | 1 health alert(s), 1 in the histories rollbacks abandoned")
+
+
+def test_the_progress_line_reads_loss_skips_spike_lr_validation_speed_then_the_time_left():
+    """The fields come in one order on every line, the loss first and the time left last, so that
+    the eye finds each at its place: validation between the lr and the speed, not after the ETA."""
+    w = DivergenceWatch(DivergenceConfig(spike_factor=2.0, window=5, warmup_steps=0, ema=0.0))
+    for step, loss in ((1, 1.0), (2, 3.0)):
+        w.update(step, loss)
+    fields = interval_fields(_rec(**{N.MFU: 0.4}), [0, 1], [False, True], [], None, {"val/loss": 2.0}, watch=w,
+                             step=2, total_steps=10, text=True, step_time=0.25)
+    assert list(fields) == [N.LOSS, "skipped", "spike", N.LR, "val/loss", "tok/s", "ms/step", "mfu", "eta"]
+
+
+def test_end_line_names_the_first_standing_alert_and_no_lr_scale_or_skips_the_run_did_not_have():
+    """Of the health alerts, the first one no rollback abandoned is named; a rollback that kept the
+    lr says no 'lr x1', and a guarded run that skipped no step says nothing of skipped steps."""
+    summary = {"status": "completed", "step": 10, "reason": None, "skipped_steps": 0, "lr_scale": 1.0,
+               "rollbacks": [{"trigger_step": 6, "restored_step": 4}]}
+    alerts = [{"layer": "blocks.1.attn", "step": 2, "rolled_back": True}, {"layer": "blocks.0.attn", "step": 3},
+              {"layer": "blocks.1.mlp", "step": 8}]
+    assert end_line(summary, alerts=alerts, last_vals={}, eval_step=None) == (
+        "completed at step 10 | 1 rollback(s), the last from step 6 to 4 | 3 health alert(s), the first at "
+        "blocks.0.attn step 3 and 1 in the histories rollbacks abandoned")

@@ -4,6 +4,7 @@ import json
 import re
 import signal
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -627,3 +628,102 @@ def test_a_requeued_job_started_with_resume_path_goes_on_from_its_own_last_check
     err = capsys.readouterr().err
     assert "started again (requeued)" not in err and "resumed from step 2" in err, err
     assert f"{tmp_path / 'c'} held an earlier run: moved aside checkpoints/ -> checkpoints.previous/" in err
+
+
+def test_resume_auto_on_a_run_killed_before_its_first_checkpoint_says_so(tmp_path, capsys):
+    """A run killed before its first checkpoint leaves its records but no summary: resume=auto
+    starts from step 0 and says that run stopped too early, not to pass the directory it was given."""
+    import shutil
+
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=2")
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "summary.json").unlink()
+    capsys.readouterr()
+    assert train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=2", "resume=auto", quiet=False)["step"] == 2
+    assert f"resume=auto: no checkpoint in {tmp_path / 'checkpoints'}, starting from step 0 (the run there stopped " \
+           "before its first checkpoint)\n" in capsys.readouterr().err
+
+
+def test_a_requeued_job_started_with_resume_of_its_own_last_pt_is_no_requeue_note(tmp_path, monkeypatch, capsys):
+    """Under SLURM, resume= the run directory's own last.pt is the checkpoint asked for: the start
+    lines do not say it was taken instead of the one asked for."""
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=2")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    capsys.readouterr()
+    last = tmp_path / "checkpoints" / "last.pt"
+    assert train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=3", f"resume={last}", quiet=False)["step"] == 3
+    err = capsys.readouterr().err
+    assert "resumed from step 2" in err and "started again (requeued)" not in err, err
+
+
+def test_a_run_set_aside_after_one_without_checkpoints_keeps_its_own_records_with_its_checkpoints(tmp_path, capsys):
+    """A run killed before its first checkpoint, a fresh run, then another: the second's records
+    went to metrics.previous2.jsonl beside checkpoints.previous/, where the first's records lay,
+    and its hint continued it with the first run's history. The checkpoints and the files of one
+    run take one suffix free for all of them; the first run's records are kept."""
+    import shutil
+
+    from stabletrain.metrics import read_records
+
+    def steps(name):
+        return [r["step"] for r in read_records(tmp_path / name) if "loss" in r]
+
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=2")
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "summary.json").unlink()
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=3")
+    capsys.readouterr()
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=1", quiet=False)
+    last = tmp_path / "checkpoints.previous2" / "last.pt"
+    assert f"{tmp_path} held an earlier run: moved aside checkpoints/ -> checkpoints.previous2/, metrics.jsonl -> " \
+           "metrics.previous2.jsonl, summary.json -> summary.previous2.json, config.yaml -> config.previous2.yaml " \
+           f"(to continue that run instead, stop this one and pass resume={last})\n" in capsys.readouterr().err
+    assert steps("metrics.previous.jsonl") == [1, 2] and steps("metrics.previous2.jsonl") == [1, 2, 3]
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=4", f"resume={last}")
+    assert steps("metrics.jsonl") == [1, 2, 3, 4]
+
+
+def test_the_set_aside_note_names_no_last_pt_the_earlier_run_did_not_write(tmp_path, capsys):
+    """An earlier run whose checkpoints/ holds no last.pt (its ring only): the note says where its
+    files went and offers no resume= of a file that is not there."""
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=2", "ckpt_every=1", "ckpt.keep=2")
+    (tmp_path / "checkpoints" / "last.pt").unlink()
+    capsys.readouterr()
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=1", quiet=False)
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if "held an earlier run" in ln)
+    assert line.endswith("moved aside checkpoints/ -> checkpoints.previous/, metrics.jsonl -> metrics.previous.jsonl, "
+                         "summary.json -> summary.previous.json, config.yaml -> config.previous.yaml"), line
+
+
+def _notes_of(changed: list[str], resume: str = "/r/last.pt") -> list[str]:
+    """The start lines of a resume of ``resume`` whose checkpoint's config differs from this run's in ``changed``."""
+    from stabletrain.engine.resume import resume_notes
+
+    ckpt = SimpleNamespace(config_yaml="a: 1\n", changed_keys=lambda saved, allowed: list(changed),
+                           info=SimpleNamespace(world=1), ema=None)
+    settings = SimpleNamespace(resume=resume, resume_allow_changes=False, total_steps=4)
+    return resume_notes(ckpt, settings, lambda step: 1.0, Path(resume), {"config": "a: 2\n", "step": 2})
+
+
+def test_resume_path_names_eight_changed_keys_and_says_more_only_past_them():
+    keys = [f"model.k{i}" for i in range(1, 10)]
+    assert _notes_of(keys[:8]) == [f"resume=/r/last.pt continues with another {', '.join(keys[:8])} than the run "
+                                   "that wrote it"]
+    assert _notes_of(keys) == [f"resume=/r/last.pt continues with another {', '.join(keys[:8])} ... than the run "
+                               "that wrote it"]
+
+
+def test_the_divergence_ahead_is_said_only_for_a_step_still_ahead_and_changes_of_the_records_alone():
+    """Resumed at the step it diverged at or past it, the run has gone by it; a change of how the
+    run is recorded leaves the same state and data ahead, a changed lr does not."""
+    from stabletrain.engine.resume import divergence_ahead
+
+    diverged = {"status": "diverged", "diverged_at": 6, "reason": "non-finite loss"}
+    note = ("note: this run diverged at step 6 (non-finite loss) from this checkpoint's state with these settings, "
+            "and will likely diverge there again; divergence.action=rollback goes past it (back to a checkpoint "
+            "before it, skipping the data from there)")
+    assert divergence_ahead(diverged, 4, False, {}) == note
+    assert divergence_ahead(diverged, 4, False, {"eval_every": "10 -> 5", "logger.log_every": "1 -> 2"}) == note
+    assert divergence_ahead(diverged, 6, False, {}) is None
+    assert divergence_ahead(diverged, 4, False, {"eval_every": "10 -> 5", "optim.lr": "0.001 -> 0.0005"}) is None
+    assert divergence_ahead(diverged, 4, True, {}) is None and divergence_ahead(None, 4, False, {}) is None
