@@ -437,6 +437,26 @@ def test_a_spike_in_the_divergence_warmup_does_not_hide_later_ones():
     assert w.update(32, 5.0).startswith("loss 5 stayed above 2x its running mean 1")
 
 
+def test_the_watch_keeps_the_last_warmup_spike_for_its_line_and_a_restored_watch_forgets_it():
+    """A spike the warmup does not count is kept with the running mean it rose above, healthy steps
+    after it or not (the progress line of its interval says it); a watch restored from a checkpoint,
+    as a rollback restores one, holds none of the history it left behind."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import DivergenceConfig
+    from stabletrain.engine.divergence import DivergenceWatch
+
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0, ema=0.5)))
+    saved = (w.update(1, 1.0), w.state_dict())[1]
+    assert w.update(2, 3.0) is None and w.update(3, 1.0) is None and w.uncounted == (2, 1.0)
+    assert w.update(4, 9.0) is None and w.uncounted == (4, 1.25)  # the last one, against its own mean
+    for s in range(5, 12):
+        w.update(s, 1.0)
+    assert w.update(12, 9.0) is None and w.over == 1 and w.uncounted == (4, 1.25)  # counted: no warmup's
+    w.load_state_dict(saved)
+    assert w.uncounted is None
+
+
 def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():
     """The cap lets a genuine rise through: losses doubling once in the warmup raise the level to
     the new loss without counting a spike once the warmup ends."""
