@@ -10,8 +10,10 @@ integer on a gloo group, which never waits for the GPU).
 
 The trainer receives built objects (:mod:`stabletrain.build` turns a config into them) and
 imports nothing of models/, data/ or optim/. Where checkpoints are and how they are written and
-read back is :class:`~stabletrain.engine.checkpoint.Checkpointer`'s; when to write one, and what
-resuming or rolling back to one means for the run, is the trainer's.
+read back is :class:`~stabletrain.engine.checkpoint.Checkpointer`'s; which one a run resumes and
+what the resume changed, :mod:`stabletrain.engine.resume`'s; when to write one, and what resuming
+or rolling back to one means for the step counter and the data stream, the trainer's. The lines a
+run prints are worded by :mod:`stabletrain.engine.progress`.
 """
 
 from __future__ import annotations
