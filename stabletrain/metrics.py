@@ -52,15 +52,20 @@ def read_json(path: Path) -> dict | None:
     return out if isinstance(out, dict) else None
 
 
-def previous_name(path: Path) -> Path:
-    """The first free name of ``a.previous.b``, ``a.previous2.b``, ... beside ``path`` (``a.b``),
-    where an earlier run's file or directory is moved when a fresh run starts on its directory."""
-    path = Path(path)
-    stem, suffix = (path.stem, path.suffix) if path.is_file() else (path.name, "")
+def previous_name(path: Path, *together: Path) -> Path:
+    """The first free name of ``a.previous.b``, ``a.previous2.b``, ... beside ``path`` (``a.b``; a
+    directory's whole name takes the suffix), where an earlier run's file or directory is moved when
+    a fresh run starts on its directory. With ``together``, the first number free beside each of
+    those too: a run's checkpoints and records go aside under one number."""
+    def nth(p: Path, n: int) -> Path:
+        stem, suffix = (p.name, "") if p.is_dir() else (p.stem, p.suffix)
+        return p.with_name(f"{stem}.previous{'' if n == 1 else n}{suffix}")
+
+    paths = [Path(p) for p in (path, *together)]
     n = 1
-    while (dest := path.with_name(f"{stem}.previous{'' if n == 1 else n}{suffix}")).exists():
+    while any(nth(p, n).exists() for p in paths):
         n += 1
-    return dest
+    return nth(paths[0], n)
 
 
 def read_lines(path: Path) -> list[str]:

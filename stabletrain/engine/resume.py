@@ -75,7 +75,9 @@ def set_aside_earlier_run(ckpt: Checkpointer, notes: list) -> None:
     (``checkpoints.previous2/`` goes with ``metrics.previous2.jsonl``), so that a resume from
     the set-aside checkpoints finds their history (:func:`~stabletrain.engine.checkpoint.records_of`)."""
     if ckpt.info.is_main:
-        moved = ckpt.set_aside(ckpt.run_dir / _aside(ckpt.dir.name, _free_suffix(ckpt)))
+        # the first number none of them has taken: one taken by the records of a run that wrote no
+        # checkpoint would pair these checkpoints with that run's records
+        moved = ckpt.set_aside(previous_name(ckpt.dir, *(ckpt.run_dir / name for name in _RUN_FILES)))
         suffix = moved.name[len(ckpt.dir.name):] if moved is not None else None
         went = [(ckpt.dir.name + "/", moved.name + "/")] if moved is not None else []
         # config.yaml too: the fresh run writes its own, and the set-aside records say nothing
@@ -104,17 +106,6 @@ def _aside(name: str, suffix: str) -> str:
     """``metrics.jsonl`` -> ``metrics.previous2.jsonl`` for ``suffix`` ``.previous2``."""
     stem, dot, ext = name.partition(".")
     return f"{stem}{suffix}{dot}{ext}"
-
-
-def _free_suffix(ckpt: Checkpointer) -> str:
-    """The first ``.previous``, ``.previous2``, ... that neither the checkpoints nor any of the
-    run's files has taken: a suffix taken by the records of a run that wrote no checkpoint would
-    pair the checkpoints with that run's records."""
-    n = 1
-    while any((ckpt.run_dir / _aside(name, f".previous{n if n > 1 else ''}")).exists()
-              for name in (ckpt.dir.name, *_RUN_FILES)):
-        n += 1
-    return f".previous{n if n > 1 else ''}"
 
 
 def changes_of(ckpt: Checkpointer, ck: dict) -> dict[str, str]:
