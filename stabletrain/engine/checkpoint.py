@@ -15,7 +15,7 @@ from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, may
 from stabletrain.engine import distributed as D
 from stabletrain.engine.rundir import command, continue_with, launcher_of_this_job, own_dir_key, sweep_dir
 from stabletrain.errors import ConfigError, first_line
-from stabletrain.metrics import previous_name, read_json
+from stabletrain.metrics import read_json
 
 
 def mismatch(e: BaseException) -> str:
@@ -523,13 +523,13 @@ class Checkpointer:
             found.append(previous_dcp(path.parent))
         return D.broadcast_object([p for p in found if (p / ".metadata").is_file()], self.info)
 
-    def set_aside(self, dest: Path | None = None) -> Path | None:
-        """A fresh run in a directory that holds an earlier run's checkpoints: move them to
-        ``dest``, by default ``checkpoints.previous/`` (``.previous2/``, ... when taken), so that
-        none is overwritten and no rollback restores one of them. Returns where they went (rank 0)."""
+    def set_aside(self, dest: Path) -> Path | None:
+        """A fresh run in a directory that holds an earlier run's checkpoints: move them to ``dest``
+        (``checkpoints.previous/``, ...: :func:`stabletrain.engine.resume.set_aside_earlier_run`
+        names it with the run's records), so that none is overwritten and no rollback restores one
+        of them. Returns where they went, None where there was nothing to move (rank 0)."""
         if not self.dir.is_dir() or not any(self.dir.iterdir()):
             return None
-        dest = dest or previous_name(self.dir)
         self.dir.rename(dest)
         return dest
 

@@ -86,8 +86,7 @@ def set_aside_earlier_run(ckpt: Checkpointer, notes: list) -> None:
             path = ckpt.run_dir / name
             if not path.exists():
                 continue
-            dest = ckpt.run_dir / _aside(name, suffix) if suffix else None
-            dest = dest if dest is not None and not dest.exists() else previous_name(path)
+            dest = ckpt.run_dir / _aside(name, suffix) if suffix else previous_name(path)  # suffix: free for all
             path.replace(dest)
             went.append((name, dest.name))
         if went:
