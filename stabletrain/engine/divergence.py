@@ -25,12 +25,10 @@ class DivergenceWatch:
         self.seen = 0
         self.over = 0
         self.above = False  # the last loss was above factor x the running mean, in the warmup too
-        self.level: float | None = None  # the running mean the last loss was measured against
         self.skips = 0  # consecutive skipped steps
         self.onset: int | None = None  # the first step of the trouble the last reason names
         # skipped steps may fall inside a spike: its steps are not counted back from the last one
         self.spike_from: int | None = None  # the first step of the spike under watch (while over > 0)
-        self.above_at: int | None = None  # the step of the last loss above factor x its running mean
         # (step, running mean) of the last such loss the warmup did not count: for the progress line of
         # its interval, whatever the steps after it were
         self.uncounted: tuple[int, float] | None = None
@@ -53,9 +51,6 @@ class DivergenceWatch:
         if not self.enabled:
             return None
         self.above = self.ema is not None and loss > self.factor * self.ema
-        self.level = self.ema  # what the last loss was measured against
-        if self.above:
-            self.above_at = step
         spiking = self.above and self.seen >= self.warmup
         if self.above and not spiking:
             self.uncounted = (step, self.ema)
@@ -92,22 +87,21 @@ class DivergenceWatch:
 
     def state_dict(self) -> dict:
         return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above,
-                "level": self.level, "spike_from": self.spike_from, "above_at": self.above_at}
+                "spike_from": self.spike_from}
 
     def load_state_dict(self, s: dict, step: int | None = None) -> None:
-        """``step``: the step the state was saved at. A checkpoint written before ``spike_from``
-        and ``above_at`` were kept, inside a spike, gets them back from it: the watch had seen every
-        step to ``step``, the last ``skips`` of them skipped, so the last loss it measured was step
-        ``step - skips`` and the spike's ``over`` steps end there (as that code counted them). Left
-        unset, a non-finite step skipped after the resume would move the spike's start (and the
-        ring checkpoint a rollback restores, the data it skips) one step later."""
+        """``step``: the step the state was saved at. A checkpoint written before ``spike_from`` was
+        kept, inside a spike, gets it back from it: the watch had seen every step to ``step``, the
+        last ``skips`` of them skipped, so the last loss it measured was step ``step - skips`` and the
+        spike's ``over`` steps end there (as that code counted them). Left unset, a non-finite step
+        skipped after the resume would move the spike's start (and the ring checkpoint a rollback
+        restores, the data it skips) one step later. Keys older code kept and this reads no more
+        (``level``, ``above_at``) are passed over."""
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
         self.skips = s.get("skips", 0)
         self.above = bool(s.get("above", self.over))
-        self.level = s.get("level", self.ema)
-        self.spike_from, self.above_at = s.get("spike_from"), s.get("above_at")
+        self.spike_from = s.get("spike_from")
         self.uncounted = None  # of the history left behind, on no line from here
         if step is not None and "spike_from" not in s:
             last = step - self.skips
             self.spike_from = last - self.over + 1 if self.over else None
-            self.above_at = last if self.above else None

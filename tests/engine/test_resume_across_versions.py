@@ -1,7 +1,7 @@
 """A run started by older code and resumed by this one (an upgrade in the middle of a run).
 
-An "old" checkpoint is a new one with the state keys added since deleted: the divergence
-watch's ``spike_from`` and ``above_at``; an "old" run directory has ``train/skipped_steps``
+An "old" checkpoint is a new one with the state key added since deleted: the divergence
+watch's ``spike_from``; an "old" run directory has ``train/skipped_steps``
 interval records and no ``train/skipped_step`` records before its resume."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import losses, train
 
-NEW_WATCH_KEYS = ("spike_from", "above_at")
+NEW_WATCH_KEYS = ("spike_from",)
 
 
 def _as_written_by_old_code(run_dir):
@@ -36,7 +36,7 @@ def _watch(**kw):
 
 def test_an_old_state_saved_inside_a_spike_gets_the_spikes_first_step_back():
     """Saved at step 14 after a spike from step 10 (steps 10-12) and two skipped steps (13, 14):
-    the spike began at step 10, and its last loss above the running mean was step 12."""
+    the spike began at step 10."""
     w = _watch(window=5, warmup_steps=5, spike_factor=2.0)
     for s in range(10):
         w.update(s, 1.0)
@@ -47,7 +47,7 @@ def test_an_old_state_saved_inside_a_spike_gets_the_spikes_first_step_back():
     old = {k: v for k, v in w.state_dict().items() if k not in NEW_WATCH_KEYS}
     again = _watch(window=5, warmup_steps=5, spike_factor=2.0)
     again.load_state_dict(old, step=14)
-    assert (again.spike_from, again.above_at) == (w.spike_from, w.above_at) == (10, 12)
+    assert again.spike_from == w.spike_from == 10
     # a skipped step after the resume, then the spike goes on: it still began at step 10
     again.update(15, 5.0)
     again.update(16, math.nan, skipped=True)
@@ -61,10 +61,10 @@ def test_an_old_state_outside_a_spike_and_a_new_state_load_as_they_were():
     old = {k: v for k, v in w.state_dict().items() if k not in NEW_WATCH_KEYS}
     again = _watch()
     again.load_state_dict(old, step=12)
-    assert (again.over, again.spike_from, again.above_at) == (0, None, None)
-    w.spike_from, w.above_at = 3, 4  # a new state's own values are kept, whatever the step
+    assert (again.over, again.spike_from) == (0, None)
+    w.spike_from = 3  # a new state's own value is kept, whatever the step
     again.load_state_dict(w.state_dict(), step=12)
-    assert (again.spike_from, again.above_at) == (3, 4)
+    assert again.spike_from == 3
 
 
 SPIKE = ["model=vit_test", "optim=sgd", "ckpt_every=2", "ckpt.keep=20", "eval_every=100", "logger.log_every=1",
