@@ -105,3 +105,15 @@ class DivergenceWatch:
         if step is not None and "spike_from" not in s:
             last = step - self.skips
             self.spike_from = last - self.over + 1 if self.over else None
+
+
+def add_warmup_spikes(spikes: list[dict], steps: list[int]) -> None:
+    """Record in ``spikes`` (summary.json's: ``{step, steps}``) the ``steps`` whose loss spiked in
+    the divergence warmup, marked ``warmup``: consecutive steps are one spike, one that goes on
+    from the last recorded grows."""
+    for at in steps:
+        last = spikes[-1] if spikes else {}
+        if last.get("warmup") and last["step"] + last["steps"] == at:
+            last["steps"] += 1
+        else:
+            spikes.append({"step": at, "steps": 1, "warmup": True})

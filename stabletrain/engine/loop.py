@@ -34,7 +34,7 @@ from torch import nn
 from stabletrain.engine import distributed as D
 from stabletrain.engine import resume as R
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
-from stabletrain.engine.divergence import DivergenceWatch
+from stabletrain.engine.divergence import DivergenceWatch, add_warmup_spikes
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.progress import Pace, end_line, interval_fields
 from stabletrain.engine.rundir import continue_with
@@ -185,7 +185,9 @@ class Trainer:
         self.lr_scale = 1.0  # divergence.lr_scale_on_rollback, compounded per rollback
         self.rollbacks: list[dict] = []
         self.skipped_steps = 0  # non-finite steps skipped so far (divergence.skip_nonfinite)
-        self.spikes: list[dict] = []  # loss spikes that passed, watched, not acted on: {step, steps}
+        # loss spikes that passed, watched, not acted on: {step, steps}, and "warmup": true for those the
+        # divergence warmup did not count
+        self.spikes: list[dict] = []
         self.trigger: tuple[int, str] | None = None  # (onset step, kind) of the last stop reason
         self.resumed_elsewhere: Path | None = None  # resume=PATH of another run's checkpoint: PATH
         self.resume_changes: dict[str, str] = {}  # key -> "was -> now": the settings a resume changed
@@ -376,7 +378,8 @@ class Trainer:
         Returns the reason to stop, or None."""
         got = self._read_back([r for _, r in pending])
         steps = [s for s, _ in pending]
-        reason, passed = self._verdict(steps, got)
+        reason, passed, early = self._verdict(steps, got)
+        add_warmup_spikes(self.spikes, early)
         self.spikes += [{"step": first, "steps": length} for first, length in passed]
         rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
         for s, skip in zip(steps, got.skipped):  # the figures mark each where it happened, not at the log step
@@ -425,16 +428,19 @@ class Trainer:
         return _Interval(losses, skipped, terms, values[0] if gnorm is not None else None,
                          int(values[-2]), values[-1] > 0)
 
-    def _verdict(self, steps: list[int], got: _Interval) -> tuple[str | None, list[tuple[int, int]]]:
+    def _verdict(self, steps: list[int], got: _Interval) -> tuple[str | None, list[tuple[int, int]], list[int]]:
         """Feed the losses to the divergence watch step by step; returns the reason to stop (a
-        divergence, one unresolved at the last step, or the monitors' stop request) and the
-        (first step, length) of the loss spikes that ended in the interval."""
+        divergence, one unresolved at the last step, or the monitors' stop request), the (first
+        step, length) of the loss spikes that ended in the interval and the steps of the spikes the
+        divergence warmup did not count."""
         reason = None
         self.trigger = None
-        passed = []
+        passed, early = [], []
         for s, value, skip in zip(steps, got.losses, got.skipped):
-            over, start = self.divergence.over, self.divergence.spike_from
+            over, start, uncounted = self.divergence.over, self.divergence.spike_from, self.divergence.uncounted
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
+            if self.divergence.uncounted != uncounted:
+                early.append(s + 1)
             if over and not self.divergence.over and not skip:
                 passed.append((start if start is not None else s + 1 - over, over))
             if reason:
@@ -453,7 +459,7 @@ class Trainer:
             # or the ranks would skip different data after the rollback
             onset = D.broadcast_object(getattr(self.monitor, "stop_onset", None), self.info)
             self.trigger = (min(onset, self.step) if onset is not None else self.step, "alert")
-        return reason, passed
+        return reason, passed, early
 
     def _record(self, steps: list[int], got: _Interval, dt: float, lr: float) -> dict:
         """The interval's metrics record: the mean loss of its healthy steps, the last lr, the time per

@@ -85,8 +85,10 @@ def end_line(summary: dict, *, alerts: list[dict], last_vals: dict, eval_step: i
         line += f" | {summary['skipped_steps']} non-finite step(s) skipped"
     spikes = summary.get("spikes")
     if spikes:  # their updates were applied: a final loss may carry them
-        line += (f" | {len(spikes)} loss spike(s) passed, the last at step {spikes[-1]['step']} "
-                 f"({spikes[-1]['steps']} step(s))")
+        early = sum(1 for sp in spikes if sp.get("warmup"))
+        line += (f" | {len(spikes)} loss spike(s) passed"
+                 + (f" ({early} in the divergence warmup, not counted)" if early else "")
+                 + f", the last at step {spikes[-1]['step']} ({spikes[-1]['steps']} step(s))")
     rollbacks = summary.get("rollbacks")
     if rollbacks:
         last, lr_scale = rollbacks[-1], summary.get("lr_scale", 1.0)

@@ -457,6 +457,20 @@ def test_the_watch_keeps_the_last_warmup_spike_for_its_line_and_a_restored_watch
     assert w.uncounted is None
 
 
+def test_warmup_spikes_go_on_record_one_entry_per_run_of_consecutive_steps():
+    """summary.json's spikes: steps 2 and 3 of the warmup are one spike of two steps, step 7
+    another; a counted spike recorded between is not grown by a warmup step after it."""
+    from stabletrain.engine.divergence import add_warmup_spikes
+
+    spikes = []
+    add_warmup_spikes(spikes, [2])
+    add_warmup_spikes(spikes, [3, 7])  # the spike of step 2 goes on into the next interval
+    assert spikes == [{"step": 2, "steps": 2, "warmup": True}, {"step": 7, "steps": 1, "warmup": True}]
+    spikes.append({"step": 8, "steps": 1})
+    add_warmup_spikes(spikes, [9])
+    assert spikes[-2:] == [{"step": 8, "steps": 1}, {"step": 9, "steps": 1, "warmup": True}]
+
+
 def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():
     """The cap lets a genuine rise through: losses doubling once in the warmup raise the level to
     the new loss without counting a spike once the warmup ends."""

@@ -283,6 +283,10 @@ def test_end_line_says_where_and_why_a_run_stopped_and_what_it_survived():
     done = {"status": "completed", "step": 8, "reason": None, "rollbacks": [], "lr_scale": 1.0}
     assert end_line(done, alerts=[], last_vals={"val/loss": 1.5, "val/acc": 0.5}, eval_step=8) == (
         "completed at step 8 | val/loss 1.5 | val/acc 0.5")
+    early = {**done, "spikes": [{"step": 2, "steps": 2, "warmup": True}, {"step": 6, "steps": 1}]}
+    assert end_line(early, alerts=[], last_vals={}, eval_step=None) == (
+        "completed at step 8 | 2 loss spike(s) passed (1 in the divergence warmup, not counted), the last at step "
+        "6 (1 step(s))")
     gone = [{"layer": "blocks.0.attn", "step": 3, "rolled_back": True}]
     assert end_line(done, alerts=gone, last_vals={}, eval_step=None) == (
         "completed at step 8 | 1 health alert(s), 1 in the histories rollbacks abandoned")

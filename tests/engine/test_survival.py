@@ -749,6 +749,10 @@ def test_a_spike_in_the_divergence_warmup_stays_out_of_the_ring(tmp_path, capsys
     line = next(x for x in err.splitlines() if x.lstrip().startswith("step 4/") or "step 4/8" in x)
     assert "| spike at step 4, above 4x the running mean " in line, line
     assert "; not counted in the first divergence.warmup_steps=20 steps |" in line, line
+    # its update was applied, as a counted spike's: summary.json and the last line keep it
+    assert s["spikes"] == [{"step": 4, "steps": 1, "warmup": True}], s
+    assert ("| 1 loss spike(s) passed (1 in the divergence warmup, not counted), the last at step 4 (1 step(s))"
+            in err.strip().splitlines()[-1]), err
 
 
 def test_the_steps_skipped_after_a_warmup_spike_do_not_repeat_it_on_their_lines(tmp_path, capsys):
