@@ -21,7 +21,7 @@ import yaml
 FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss", "final_task_loss"]
 # shown only when some run of the sweep has one: what a healthy-looking final loss may hide, and
 # why a point was refused or failed
-EVENTS = ["skipped_steps", "rollbacks", "alerts", "first_alert", "reason"]
+EVENTS = ["skipped_steps", "spikes", "rollbacks", "alerts", "first_alert", "reason"]
 
 
 @dataclass
@@ -258,11 +258,13 @@ def _sort_key(v):
 
 
 def _events(summary: dict) -> dict:
-    """Skipped steps, rollbacks and entropy-collapse alerts, as counts; the first alert as
-    ``step:layer``. Zero counts stay empty so that a column only shows where something happened."""
+    """Skipped steps, loss spikes passed (their updates applied: a healthy final loss may carry
+    them), rollbacks and entropy-collapse alerts, as counts; the first alert as ``step:layer``.
+    Zero counts stay empty so that a column only shows where something happened."""
     alerts = [a for a in summary.get("alerts") or [] if isinstance(a, dict)]
     first = min(alerts, key=lambda a: a.get("step", 0)) if alerts else None
-    return {"skipped_steps": summary.get("skipped_steps") or "", "rollbacks": len(summary.get("rollbacks") or []) or "",
+    return {"skipped_steps": summary.get("skipped_steps") or "", "spikes": len(summary.get("spikes") or []) or "",
+            "rollbacks": len(summary.get("rollbacks") or []) or "",
             "alerts": len(alerts) or "",
             "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else "",
             "reason": summary.get("reason") or "" if summary.get("status") in ("refused", "failed") else ""}

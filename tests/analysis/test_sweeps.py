@@ -92,19 +92,21 @@ def test_sweep_plot_x_labels_do_not_overlap(x, values):
     assert not overlaps
 
 
-def test_skips_rollbacks_and_alerts_are_columns_only_where_some_run_had_them(tmp_path):
+def test_skips_spikes_rollbacks_and_alerts_are_columns_only_where_some_run_had_them(tmp_path):
     quiet = {"status": "completed", "step": 10, "total_steps": 10, "final": {"loss": 1.0}, "alerts": []}
     rollback = {"trigger_step": 6, "detected_step": 6, "restored_step": 4, "skipped_steps": 2, "reason": "a | b"}
-    eventful = {**quiet, "skipped_steps": 3, "rollbacks": [rollback],  # as the loop writes them
+    spikes = [{"step": 3, "steps": 1, "warmup": True}, {"step": 8, "steps": 2}]
+    eventful = {**quiet, "skipped_steps": 3, "spikes": spikes, "rollbacks": [rollback],  # as the loop writes them
                 "alerts": [{"step": 40, "layer": "blocks.2", "message": "m"},
                            {"step": 25, "layer": "blocks.1", "message": "m"}]}
     for name, tau, summary in [("a", 0.01, quiet), ("b", 0.02, eventful)]:
         _fake_run(tmp_path / name, {"optim": {"tau": tau}}, summary)
     columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
-    assert columns[columns.index("final_loss") + 1:][:4] == ["skipped_steps", "rollbacks", "alerts", "first_alert"]
-    assert [(r["skipped_steps"], r["rollbacks"], r["alerts"], r["first_alert"]) for r in table] == [
-        ("", "", "", ""), (3, 1, 2, "25:blocks.1")]
-    _fake_run(tmp_path / "c", {"optim": {"tau": 0.03}}, {**quiet, "skipped_steps": 0, "rollbacks": []})
+    assert columns[columns.index("final_loss") + 1:][:5] == ["skipped_steps", "spikes", "rollbacks", "alerts",
+                                                               "first_alert"]
+    assert [(r["skipped_steps"], r["spikes"], r["rollbacks"], r["alerts"], r["first_alert"]) for r in table] == [
+        ("", "", "", "", ""), (3, 2, 1, 2, "25:blocks.1")]
+    _fake_run(tmp_path / "c", {"optim": {"tau": 0.03}}, {**quiet, "skipped_steps": 0, "rollbacks": [], "spikes": []})
     columns, table = sweeps.rows(sweeps.find_runs(tmp_path / "c"))
     assert not set(sweeps.EVENTS) & set(columns) and not set(sweeps.EVENTS) & set(table[0])
 
