@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stabletrain.analysis.plots import compare_runs
+from stabletrain.analysis.compare import compare_runs
 
 
 def sweep_runs(path: Path) -> list[Path]:

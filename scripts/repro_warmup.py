@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stabletrain.cli import checked_config  # noqa: E402
-from stabletrain.analysis.plots import compare_runs  # noqa: E402
+from stabletrain.analysis.compare import compare_runs  # noqa: E402
 from stabletrain.metrics import read_records  # noqa: E402
 from stabletrain.monitor import names as N  # noqa: E402
 from stabletrain.run import run  # noqa: E402

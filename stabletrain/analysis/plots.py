@@ -1,6 +1,8 @@
 """The papers' training-dynamics figures from a run directory (``metrics.jsonl`` + ``summary.json``).
 
-Used by ``scripts/plot_dynamics.py`` (one run) and ``scripts/compare_runs.py`` (several).
+Used by ``scripts/plot_dynamics.py``: what one run went through. Several runs side by side are
+:mod:`stabletrain.analysis.compare`'s; what every figure draws with (style, saving, legends),
+:mod:`stabletrain.analysis.figure`'s.
 ``metrics.jsonl`` holds one JSON object per line with ``step`` and any subset of the metric
 names of :mod:`stabletrain.monitor.names`; metrics come at different cadences, so every
 metric is its own ``(steps, values)`` series. A figure whose metrics are absent is skipped
@@ -22,10 +24,8 @@ Every log axis is labelled through :func:`stabletrain.analysis.ticks.log_scale`.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,23 +36,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 
-from stabletrain.analysis import sweeps
+from stabletrain.analysis.figure import (_blocks_with, _empty, _finite, _fit_legend, _line, _min_span, _save, _skip,
+                                         _styled, _suptitle)
 from stabletrain.analysis.runs import Run, Series, load_run
 from stabletrain.analysis.ticks import log_scale
 from stabletrain.monitor import names as N
 
-# no "+2.548" offsets: entropy barely leaving log T reads better as 2.5485 than as 0.0005
-_STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.grid": True, "grid.alpha": 0.3,
-          "legend.fontsize": 7, "figure.dpi": 110, "axes.formatter.useoffset": False}
-
-
-def _styled(fn):
-    """Draw under this module's style without changing the importer's matplotlib defaults."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with plt.rc_context(_STYLE):
-            return fn(*args, **kwargs)
-    return wrapper
 
 # quantities spanning decades (a crash multiplies them by 10-100, 000) get a log axis
 _LOG_QUANTITIES = {N.WQ_T_WK_FULL, N.WO_WV_FULL, N.W2_W1, N.ACT_X, N.ACT_GRAD_X}
@@ -82,36 +71,6 @@ def select_blocks(all_blocks: list[str], spec: str | None) -> list[str]:
 
 
 # --- drawing helpers -------------------------------------------------------------------
-
-
-def _finite(series: Series) -> Series:
-    x, y = series
-    ok = np.isfinite(y)
-    return x[ok], y[ok]
-
-
-def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
-    """Plot the finite (and, on a log axis, positive) points; False when nothing is left."""
-    if series is None:
-        return False
-    x, y = _finite(series)
-    if logy:
-        keep = y > 0
-        x, y = x[keep], y[keep]
-    if len(x) == 0:
-        return False
-    style = {"marker": "." if len(x) < 30 else None, "ms": 3 if len(x) > 1 else 6, "lw": 1.2}
-    ax.plot(x, y, **{**style, **kw})
-    if logy and (len(x) > 1 or ax.get_yscale() == "log"):  # one point (a single evaluation): a linear axis
-        log_scale(ax)
-    return True
-
-
-def _empty(ax, why: str) -> None:
-    """Say why a panel has no line, without a meaningless 0..1 frame of ticks."""
-    ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
-    ax.set_xticks([])
-    ax.set_yticks([])
 
 
 # the sigma1 series' own colours: the cycle's second one, dashed, is a rollback's mark
@@ -159,15 +118,6 @@ def _mark_nonfinite(ax, series: Series | None) -> None:
     ax.annotate(f"{y[first]:g} from step {x[first]:g}" if bad.sum() > 1 else f"{y[first]:g}", (x[first], 1.0),
                 xycoords=edge, xytext=(-5, -10), textcoords="offset points", color="red", fontsize=7, ha="right",
                 annotation_clip=False)
-
-
-def _min_span(ax, span: float) -> None:
-    """A y axis at least ``span`` high: entropies that move by 1e-4 nats would otherwise fill
-    the panel and read as a steep fall."""
-    lo, hi = ax.get_ylim()
-    if hi - lo < span:
-        mid = (lo + hi) / 2
-        ax.set_ylim(mid - span / 2, mid + span / 2)
 
 
 def _depth_cmap():
@@ -238,19 +188,6 @@ def _title(run: Run, what: str) -> str:
     return f"{run.name}{status}: {what}"
 
 
-def _suptitle(fig, text: str, fontsize: float | None = None) -> None:
-    """The figure's title, wrapped at the figure's width: a run's status, rollbacks and skipped
-    steps made a title longer than a three-panel figure, cut at both sides."""
-    size = fontsize or plt.rcParams["figure.titlesize"]
-    size = size if isinstance(size, (int, float)) else 12.0
-    chars = max(40, int(fig.get_figwidth() * 72 / (0.55 * size)))  # a character is about 0.55 em wide
-    if len(text) > chars:  # never inside $...$: mathtext is one piece
-        parts = re.split(r"(\$[^$]*\$)", text)
-        glued = "".join(p.replace(" ", "\0") if p.startswith("$") else p for p in parts)
-        text = "\n".join(textwrap.wrap(glued, chars, break_long_words=False)).replace("\0", " ")
-    fig.suptitle(text, **({"fontsize": fontsize} if fontsize else {}))
-
-
 def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     """Hide the grid's unused panels, title the figure, lay it out and save it."""
     for ax in list(axes.flat)[used:]:
@@ -258,76 +195,6 @@ def _finish(fig, axes, used: int, title: str, out_dir: Path, name: str) -> Path:
     _suptitle(fig, title)
     fig.tight_layout()
     return _save(fig, out_dir, name)
-
-
-def _over_lines(ax, leg, renderer) -> bool:
-    box = leg.get_window_extent(renderer)
-    return any(line.get_visible() and len(line.get_xdata())
-               and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
-               for line in ax.get_lines())
-
-
-def _legends_off_lines(fig) -> None:
-    """A legend that ``loc="best"`` could only put over a line (a crowded entropy panel has no
-    free corner) gets room above the curves: the y axis is raised by the legend's height. Where
-    that is more than half the panel, it moves to the right of the panel, and the figure is laid
-    out again (that panel then narrows)."""
-    renderer = fig.canvas.get_renderer()  # tight_layout has placed the panels: no draw needed
-    moved = False
-    for ax in fig.axes:
-        leg = ax.get_legend()
-        if leg is None or not ax.get_visible() or not _over_lines(ax, leg, renderer):
-            continue
-        share = leg.get_window_extent(renderer).height / ax.get_window_extent(renderer).height + 0.05
-        if share < 0.5:
-            lo, hi = ax.get_ylim()
-            if ax.get_yscale() == "log" and lo > 0:
-                ax.set_ylim(lo, lo * (hi / lo) ** (1 / (1 - share)))
-            elif ax.get_yscale() == "linear":
-                ax.set_ylim(lo, lo + (hi - lo) / (1 - share))
-            leg.set_loc("upper right")
-            if not _over_lines(ax, leg, renderer):
-                continue
-            leg.set_loc("upper left")
-            if not _over_lines(ax, leg, renderer):
-                continue
-            ax.set_ylim(lo, hi)
-        leg.set_loc("upper left")
-        leg.set_bbox_to_anchor((1.01, 1.0), transform=ax.transAxes)
-        moved = True
-    if moved:
-        fig.tight_layout()
-
-
-# A linear y axis spans at least this fraction of its largest value: a loss that moves from 2.310 to
-# 2.319, or a sigma1 that moves in its fourth digit, would otherwise fill the panel as a steep change.
-MIN_RELATIVE_SPAN = 0.02
-
-
-def _save(fig, out_dir: Path, name: str) -> Path:
-    for ax in fig.axes:
-        if not (ax.get_visible() and ax.axison and ax.get_lines()):
-            continue
-        lo, hi = ax.get_ylim()
-        if ax.get_yscale() == "linear":
-            _min_span(ax, MIN_RELATIVE_SPAN * max(abs(lo), abs(hi)))
-        elif ax.get_yscale() == "log" and 0 < lo < hi < lo * (1 + 2 * MIN_RELATIVE_SPAN):
-            mid = math.sqrt(lo * hi)  # the same fraction, about the geometric middle
-            ax.set_ylim(mid / math.sqrt(1 + 2 * MIN_RELATIVE_SPAN), mid * math.sqrt(1 + 2 * MIN_RELATIVE_SPAN))
-    _legends_off_lines(fig)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / name
-    fig.savefig(path)  # every figure calls tight_layout; a "tight" bbox would draw it twice
-    plt.close(fig)
-    return path
-
-
-def _skip(what: str, why: str) -> None:
-    print(f"note: skipping {what}: {why}")
-
-
-def _blocks_with(run: Run, group: str, quantity: str | None) -> list[str]:
-    return [b for b in N.blocks_in(run.metrics) if run.has(N.metric(group, b, quantity))]
 
 
 def _few_steps(steps: np.ndarray, k: int = 5, must=()) -> list[float]:
@@ -737,23 +604,6 @@ def plot_token_similarity(run: Run, out_dir: Path) -> Path | None:
     return _save(fig, out_dir, "token_similarity.png")
 
 
-def _one_schedule(runs: list[Run]) -> bool:
-    """Whether the runs logged one and the same lr curve (more than one run)."""
-    series = [r.get(N.LR) for r in runs]
-    if len(series) < 2 or any(x is None for x in series):
-        return False
-    steps, values = series[0]
-    return all(np.array_equal(x[0], steps) and np.allclose(x[1], values, rtol=1e-9, atol=0.0, equal_nan=True)
-               for x in series[1:])
-
-
-def _decades_apart(series: list[Series | None]) -> bool:
-    """Whether the peaks of ``series`` (one run's lr each) are a factor of ten apart or more; a
-    schedule's own decay to zero does not count."""
-    peaks = [float(np.nanmax(s[1])) for s in series if s is not None and len(s[1]) and np.nanmax(s[1]) > 0]
-    return len(peaks) > 1 and max(peaks) >= 10 * min(peaks)
-
-
 @_styled
 def plot_qk_spectrum(run: Run, out_dir: Path) -> Path | None:
     """003 Fig. 6: the QK eigenspectrum mean ``tr(W_QK)``, scales and variance per layer."""
@@ -830,232 +680,3 @@ def plot_dynamics(run_dir: str | Path, blocks: str | None = None,
                 plot_adamw2_lr(run, out),
                 plot_token_similarity(run, out), plot_qk_spectrum(run, out), plot_logits(run, out)]
     return [p for p in written if p is not None]
-
-
-# --- several runs ----------------------------------------------------------------------
-
-
-def _entropy(run: Run, block: str, relative: bool = False, quantity: str = N.ENT_MIN) -> Series | None:
-    """A block's entropy; ``relative``: over its uniform entropy ``log_T`` at the same steps
-    (none where the block logged no ``log_T``)."""
-    ent = run.get(N.metric(N.ENTROPY, block, quantity))
-    if not relative or ent is None:
-        return ent
-    ref = run.get(N.metric(N.ENTROPY, block, N.ENT_LOG_T))
-    if ref is None:
-        return None
-    steps, at_ent, at_ref = np.intersect1d(ent[0], ref[0], return_indices=True)
-    return steps, ent[1][at_ent] / ref[1][at_ref]
-
-
-def _uniform_entropy(run: Run) -> float | None:
-    """The run's uniform entropy, mean over blocks and steps (None when it logged none)."""
-    levels = [np.nanmean(ref[1]) for b in _blocks_with(run, N.ENTROPY, N.ENT_LOG_T)
-              if (ref := run.get(N.metric(N.ENTROPY, b, N.ENT_LOG_T))) is not None]
-    return float(np.mean(levels)) if levels else None
-
-
-def over_blocks(run: Run, group: str, quantity: str, reduce=np.max, relative: bool = False) -> Series | None:
-    """Per step, ``reduce`` over the blocks that logged ``group/<block>/quantity`` then;
-    ``relative`` (entropy only): each block's value over its uniform entropy."""
-    by_step: dict[float, list[float]] = defaultdict(list)
-    for b in _blocks_with(run, group, quantity):
-        series = _entropy(run, b, relative, quantity) if relative else run.get(N.metric(group, b, quantity))
-        if series is None:
-            continue
-        for x, y in zip(*_finite(series)):
-            by_step[x].append(y)
-    if not by_step:
-        return None
-    steps = np.array(sorted(by_step))
-    return steps, np.array([reduce(by_step[s]) for s in steps])
-
-
-def _wrapped(label: str, width: int) -> str:
-    """``label`` in lines of at most ``width`` characters, broken at spaces and after the commas of
-    a sweep's ``a=1,b=2``: never inside a setting ("deescalate.alp" / "ha=0" reads as two). A word
-    longer than ``width`` keeps its own line, wider than asked: the legend then tries a smaller font."""
-    lines: list[str] = []
-    for para in label.split("\n"):
-        line = ""
-        for word in para.split(" "):
-            for j, part in enumerate(p for p in re.split(r"(?<=,)", word) if p):
-                sep = " " if j == 0 and line else ""
-                if line and len(line) + len(sep) + len(part) > width:
-                    lines.append(line)
-                    line = part
-                else:
-                    line += sep + part
-        lines.append(line)
-    return "\n".join(lines)
-
-
-_MIN_WRAP = 20  # characters: a legend column narrower than this is slivers of words
-
-
-def _fit_legend(ax, handles, labels: list[str], **kw):
-    """A legend of ``labels`` inside ``ax``'s box (past the figure's edge otherwise): long
-    labels wrapped at spaces, more columns when the rows overflow the height, then a smaller
-    font; as a last resort the smallest font in one column, running past the bottom."""
-    renderer = ax.figure.canvas.get_renderer()
-    room = ax.get_window_extent(renderer)
-    size = kw.pop("fontsize", plt.rcParams["legend.fontsize"])
-    size = size if isinstance(size, (int, float)) else 7
-    for font in sorted({size, *(f for f in (7, 6, 5) if f < size)}, reverse=True):
-        for ncol in range(1, 4):
-            leg, fits = _wrapped_legend(ax, handles, labels, room, renderer, ncol, font, kw)
-            if fits and leg.get_window_extent(renderer).height <= room.height:
-                return leg
-    return _wrapped_legend(ax, handles, labels, room, renderer, 1, font, kw)[0]
-
-
-def _wrapped_legend(ax, handles, labels, room, renderer, ncol, font, kw):
-    """The legend with its labels wrapped at the widest width that fits ``room``; whether it fits."""
-    width = max(map(len, labels))
-    while True:
-        leg = ax.legend(handles, [_wrapped(lab, width) for lab in labels], ncol=ncol, fontsize=font, **kw)
-        box = leg.get_window_extent(renderer)
-        if box.width <= room.width:
-            return leg, True
-        if width <= _MIN_WRAP:
-            return leg, False
-        width = max(_MIN_WRAP, min(width - 1, int(width * room.width / box.width)))
-
-
-@_styled
-def _task_loss(run: Run) -> Series | None:
-    """The loss minimised less the loss terms' share logged beside it, at the steps that have both."""
-    loss, penalty = run.get(N.LOSS), run.get(N.LOSS_PENALTY)
-    if loss is None or penalty is None:
-        return loss
-    shared, at_loss, at_penalty = np.intersect1d(loss[0], penalty[0], return_indices=True)
-    return shared, loss[1][at_loss] - penalty[1][at_penalty]
-
-
-def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
-                 title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
-    """Overlay loss, validation metric, scheduled lr (AdamW²'s share of tensors at the bound
-    instead when every run has the same schedule), the largest sigma1(W_q^T W_k) and the
-    smallest attention entropy (as a fraction of each block's uniform entropy log T when the runs
-    attend over different numbers of keys) of several runs in ``out_dir/compare.png``, with one legend for
-    every panel (a run has one colour throughout).
-
-    ``labels``: the runs' names (default: the settings that differ between them, else their
-    directory names). ``qk``: which sigma1 to draw, max over blocks: ``wq_t_wk_full`` (the
-    full-width product) or ``wq_t_wk_max`` (the largest head); default the full width where a
-    run logged it. ``entropy_block``: that block's entropy (min over heads) instead of the
-    min over blocks, so that a figure can show what a table of one block reports."""
-    runs = [load_run(d) for d in run_dirs]
-    names = list(labels) if labels is not None else sweeps.labels([r.path for r in runs])
-    if len(names) != len(runs):
-        raise ValueError(f"compare_runs: {len(names)} labels for {len(runs)} runs")
-    if qk is None:
-        qk = (N.WQ_T_WK_FULL if any(_blocks_with(r, N.SIGMA1, N.WQ_T_WK_FULL) for r in runs)
-              else N.WQ_T_WK_MAX)
-    qk_title = {N.WQ_T_WK_FULL: r"max over blocks of $\sigma_1(W_q^\top W_k)$ (full width)",
-                N.WQ_T_WK_MAX: r"max over blocks and heads of $\sigma_1(W_q^{h\top} W_k^h)$"
-                }.get(qk, f"max over blocks of sigma1/<block>/{qk}")
-    # a ViT's 197 keys beside a Swin's 49-token windows or a GPT's causal rows: their nats are not on
-    # one scale (uniform is log T), so such runs are compared as a fraction of their uniform entropy
-    relative = len({round(u, 2) for r in runs if (u := _uniform_entropy(r)) is not None}) > 1
-    if entropy_block is None:
-        ent_title, ent = ("min over blocks and heads of attention entropy",
-                          lambda r: over_blocks(r, N.ENTROPY, N.ENT_MIN, np.min, relative))
-    else:
-        ent_title, ent = (f"attention entropy of {entropy_block}, min over heads",
-                          lambda r: _entropy(r, entropy_block, relative))
-    if relative:
-        ent_title += "\nover log T (the runs attend over different numbers of keys)"
-    # accuracy only when every run has it: a GPT beside a ViT shares val/loss, not val/acc
-    val = N.VAL_ACC if all(r.has(N.VAL_ACC) for r in runs) or not any(r.has(N.VAL_LOSS) for r in runs) else N.VAL_LOSS
-    # runs with loss terms (LocAteR's can be 100x the task's) beside runs without: their task losses
-    task = any(r.has(N.LOSS_PENALTY) for r in runs)
-    bound_panel = _one_schedule(runs) and any(r.has(N.FRAC_BOUNDED) for r in runs)
-    panels = [  # title, y label, log y, series
-        ("training loss" + (" of the task (loss terms left out)" if task else ""), "loss (nats)", True,
-         _task_loss if task else lambda r: r.get(N.LOSS)),
-        (f"validation {val.split('/')[1]}", "cross-entropy (nats)" if val == N.VAL_LOSS else "accuracy (fraction)",
-         val == N.VAL_LOSS, lambda r: r.get(val)),
-        # the schedule times any rollback's scale: AdamW²'s per-tensor rates differ (adamw2_lr.png);
-        # runs at rates a decade apart or more share a log axis, or the smaller lie flat on zero.
-        # One schedule for all (a sweep of tau): its panel would be one line, the bound's share says more
-        ("AdamW²: fraction of tensors at the bound\n(the runs share one scheduled lr)", "fraction of tensors", False,
-         lambda r: r.get(N.FRAC_BOUNDED)) if bound_panel else
-        ("scheduled lr", "scheduled learning rate", _decades_apart([r.get(N.LR) for r in runs]),
-         lambda r: r.get(N.LR)),
-        (qk_title, r"$\sigma_1$ (largest singular value)", True, lambda r: over_blocks(r, N.SIGMA1, qk, np.max)),
-        (ent_title, "entropy / uniform entropy" if relative else "entropy (nats)", False, ent),
-    ]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    colors = plt.get_cmap("tab10").colors
-    # past ten runs the colours repeat: the dashes tell those runs apart (dotted marks divergence)
-    # each run drawn thinner than the one before, on top of it: two runs that coincide (the same
-    # seed, a setting that changed nothing) show as a thin line inside a thick one, not as one run
-    styles = [{"color": colors[i % 10], "ls": ("-", "--", "-.")[i // 10 % 3], "lw": max(0.8, 3.2 - i)}
-              for i in range(len(runs))]
-    labelled = [name + (f" (diverged at step {run.diverged_step})" if run.diverged_step is not None else
-                        f" (unfinished: last logged step {run.last_step:g})" if run.summary is None
-                        and run.last_step is not None else "")
-                for run, name in zip(runs, names)]
-    missing_in: list[list[str]] = [[] for _ in runs]
-    drawn = 0
-    short = ("training loss", panels[1][0], "bound" if bound_panel else "lr", r"$\sigma_1$",
-             "entropy")  # how the legend names a panel
-    for k, (ax, (panel, ylabel, logy, get)) in enumerate(zip(axes.flat, panels)):
-        missing = []
-        for i, run in enumerate(runs):
-            if not _line(ax, get(run), logy=logy, **styles[i]):
-                missing.append(i)
-            if run.diverged_step is not None:
-                ax.axvline(run.diverged_step, color=styles[i]["color"], ls=":", lw=1)
-            for step in run.restored_at:  # where a rollback took the run back to: its curve goes on from there
-                ax.axvline(step, color=styles[i]["color"], ls="--", lw=1)
-            for step in run.resumed_at:  # its record there is one step's, beside intervals' means: a dip
-                ax.axvline(step, color=styles[i]["color"], ls="-.", lw=1)
-            if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
-                steps = sorted({a["step"] for a in run.alerts})
-                # runs alert at the same probe steps: each alerted run's triangles one row lower
-                # than the previous one's, so that one run's cannot hide another's
-                row = sum(1 for r in runs[:i] if r.alerts)
-                ax.plot(steps, [1.0 - 0.045 * row] * len(steps), "v", color=styles[i]["color"], markersize=8,
-                        ls="", transform=ax.get_xaxis_transform(), clip_on=False)
-        if len(missing) < len(runs):
-            drawn += 1
-            ax.set_ylabel(ylabel)
-            if get is ent:
-                _min_span(ax, 0.1)
-            for i in missing:  # said with the run, so that it is not mistaken for a hidden line
-                missing_in[i].append(short[k])
-        else:
-            _empty(ax, "not logged by any run")
-        ax.set_title(panel)
-        ax.set_xlabel("step")
-    if drawn == 0:
-        plt.close(fig)
-        _skip("compare.png", "none of the runs logged loss, lr, val, sigma1 or entropy")
-        return []
-    if title is None:
-        parents = {r.path.resolve().parent for r in runs}
-        title = (f"{len(runs)} runs in {parents.pop()}" if len(parents) == 1 and len(runs) > 1
-                 else runs[0].name if len(runs) == 1 else f"{len(runs)} runs")
-    _suptitle(fig, title)
-    fig.tight_layout()
-    # the free sixth panel holds the one legend: five copies of it would cover the curves
-    slot = axes.flat[5]
-    slot.axis("off")
-    handles = [Line2D([], [], **style) for style in styles]
-    labelled = [lab + (f" (not logged: {', '.join(gone)})" if gone else "") for lab, gone in zip(labelled, missing_in)]
-    if any(r.diverged_step is not None for r in runs):
-        handles.append(Line2D([], [], color="gray", ls=":", lw=1))
-        labelled.append("dotted: where the run of that colour diverged")
-    if any(r.restored_at for r in runs):
-        handles.append(Line2D([], [], color="gray", ls="--", lw=1))
-        labelled.append("dashed: the step a rollback of the run of that colour restored")
-    if any(r.resumed_at for r in runs):
-        handles.append(Line2D([], [], color="gray", ls="-.", lw=1))
-        labelled.append("dash-dot: where the run of that colour was resumed")
-    if any(r.alerts for r in runs):
-        handles.append(Line2D([], [], color="gray", marker="v", ls=""))
-        labelled.append("triangle on the entropy panel: a health alert of the run of that colour")
-    _fit_legend(slot, handles, labelled, loc="upper left", borderaxespad=0.0, fontsize=_STYLE["font.size"])
-    return [_save(fig, Path(out_dir), "compare.png")]

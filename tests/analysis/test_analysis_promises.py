@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
+from stabletrain.analysis import compare as C
 from stabletrain.analysis import plots as P
 from stabletrain.analysis.runs import read_metrics
 from stabletrain.analysis import stability as S
@@ -458,7 +459,7 @@ def test_the_largest_sigma1_over_blocks_leaves_out_a_blocks_non_finite_value(tmp
     steps = np.array([0.0, 10.0])
     run = P.Run("r", tmp_path, {"sigma1/blocks.0/wq_t_wk_full": (steps, np.array([1.0, np.nan])),
                                 "sigma1/blocks.1/wq_t_wk_full": (steps, np.array([2.0, 3.0]))}, None)
-    got = P.over_blocks(run, N.SIGMA1, N.WQ_T_WK_FULL)
+    got = C.over_blocks(run, N.SIGMA1, N.WQ_T_WK_FULL)
     assert list(got[0]) == [0.0, 10.0] and list(got[1]) == [2.0, 3.0]
 
 
@@ -474,8 +475,8 @@ def _two_runs(tmp_path, first: dict, second: dict):
 
 def _compare(tmp_path, monkeypatch, dirs):
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
-    P.compare_runs(dirs, tmp_path / "cmp", labels=["a", "b"])
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    C.compare_runs(dirs, tmp_path / "cmp", labels=["a", "b"])
     return {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
 
 

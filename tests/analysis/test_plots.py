@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from stabletrain.monitor import names as N
+from stabletrain.analysis import compare as C
+from stabletrain.analysis import figure as F
 from stabletrain.analysis import plots as P
 from stabletrain.analysis.runs import read_metrics
 
@@ -94,9 +96,11 @@ def _check_pngs(paths):
 
 
 def _figures(monkeypatch) -> dict:
-    """The figures the plots draw, by file name (``_save`` patched: nothing is written)."""
+    """The figures the plots draw, by file name (``_save`` patched where one run's figures and
+    compare.png look it up: nothing is written)."""
     figures: dict = {}
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig) and out / name)
+    for module in (P, C):
+        monkeypatch.setattr(module, "_save", lambda fig, out, name: figures.setdefault(name, fig) and out / name)
     return figures
 
 
@@ -182,7 +186,7 @@ def test_compare_runs_script_overlays_runs(tmp_path):
     again = subprocess.run([sys.executable, str(ROOT / "scripts/compare_runs.py"), str(a), "--out", str(out)],
                            capture_output=True, text=True, timeout=120, check=False)
     assert again.returncode == 0 and f"replaced the earlier {out / 'compare.png'}" in again.stderr
-    qk = P.over_blocks(P.load_run(a), "sigma1", "wq_t_wk_full")
+    qk = C.over_blocks(P.load_run(a), "sigma1", "wq_t_wk_full")
     assert qk[1][-1] == max(P.load_run(a).metrics[f"sigma1/{b}/wq_t_wk_full"][1][-1] for b in BLOCKS)
 
 
@@ -194,9 +198,9 @@ def test_compare_runs_labels_sweep_points_by_their_swept_values(tmp_path, monkey
         (d / ".hydra" / "overrides.yaml").write_text(f"- optim.tau={tau}\n")
         dirs.append(d)
     legends = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: legends.extend(
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: legends.extend(
         t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()))
-    P.compare_runs(dirs, tmp_path / "cmp")
+    C.compare_runs(dirs, tmp_path / "cmp")
     assert legends and set(legends) == {"optim.tau=0.01", "optim.tau=0.02"}
 
 
@@ -277,7 +281,7 @@ def test_a_long_figure_title_is_wrapped_within_the_figure_and_never_inside_matht
     fig = plt.figure(figsize=(6, 3))
     text = "run [diverged at step 60, 2 rollback(s), 22 non-finite step(s) skipped]: " + \
         r"token similarity $\|PX\|_F^2 / \|X\|_F^2$ (1 = all tokens equal)"
-    P._suptitle(fig, text)
+    F._suptitle(fig, text)
     lines = fig._suptitle.get_text().split("\n")
     assert len(lines) > 1 and " ".join(lines) == text
     assert all(line.count("$") % 2 == 0 for line in lines)
@@ -318,7 +322,7 @@ def test_log_axis_labels_are_distinct_and_true(lo, hi):
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
-    P._line(ax, (np.arange(50.0), np.geomspace(lo, hi, 50)), logy=True)
+    F._line(ax, (np.arange(50.0), np.geomspace(lo, hi, 50)), logy=True)
     shown = _visible_y_labels(ax)
     plt.close(fig)
     texts = [t for _, t in shown]
@@ -334,7 +338,7 @@ def test_a_curve_beyond_the_last_labelled_decade_has_a_number_by_it():
     import numpy as np
 
     fig, ax = plt.subplots(figsize=(4.2, 3.0))
-    P._line(ax, (np.arange(5.0), np.array([0.5, 0.006, 0.012, 0.027, 0.009])), logy=True)
+    F._line(ax, (np.arange(5.0), np.array([0.5, 0.006, 0.012, 0.027, 0.009])), logy=True)
     shown = [y for y, _ in _visible_y_labels(ax)]
     plt.close(fig)
     assert 0.01 in shown and 0.1 in shown and max(shown) > 0.1 and min(shown) >= 0.01 * 0.5
@@ -365,7 +369,7 @@ def test_a_legend_with_no_free_corner_moves_beside_its_panel():
         ax.plot(x, (x * (k + 1)) % 1.0, label=f"blocks.{k}")
     ax.legend(loc="best")
     fig.tight_layout()
-    P._legends_off_lines(fig)
+    F._legends_off_lines(fig)
     fig.canvas.draw()
     box = ax.get_legend().get_window_extent()
     assert box.x0 >= ax.get_window_extent().x1  # right of the panel, off every line
@@ -382,8 +386,8 @@ def test_compare_runs_draws_the_chosen_sigma1_and_entropy_on_labelled_axes(tmp_p
 
     a, b = _write_run(tmp_path / "a"), _write_run(tmp_path / "b", crash=False)
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([a, b], tmp_path / "cmp", labels=["first", "second"], qk=N.WQ_T_WK_MAX,
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([a, b], tmp_path / "cmp", labels=["first", "second"], qk=N.WQ_T_WK_MAX,
                    entropy_block="blocks.2")
     panels = {ax.get_title(): ax for ax in figures[0].axes if ax.get_title()}
     # one schedule for both, and AdamW²'s telemetry: the lr panel gives way to the bound's share
@@ -398,7 +402,7 @@ def test_compare_runs_draws_the_chosen_sigma1_and_entropy_on_labelled_axes(tmp_p
     entropy = _data_lines(panels["attention entropy of blocks.2, min over heads"])
     for run_dir, s, e in zip([a, b], sigma, entropy):
         run = P.load_run(run_dir)
-        np.testing.assert_allclose(s.get_ydata(), P.over_blocks(run, N.SIGMA1, N.WQ_T_WK_MAX)[1])
+        np.testing.assert_allclose(s.get_ydata(), C.over_blocks(run, N.SIGMA1, N.WQ_T_WK_MAX)[1])
         np.testing.assert_allclose(e.get_ydata(), run.metrics[N.metric(N.ENTROPY, "blocks.2", N.ENT_MIN)][1])
     legends = [ax.get_legend() for ax in figures[0].axes if ax.get_legend()]
     assert len(legends) == 1  # one for every panel: a run has one colour throughout
@@ -416,8 +420,8 @@ def test_compare_runs_wraps_long_labels_inside_the_figure(tmp_path, monkeypatch)
             f"- model.attention_kind=scaled_dot_product_with_qk_layer_norm_{i}\n- optim.betas=[0.9,0.9{i}5]\n")
         dirs.append(d)
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs(dirs, tmp_path / "cmp")
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs(dirs, tmp_path / "cmp")
     fig = figures[0]
     holders = [ax for ax in fig.axes if ax.get_legend()]
     assert len(holders) == 1
@@ -445,8 +449,8 @@ def test_compare_runs_never_wraps_a_label_inside_a_setting(tmp_path, monkeypatch
     (run / "summary.json").write_text(json.dumps({"status": "completed", "step": 190}))
     labels = [f"optim.tau={0.001 * (i + 1):g},deescalate.alpha={0.05 * (i % 5):g}" for i in range(20)]
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([run] * 20, tmp_path / "cmp", labels=labels)
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([run] * 20, tmp_path / "cmp", labels=labels)
     holder = next(ax for ax in figures[0].axes if ax.get_legend())
     texts = [t.get_text() for t in holder.get_legend().get_texts()]
     assert [t.replace("\n", "") for t in texts] == labels
@@ -458,7 +462,7 @@ def test_compare_runs_never_wraps_a_label_inside_a_setting(tmp_path, monkeypatch
 
 def test_a_label_breaks_after_the_commas_of_a_sweeps_settings():
     """A sweep point's label 'a=1,b=2' wraps after its commas (and at spaces), never inside a setting."""
-    from stabletrain.analysis.plots import _wrapped
+    from stabletrain.analysis.figure import _wrapped
 
     assert _wrapped("optim.tau=0.001,deescalate.alpha=0.05 seed=1", 20) == \
         "optim.tau=0.001,\ndeescalate.alpha=0.05\nseed=1"
@@ -477,12 +481,12 @@ def test_compare_runs_draws_adamw2s_bound_when_the_runs_share_one_schedule(tmp_p
         return d
 
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([run("t1", 1e-3, 0.9), run("t2", 1e-3, 0.2)], tmp_path / "cmp", labels=["tau 0.01", "tau 1"])
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([run("t1", 1e-3, 0.9), run("t2", 1e-3, 0.2)], tmp_path / "cmp", labels=["tau 0.01", "tau 1"])
     ax = figures[-1].axes[2]
     assert ax.get_title().startswith("AdamW²: fraction of tensors at the bound")
     assert sorted(line.get_ydata()[0] for line in ax.get_lines()) == [0.2, 0.9]
-    P.compare_runs([run("l1", 1e-3, 0.5), run("l2", 3e-3, 0.5)], tmp_path / "cmp", labels=["lr 1e-3", "lr 3e-3"])
+    C.compare_runs([run("l1", 1e-3, 0.5), run("l2", 3e-3, 0.5)], tmp_path / "cmp", labels=["lr 1e-3", "lr 3e-3"])
     assert figures[-1].axes[2].get_title() == "scheduled lr"
 
 
@@ -498,23 +502,23 @@ def _lr_run(path, lr, frac=None, steps=50):
 
 @pytest.fixture
 def figures(monkeypatch):
-    """Every figure the plots draw, in order (``_save`` patched: nothing is written)."""
+    """Every figure compare_runs draws, in order (``_save`` patched: nothing is written)."""
     out = []
-    monkeypatch.setattr(P, "_save", lambda fig, where, name: out.append(fig))
+    monkeypatch.setattr(C, "_save", lambda fig, where, name: out.append(fig))
     return out
 
 
 def test_one_run_keeps_its_lr_panel(tmp_path, figures):
     """The bound's share replaces the lr panel only where several runs share one schedule: a run
     alone with AdamW²'s telemetry still draws its scheduled lr."""
-    P.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5)], tmp_path / "cmp", labels=["a"])
+    C.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5)], tmp_path / "cmp", labels=["a"])
     assert figures[-1].axes[2].get_title() == "scheduled lr"
 
 
 def test_runs_without_adamw2s_telemetry_keep_the_lr_panel(tmp_path, figures):
     """Two AdamW runs with one schedule log no bound: the panel stays the scheduled lr, not an
     empty 'fraction of tensors at the bound'."""
-    P.compare_runs([_lr_run(tmp_path / "a", 1e-3), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
+    C.compare_runs([_lr_run(tmp_path / "a", 1e-3), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
                    labels=["a", "b"])
     assert figures[-1].axes[2].get_title() == "scheduled lr"
 
@@ -522,7 +526,7 @@ def test_runs_without_adamw2s_telemetry_keep_the_lr_panel(tmp_path, figures):
 def test_a_run_lacking_the_bound_is_said_to_lack_the_bound(tmp_path, figures):
     """Where the bound's panel replaced the lr's, a run without AdamW²'s telemetry is said not to
     log 'bound' (it logged its lr, which the figure does not draw)."""
-    P.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
+    C.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5), _lr_run(tmp_path / "b", 1e-3)], tmp_path / "cmp",
                    labels=["with", "without"])
     assert figures[-1].axes[2].get_title().startswith("AdamW²: fraction of tensors at the bound")
     slot = next(ax for ax in figures[-1].axes if ax.get_legend() is not None)
@@ -540,8 +544,8 @@ def test_compare_runs_says_which_run_a_panel_lacks(tmp_path, monkeypatch):
     (bare / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
     (bare / "summary.json").write_text(json.dumps({"status": "completed"}))
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([full, bare], tmp_path / "cmp", labels=["full", "bare"])
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([full, bare], tmp_path / "cmp", labels=["full", "bare"])
     assert not [ax for ax in figures[0].axes if ax.get_title() and ax.get_legend()]  # no panel squeezed by notes
     slot = next(ax for ax in figures[0].axes if ax.get_legend() is not None)
     assert [" ".join(t.get_text().split()) for t in slot.get_legend().get_texts()] == [
@@ -554,8 +558,8 @@ def test_compare_runs_marks_the_steps_rollbacks_restored(tmp_path, monkeypatch):
     with open(run / "metrics.jsonl", "a") as f:
         f.write("\n" + json.dumps({"step": 40, "rollback/restored_step": 40}) + "\n")
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([run, _write_run(tmp_path / "plain", crash=False)], tmp_path / "cmp", labels=["rb", "plain"])
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([run, _write_run(tmp_path / "plain", crash=False)], tmp_path / "cmp", labels=["rb", "plain"])
     loss_ax = next(ax for ax in figures[0].axes if ax.get_title().startswith("training loss"))
     dashed = [ln for ln in loss_ax.get_lines() if ln.get_linestyle() == "--" and set(ln.get_xdata()) == {40}]
     assert len(dashed) == 1  # the one run's rollback, in its colour
@@ -575,8 +579,8 @@ def test_compare_runs_marks_a_resume_and_an_unfinished_run(tmp_path, monkeypatch
     (killed / "summary.json").unlink()
     last = 300  # the last whole record: the next one is torn
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig))
-    P.compare_runs([run, killed], tmp_path / "cmp", labels=["resumed", "killed"])
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([run, killed], tmp_path / "cmp", labels=["resumed", "killed"])
     loss_ax = next(ax for ax in figures[0].axes if ax.get_title().startswith("training loss"))
     marks = [ln for ln in loss_ax.get_lines() if ln.get_linestyle() == "-." and set(ln.get_xdata()) == {30}]
     assert len(marks) == 1
@@ -593,7 +597,7 @@ def test_repro_warmup_figure_draws_what_its_table_reports(tmp_path, monkeypatch)
     import runpy
 
     figures = []
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.append(fig) or out / name)
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig) or out / name)
     monkeypatch.setattr(sys, "argv", [
         "repro_warmup.py", "--out", str(tmp_path), "--steps", "4", "--warmup", "2", "--lrs", "1e-2", "--batch", "4",
         "--extra", "model.depth=2", "model.block_size=32", "eval_every=4", "eval_batches=1",
@@ -648,8 +652,8 @@ def test_compare_runs_puts_learning_rates_a_decade_apart_on_a_log_axis():
 
     steps = np.arange(0, 100, 10, dtype=float)
     cosine = (steps, 3.0 * 0.5 * (1 + np.cos(np.pi * steps / 100)))
-    assert P._decades_apart([cosine, (steps, cosine[1] / 3000)])
-    assert not P._decades_apart([cosine, (steps, cosine[1] / 3)]) and not P._decades_apart([cosine, None])
+    assert C._decades_apart([cosine, (steps, cosine[1] / 3000)])
+    assert not C._decades_apart([cosine, (steps, cosine[1] / 3)]) and not C._decades_apart([cosine, None])
 
 
 def test_health_alerts_are_marked_where_they_fired(tmp_path, monkeypatch):
@@ -663,13 +667,14 @@ def test_health_alerts_are_marked_where_they_fired(tmp_path, monkeypatch):
     summary["alerts"] = [{"step": 250, "layer": "blocks.2", "value": ent, "message": "m"}]
     (run / "summary.json").write_text(json.dumps(summary))
     figs = {}
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
+    for module in (P, C):  # entropy.png, compare.png
+        monkeypatch.setattr(module, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
     P.plot_entropy(P.load_run(run), BLOCKS, tmp_path)
     ax = figs["entropy.png"].axes[1]
     marks = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
     assert len(marks) == 1 and list(marks[0].get_xdata()) == [250] and list(marks[0].get_ydata()) == [ent]
     assert "health alert (entropy collapse)" in [t.get_text() for t in ax.get_legend().get_texts()]
-    P.compare_runs([run, _write_run(tmp_path / "quiet", crash=False)], tmp_path / "cmp")
+    C.compare_runs([run, _write_run(tmp_path / "quiet", crash=False)], tmp_path / "cmp")
     ax = next(a for a in figs["compare.png"].axes if "entropy" in a.get_title())
     edge = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
     assert len(edge) == 1 and list(edge[0].get_xdata()) == [250] and list(edge[0].get_ydata()) == [1.0]
@@ -697,11 +702,11 @@ def test_an_entropy_panel_is_at_least_a_tenth_of_a_nat_high():
 
     fig, ax = plt.subplots()
     ax.plot([0, 10], [2.83308, 2.83320])
-    P._min_span(ax, 0.1)
+    F._min_span(ax, 0.1)
     lo, hi = ax.get_ylim()
     assert hi - lo == pytest.approx(0.1) and lo < 2.83308 and 2.83320 < hi
     ax.set_ylim(0, 2)
-    P._min_span(ax, 0.1)
+    F._min_span(ax, 0.1)
     assert ax.get_ylim() == (0, 2)  # a wide axis is left as it is
     plt.close(fig)
 
@@ -717,11 +722,11 @@ def test_a_tiny_change_is_drawn_small_on_linear_and_log_axes(tmp_path):
     log.set_yscale("log")
     wide.plot([0, 10], [0.0, 1.0])
     before = wide.get_ylim()
-    P._save(fig, tmp_path, "f.png")
+    F._save(fig, tmp_path, "f.png")
     lo, hi = lin.get_ylim()
-    assert hi - lo == pytest.approx(P.MIN_RELATIVE_SPAN * 0.3439, rel=0.02) and lo < 0.3438 and 0.3439 < hi
+    assert hi - lo == pytest.approx(F.MIN_RELATIVE_SPAN * 0.3439, rel=0.02) and lo < 0.3438 and 0.3439 < hi
     lo, hi = log.get_ylim()
-    assert hi / lo == pytest.approx(1 + 2 * P.MIN_RELATIVE_SPAN) and lo < 2.310 and 2.319 < hi
+    assert hi / lo == pytest.approx(1 + 2 * F.MIN_RELATIVE_SPAN) and lo < 2.310 and 2.319 < hi
     assert wide.get_ylim() == before
 
 
@@ -737,8 +742,8 @@ def test_runs_that_coincide_stay_visible_and_a_sweep_point_is_named_by_its_value
     assert run_name(dirs[1]) == "sweep/1 (optim.tau=0.02)"  # not "1"
     assert run_name(tmp_path / "sweep") == "sweep"
     figures = {}
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig))
-    P.compare_runs(dirs, tmp_path / "cmp")
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.setdefault(name, fig))
+    C.compare_runs(dirs, tmp_path / "cmp")
     loss = next(ax for ax in figures["compare.png"].axes if ax.get_title() == "training loss")
     first, second = loss.get_lines()[:2]
     assert first.get_linewidth() > second.get_linewidth() + 0.5  # the later, thinner, on top
@@ -945,7 +950,7 @@ def test_a_panel_that_drew_nothing_gets_no_event_lines(tmp_path):
 
     run = P.Run("r", tmp_path, {}, {"status": "diverged", "diverged_at": 5})
     fig, (empty, drawn) = plt.subplots(1, 2)
-    P._empty(empty, "not logged")
+    F._empty(empty, "not logged")
     drawn.plot([0, 10], [1, 2])
     P._mark_divergence(empty, run)
     P._mark_divergence(drawn, run)
@@ -984,8 +989,8 @@ def test_compare_keeps_every_runs_alert_visible_when_they_share_a_step(tmp_path,
         (run / "summary.json").write_text(json.dumps(summary))
         runs.append(run)
     figs = {}
-    monkeypatch.setattr(P, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
-    P.compare_runs(runs, tmp_path / "cmp")
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figs.setdefault(name, fig) and out / name)
+    C.compare_runs(runs, tmp_path / "cmp")
     ax = next(a for a in figs["compare.png"].axes if "entropy" in a.get_title())
     edge = [ln for ln in ax.get_lines() if ln.get_marker() == "v" and len(ln.get_xdata())]
     assert len(edge) == 2
@@ -1020,7 +1025,7 @@ def test_compare_leaves_a_block_without_log_t_out_of_the_fractions(tmp_path, mon
     a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (0.1, None)}))
     b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (1.9, 3.8)}))
     figures = _figures(monkeypatch)
-    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
+    C.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
     assert np.allclose(_curves(_entropy_panel(figures)), [[0.5] * 3, [0.5] * 3])
 
 
@@ -1029,7 +1034,7 @@ def test_compare_of_one_block_sets_runs_over_different_numbers_of_keys_on_one_sc
     a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2)}))
     b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (1.9, 3.8)}))
     figures = _figures(monkeypatch)
-    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"], entropy_block="blocks.0")
+    C.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"], entropy_block="blocks.0")
     ax = _entropy_panel(figures)
     assert "over log T" in ax.get_title() and ax.get_ylabel() == "entropy / uniform entropy"
     assert np.allclose(_curves(ax), [[0.5] * 3, [0.5] * 3])
@@ -1040,7 +1045,7 @@ def test_compare_reads_every_blocks_uniform_level_not_the_first_ones(tmp_path, m
     a = _run_dir(tmp_path / "a", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (2.6, 5.2)}))
     b = _run_dir(tmp_path / "b", _ent_records({"blocks.0": (2.6, 5.2), "blocks.1": (1.5, 3.0)}))
     figures = _figures(monkeypatch)
-    P.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
+    C.compare_runs([a, b], tmp_path / "cmp", labels=["a", "b"])
     assert _entropy_panel(figures).get_ylabel() == "entropy / uniform entropy"
 
 
@@ -1052,7 +1057,7 @@ def test_compare_puts_the_first_alerted_runs_triangles_on_the_top_edge(tmp_path,
     dirs = [_run_dir(tmp_path / "calm", recs, {"status": "completed"}),
             _run_dir(tmp_path / "x", recs, alert), _run_dir(tmp_path / "y", recs, alert)]
     figures = _figures(monkeypatch)
-    P.compare_runs(dirs, tmp_path / "cmp", labels=["calm", "x", "y"])
+    C.compare_runs(dirs, tmp_path / "cmp", labels=["calm", "x", "y"])
     rows = [float(ln.get_ydata()[0]) for ln in _entropy_panel(figures).get_lines()
             if ln.get_marker() == "v" and len(ln.get_xdata())]
     assert rows == pytest.approx([1.0, 1.0 - 0.045])

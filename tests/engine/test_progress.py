@@ -49,7 +49,8 @@ def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
     final = summary["final"]
     assert final["loss"] == rec["loss"] and final["task_loss"] == pytest.approx(rec["loss"] - rec["loss/penalty"])
     from stabletrain.analysis import sweeps
-    from stabletrain.analysis.plots import _task_loss, load_run
+    from stabletrain.analysis.compare import _task_loss
+    from stabletrain.analysis.runs import load_run
 
     columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
     assert "final_task_loss" in columns and table[0]["final_task_loss"] == final["task_loss"]
