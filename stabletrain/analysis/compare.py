@@ -77,7 +77,6 @@ def _decades_apart(series: list[Series | None]) -> bool:
     return len(peaks) > 1 and max(peaks) >= 10 * min(peaks)
 
 
-@_styled
 def _task_loss(run: Run) -> Series | None:
     """The loss minimised less the loss terms' share logged beside it, at the steps that have both."""
     loss, penalty = run.get(N.LOSS), run.get(N.LOSS_PENALTY)
@@ -87,6 +86,7 @@ def _task_loss(run: Run) -> Series | None:
     return shared, loss[1][at_loss] - penalty[1][at_penalty]
 
 
+@_styled
 def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
                  title: str | None = None, qk: str | None = None, entropy_block: str | None = None) -> list[Path]:
     """Overlay loss, validation metric, scheduled lr (AdamW²'s share of tensors at the bound

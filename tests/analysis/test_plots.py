@@ -508,6 +508,18 @@ def figures(monkeypatch):
     return out
 
 
+def test_compare_draws_in_the_style_of_a_runs_own_figures(tmp_path, figures):
+    """compare.png reads as plot_dynamics' figures do: their font sizes and grid, not matplotlib's
+    defaults, and the importer's defaults are left as they were."""
+    import matplotlib
+
+    before = matplotlib.rcParams["axes.titlesize"]
+    C.compare_runs([_lr_run(tmp_path / "a", 1e-3, 0.5)], tmp_path / "cmp", labels=["a"])
+    ax = figures[-1].axes[0]
+    assert ax.title.get_fontsize() == F._STYLE["axes.titlesize"] and ax.xaxis.get_gridlines()[0].get_visible()
+    assert matplotlib.rcParams["axes.titlesize"] == before
+
+
 def test_one_run_keeps_its_lr_panel(tmp_path, figures):
     """The bound's share replaces the lr panel only where several runs share one schedule: a run
     alone with AdamW²'s telemetry still draws its scheduled lr."""
