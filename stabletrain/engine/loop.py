@@ -627,8 +627,11 @@ class Trainer:
             self.monitor.stop_reason, self.monitor.stop_onset = None, None
             self.monitor.alerts = fired
         detected = self.step
-        skipped = max(onset - restored, w.skip_window)
-        self.data_offset = int((ck.get("survival") or {}).get("data_offset", 0)) + skipped
+        # the data from the restored state's stream position to the trouble's: a checkpoint from before
+        # an earlier rollback (the "again" case) holds a smaller data offset than the one the trouble met
+        was = int((ck.get("survival") or {}).get("data_offset", 0))
+        skipped = max(onset - restored + self.data_offset - was, w.skip_window)
+        self.data_offset = was + skipped
         self.lr_scale *= w.lr_scale_on_rollback
         self.spikes = [sp for sp in self.spikes if sp["step"] <= restored]  # those of the history abandoned: gone
         self.step = restored
