@@ -636,6 +636,11 @@ class Trainer:
         self.spikes = [sp for sp in self.spikes if sp["step"] <= restored]  # those of the history abandoned: gone
         self.step = restored
         self.diverged_at = None
+        # the summary's final values come from the history kept, as after a resume: an evaluation after the
+        # restored step, and the loss of the interval the trouble was found in, are of the history abandoned
+        if self.last_vals_step is not None and self.last_vals_step > restored:
+            self.last_vals, self.last_vals_step = {}, None
+        self.last_train_loss = self.last_penalty = None
         entry = {"trigger_step": onset, "detected_step": detected, "restored_step": restored,
                  "skipped_steps": skipped, "reason": reason}
         self.rollbacks.append(entry)
