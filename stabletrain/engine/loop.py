@@ -437,9 +437,9 @@ class Trainer:
         self.trigger = None
         passed, early = [], []
         for s, value, skip in zip(steps, got.losses, got.skipped):
-            over, start, uncounted = self.divergence.over, self.divergence.spike_from, self.divergence.uncounted
+            over, start = self.divergence.over, self.divergence.spike_from
             reason = self.divergence.update(s + 1, value, skip)  # steps done, as everywhere else
-            if self.divergence.uncounted != uncounted:
+            if self.divergence.uncounted is not None and self.divergence.uncounted[0] == s + 1:
                 early.append(s + 1)
             if over and not self.divergence.over and not skip:
                 passed.append((start if start is not None else s + 1 - over, over))
@@ -627,17 +627,19 @@ class Trainer:
             self.monitor.stop_reason, self.monitor.stop_onset = None, None
             self.monitor.alerts = fired
         detected = self.step
-        # the data from the restored state's stream position to the trouble's: a checkpoint from before
-        # an earlier rollback (the "again" case) holds a smaller data offset than the one the trouble met
+        # the data from the restored state's stream position to the trouble's. The trouble's step ran at
+        # the offset of the newest ring checkpoint before it, except when the "again" rule went one further
+        # back, past the last rollback's restored step: it ran after that rollback, at the present offset
         was = int((ck.get("survival") or {}).get("data_offset", 0))
-        skipped = max(onset - restored + self.data_offset - was, w.skip_window)
+        met = self.data_offset if again else was
+        skipped = max(onset - restored + met - was, w.skip_window)
         self.data_offset = was + skipped
         self.lr_scale *= w.lr_scale_on_rollback
         self.spikes = [sp for sp in self.spikes if sp["step"] <= restored]  # those of the history abandoned: gone
         self.step = restored
         self.diverged_at = None
-        # the summary's final values come from the history kept, as after a resume: an evaluation after the
-        # restored step, and the loss of the interval the trouble was found in, are of the history abandoned
+        # the summary's final values come from the history kept: an evaluation after the restored step,
+        # and the loss of the interval the trouble was found in, are of the history abandoned
         if self.last_vals_step is not None and self.last_vals_step > restored:
             self.last_vals, self.last_vals_step = {}, None
         self.last_train_loss = self.last_penalty = None

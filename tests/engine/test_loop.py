@@ -535,9 +535,9 @@ def test_a_run_that_ends_inside_a_spike_with_skips_inside_dates_it_from_its_firs
 
 
 def test_the_divergence_watchs_spike_state_survives_a_resume():
-    """A last.pt written during a warm-up spike holds above=True, which keeps the resumed run's
-    next checkpoint out of the ring; a state written before ``above`` was kept reads it from
-    ``over``, and one with the keys older code kept (``level``, ``above_at``) loads without them."""
+    """A last.pt written during a warm-up spike holds above=True (the loop keeps a checkpoint
+    written while it does out of the ring); a state written before ``above`` was kept reads it
+    from ``over``, and one with the keys older code kept (``level``, ``above_at``) loads without them."""
     from omegaconf import OmegaConf
 
     from stabletrain.config import DivergenceConfig
