@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -101,13 +102,47 @@ def profiled(fn, steps: int, path: Path, sync) -> None:
     prof.export_chrome_trace(str(path))
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=25))
+    print(timeline(prof.events(), steps))
     print(f"trace: {path}")
+
+
+# the CUDA runtime calls in which the host waits for the device (a .item() is a copy and a stream sync)
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def timeline(events, steps: int) -> str:
+    """Where the gap goes, from a trace: the host's work a step (aten ops it dispatched, device
+    operations it queued, times it waited for the device) and the share of the traced time the
+    device was busy (an idle device while the host is busy means the step is host-bound)."""
+    aten = [e for e in events if e.name.startswith("aten::")]
+    ops = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]  # + copies
+    waits = sum(1 for e in events if e.name in SYNCS) - 1  # the last: the sync that ends the trace
+    line = f"{steps} steps traced: {ops / steps:.0f} aten ops"
+    if not kernels:
+        return line + " a step (no device kernels: a CPU run)"
+    host = [e.time_range.start for e in events if e.device_type == DeviceType.CPU]
+    start, end = min(host + [s for s, _ in kernels]), max(e for _, e in kernels)
+    return (f"{line}, {len(kernels) / steps:.0f} device ops and {max(waits, 0) / steps:.1f} host waits a step; "
+            f"the device busy {busy_share(kernels, start, end):.1%} of the traced time")
+
+
+def busy_share(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """The share of ``[start, end]`` covered by the union of ``intervals`` (kernels may overlap
+    across streams)."""
+    covered, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered / (end - start) if end > start else 0.0
 
 
 def bare_loop(t, batch, args):
     """The hand-written loop on the trainer's model: model and loss compiled as one function."""
     raw = t.model
-    opt = torch.optim.AdamW(raw.parameters(), lr=1e-4, fused=t.device.type == "cuda")
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-4, fused=t.device.type in ("cuda", "cpu"))  # as optim=adamw
 
     def loss_of(x, y):
         with torch.autocast(t.device.type, dtype=torch.bfloat16, enabled=t.bf16):

@@ -1,12 +1,15 @@
 """The benchmark and reproduction scripts still run (tiny CPU settings); timings are not judged."""
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
 from tests.helpers import ROOT
 
@@ -44,12 +47,43 @@ def test_bench_optim(mode):
 
 def test_bench_train(tmp_path):
     out = script("bench_train.py", "--models", "vit_test,gpt_test", "--device", "cpu", "--batch", "4", "--seq",
-                 "32", "--steps", "2", "--warmup", "1", "--eager", "--variants", "adamw2", "--out", str(tmp_path))
+                 "32", "--steps", "2", "--warmup", "1", "--eager", "--variants", "adamw2", "--profile", "adamw2",
+                 "--out", str(tmp_path))
     assert len(rows(out, "bare |")) == 2 and "vit_test: CPU, batch 4, eager" in out
     for variant, against in (("trainer", "bare"), ("adamw2", "trainer")):
         for row in rows(out, variant + " |"):
             assert positive(row[1]) and row[2] == against and row[3].endswith("%")
     assert len(rows(out, "monitors")) == 2
+    traced = re.findall(r"5 steps traced: (\d+) aten ops a step \(no device kernels: a CPU run\)", out)
+    assert len(traced) == 2 and all(int(n) > 100 for n in traced)
+    assert (tmp_path / "gpt_test" / "trace.json").is_file()
+
+
+def bench_train_module():
+    spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_train_reads_host_and_device_work_from_a_trace():
+    bench = bench_train_module()
+    assert bench.busy_share([(0, 4), (2, 6), (3, 5), (8, 9)], 0, 10) == pytest.approx(0.7)  # overlaps once
+    assert bench.busy_share([(-2, 1), (9, 12)], 0, 10) == pytest.approx(0.2)  # clipped to the span
+    assert bench.busy_share([], 0, 10) == 0.0
+
+    def event(name, start, end, parent=None, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
+                               device_type=device)
+
+    mm = event("aten::mm", 0, 3)
+    events = [mm, event("aten::empty", 1, 2, parent=mm), event("aten::add", 3, 4), event("cudaLaunchKernel", 3, 4),
+              event("cudaStreamSynchronize", 5, 9), event("cudaDeviceSynchronize", 18, 20),
+              event("gemm", 2, 10, device=DeviceType.CUDA), event("add", 12, 20, device=DeviceType.CUDA)]
+    # 2 steps: aten::empty runs inside aten::mm (not dispatched by the step itself); the last sync ends the trace
+    assert bench.timeline(events, 2) == ("2 steps traced: 1 aten ops, 1 device ops and 0.5 host waits a step; "
+                                         "the device busy 80.0% of the traced time")
+    assert bench.timeline(events[:3], 1) == "1 steps traced: 2 aten ops a step (no device kernels: a CPU run)"
 
 
 def test_bench_monitors(tmp_path):
