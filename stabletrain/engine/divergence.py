@@ -107,13 +107,22 @@ class DivergenceWatch:
             self.spike_from = last - self.over + 1 if self.over else None
 
 
-def add_warmup_spikes(spikes: list[dict], steps: list[int]) -> None:
-    """Record in ``spikes`` (summary.json's: ``{step, steps}``) the ``steps`` whose loss spiked in
-    the divergence warmup, marked ``warmup``: consecutive steps are one spike, one that goes on
-    from the last recorded grows."""
-    for at in steps:
+def record_spikes(spikes: list[dict], warmup: list[int], passed: list[tuple[int, int]]) -> None:
+    """Add an interval's loss spikes to ``spikes`` (summary.json's: ``{step, steps}``): the
+    ``warmup`` steps whose loss spiked in the divergence warmup, marked ``warmup`` (not counted;
+    consecutive steps are one spike, one that goes on from the last recorded grows), then the
+    ``(first step, length)`` of the counted spikes that passed. A spike that began in the warmup's
+    last steps and went on past it is one entry from its first step, counted: not marked."""
+    for at in warmup:
         last = spikes[-1] if spikes else {}
         if last.get("warmup") and last["step"] + last["steps"] == at:
             last["steps"] += 1
         else:
             spikes.append({"step": at, "steps": 1, "warmup": True})
+    for first, length in passed:
+        last = spikes[-1] if spikes else {}
+        if last.get("warmup") and last["step"] + last["steps"] == first:
+            del last["warmup"]
+            last["steps"] += length
+        else:
+            spikes.append({"step": first, "steps": length})

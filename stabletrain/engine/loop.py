@@ -34,7 +34,7 @@ from torch import nn
 from stabletrain.engine import distributed as D
 from stabletrain.engine import resume as R
 from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
-from stabletrain.engine.divergence import DivergenceWatch, add_warmup_spikes
+from stabletrain.engine.divergence import DivergenceWatch, record_spikes
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.progress import Pace, end_line, interval_fields
 from stabletrain.engine.rundir import continue_with
@@ -379,8 +379,7 @@ class Trainer:
         got = self._read_back([r for _, r in pending])
         steps = [s for s, _ in pending]
         reason, passed, early = self._verdict(steps, got)
-        add_warmup_spikes(self.spikes, early)
-        self.spikes += [{"step": first, "steps": length} for first, length in passed]
+        record_spikes(self.spikes, early, passed)
         rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
         for s, skip in zip(steps, got.skipped):  # the figures mark each where it happened, not at the log step
             if skip:

@@ -460,7 +460,7 @@ class AdamW2(Optimizer):
             direction.zero_()
         else:
             direction = ahead.direction  # zeroed on the side stream
-        steps = [direction[i].view(t.shape) for i, t in enumerate(local)]
+        steps = [d if d.shape == t.shape else d.view(t.shape) for d, t in zip(direction.unbind(0), local)]
         self._adam_direction(group, params, steps, scale, skip)
 
         if len(shape) == 1:
@@ -544,11 +544,12 @@ class AdamW2(Optimizer):
         if not group["warm_start"]:
             return
         n = len(params)
+        us, vs = u.unbind(0), v.unbind(0)  # one op each, not one per tensor: the host's work counts
         for block, (ku, kv) in enumerate(blocks):
             for i, p in enumerate(params):
-                uu = u[block * n + i]
+                uu = us[block * n + i]
                 self.state[p][ku] = _sharded_rows(uu, p) if _is_dtensor(p) else uu
-                self.state[p][kv] = v[block * n + i]
+                self.state[p][kv] = vs[block * n + i]
 
     def _iterate_ahead(self, buckets: list[tuple[dict, tuple, list[Tensor]]]) -> dict[tuple, _SigmaAhead]:
         """sigma1 of the weights this step wrote, for the next step (``overlap_sigma_w``)."""
@@ -733,7 +734,8 @@ def _local_matrix(p: Tensor) -> Tensor:
 
 
 def _compute_dtype(p: Tensor) -> torch.dtype:
-    return torch.promote_types(p.dtype, torch.float32)
+    """fp32, or fp64 for fp64 parameters (torch.promote_types with fp32, without dispatching an op)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
 def _unstep(steps: list[Tensor], skip: Tensor | None) -> None:
@@ -774,7 +776,10 @@ def _vector(state: dict, key: str, size: int, like: Tensor, draw: int | None = N
     vec = state.get(key)
     if _stale(state, key, size):
         return random_unit(draw or size, device=like.device, dtype=like.dtype)[first:first + size]
-    return _local(vec).reshape(size).to(device=like.device, dtype=like.dtype)
+    vec = _local(vec)
+    if vec.dim() != 1 or vec.dtype != like.dtype or vec.device != like.device:  # kept ones are: no op
+        vec = vec.reshape(size).to(device=like.device, dtype=like.dtype)
+    return vec
 
 
 def _first_row(p: Tensor, shards: Any) -> int:

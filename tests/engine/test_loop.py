@@ -460,15 +460,32 @@ def test_the_watch_keeps_the_last_warmup_spike_for_its_line_and_a_restored_watch
 def test_warmup_spikes_go_on_record_one_entry_per_run_of_consecutive_steps():
     """summary.json's spikes: steps 2 and 3 of the warmup are one spike of two steps, step 7
     another; a counted spike recorded between is not grown by a warmup step after it."""
-    from stabletrain.engine.divergence import add_warmup_spikes
+    from stabletrain.engine.divergence import record_spikes
 
     spikes = []
-    add_warmup_spikes(spikes, [2])
-    add_warmup_spikes(spikes, [3, 7])  # the spike of step 2 goes on into the next interval
+    record_spikes(spikes, [2], [])
+    record_spikes(spikes, [3, 7], [])  # the spike of step 2 goes on into the next interval
     assert spikes == [{"step": 2, "steps": 2, "warmup": True}, {"step": 7, "steps": 1, "warmup": True}]
-    spikes.append({"step": 8, "steps": 1})
-    add_warmup_spikes(spikes, [9])
-    assert spikes[-2:] == [{"step": 8, "steps": 1}, {"step": 9, "steps": 1, "warmup": True}]
+    record_spikes(spikes, [], [(9, 1)])
+    record_spikes(spikes, [10], [])
+    assert spikes[-2:] == [{"step": 9, "steps": 1}, {"step": 10, "steps": 1, "warmup": True}]
+
+
+def test_a_spike_that_begins_in_the_warmup_and_goes_on_past_it_is_one_counted_spike():
+    """The warmup's last step spikes and the two steps after it, counted, spike on: one entry of
+    three steps from the first, in the same interval or over two; one that begins after a gap is another."""
+    from stabletrain.engine.divergence import record_spikes
+
+    one, two = [], []
+    record_spikes(one, [5], [(6, 2)])
+    record_spikes(two, [5], [])
+    record_spikes(two, [], [(6, 2)])
+    assert one == two == [{"step": 5, "steps": 3}]
+    record_spikes(one, [], [(10, 1)])
+    assert one[-1] == {"step": 10, "steps": 1}
+    gap = []
+    record_spikes(gap, [5], [(7, 1)])
+    assert gap == [{"step": 5, "steps": 1, "warmup": True}, {"step": 7, "steps": 1}]
 
 
 def test_a_steady_rise_in_the_divergence_warmup_still_lifts_the_mean():

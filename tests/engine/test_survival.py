@@ -755,6 +755,20 @@ def test_a_spike_in_the_divergence_warmup_stays_out_of_the_ring(tmp_path, capsys
             in err.strip().splitlines()[-1]), err
 
 
+def test_a_spike_that_begins_in_the_warmups_last_step_and_goes_on_is_one_counted_spike(tmp_path, capsys):
+    """Steps 1-2 set the running mean, step 3 is the warmup's last (not counted) and spikes, and
+    steps 4-5 spike on, counted: one spike of three steps from step 3 on record, not two."""
+    from stabletrain.build import build_trainer
+
+    t = build_trainer(make_cfg(*GPT, "steps=8", "divergence.warmup_steps=3", "divergence.window=5"), tmp_path)
+    t._fault_due = lambda: (t.step + 1) if 3 <= t.step + 1 <= 5 else None
+    t._inject = lambda loss, done: loss * 1e3
+    s = t.fit()
+    assert s["status"] == "completed" and s["spikes"] == [{"step": 3, "steps": 3}], s
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "| 1 loss spike(s) passed, the last at step 3 (3 step(s)) |" in last, last
+
+
 def test_the_steps_skipped_after_a_warmup_spike_do_not_repeat_it_on_their_lines(tmp_path, capsys):
     """A NaN step after a warm-up spike leaves the watch's verdict on the spike as it was: its
     line names the skipped step, not a spike "at step 5"."""
