@@ -57,7 +57,7 @@ def normalize_or(x: Tensor, keep: Tensor, norm: Tensor | None = None) -> Tensor:
     zero at that step, as a zero-initialised layer is, or the vector was orthogonal to it) would
     be kept by a warm start and give sigma1 = 0 at every later step. ``norm``: ``x``'s norms
     when already known (a sum over ranks)."""
-    norm = (x.norm(dim=-1) if norm is None else norm).unsqueeze(-1)
+    norm = x.norm(dim=-1, keepdim=True) if norm is None else norm.unsqueeze(-1)
     # no clamp: where a norm is 0 the quotient is not taken (one kernel fewer in the optimizer step)
     return torch.where(norm > _EPS, x / norm, keep)
 
@@ -83,14 +83,16 @@ def power_iteration(
     squeeze = w.dim() == 2
     if squeeze:
         w, u, v = w[None], u[None], v[None]
+    # W^T u and W v as row vectors (B, 1, .) times a matrix: the same numbers, but the CPU's
+    # batched gemm runs this form 4-20x faster than a matrix times a column; and the vectors stay
+    # in that shape throughout: on a GPU each op is the host's time, not only the device's
+    u, v, wt = u.unsqueeze(1), v.unsqueeze(1), w.transpose(1, 2)
     for _ in range(iters):
-        # W^T u and W v as row vectors times a matrix: the same numbers, but the CPU's batched
-        # gemm runs this form 4-20x faster than a matrix times a column
-        wtu = torch.bmm(u.unsqueeze(1), w).squeeze(1)
+        wtu = torch.bmm(u, w)
         if group is not None:
             torch.distributed.all_reduce(wtu, group=group)
         v = normalize_or(wtu, v)
-        wv = torch.bmm(v.unsqueeze(1), w.transpose(1, 2)).squeeze(1)
+        wv = torch.bmm(v, wt)
         if group is None:
             u = normalize_or(wv, u)
         else:
@@ -99,8 +101,8 @@ def power_iteration(
     if group is None:
         sigma = wv.norm(dim=-1)
     if squeeze:
-        return sigma[0], u[0], v[0]
-    return sigma, u, v
+        return sigma[0, 0], u[0, 0], v[0, 0]
+    return sigma.squeeze(1), u.squeeze(1), v.squeeze(1)
 
 
 def row_norms(x: Tensor, group: Any = None) -> Tensor:
