@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.autograd import DeviceType
+from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -95,8 +96,9 @@ def profiled(fn, steps: int, path: Path, sync) -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        for _ in range(steps):
-            fn()
+        with record_function(STEPS):
+            for _ in range(steps):
+                fn()
         sync()
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
@@ -106,25 +108,31 @@ def profiled(fn, steps: int, path: Path, sync) -> None:
     print(f"trace: {path}")
 
 
+# the host's range of the traced steps, without the sync that ends them (nor the profiler's own at its exit)
+STEPS = "bench_train: steps"
 # the CUDA runtime calls in which the host waits for the device (a .item() is a copy and a stream sync)
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def timeline(events, steps: int) -> str:
     """Where the gap goes, from a trace: the host's work a step (aten ops it dispatched, device
-    operations it queued, times it waited for the device) and the share of the traced time the
-    device was busy (an idle device while the host is busy means the step is host-bound)."""
+    operations it queued, times it waited for the device) and the share of the time from the
+    first step's start to the last kernel's end that the device was busy (an idle device while
+    the host is busy means the step is host-bound)."""
+    (span,) = [e.time_range for e in events if e.name == STEPS and e.device_type == DeviceType.CPU]
     aten = [e for e in events if e.name.startswith("aten::")]
     ops = sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-    kernels = [(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA]  # + copies
-    waits = sum(1 for e in events if e.name in SYNCS) - 1  # the last: the sync that ends the trace
+    # kernels, copies and fills; not the device-side shadows of annotated ranges (an optimizer's
+    # step, a compiled graph), whose spans cover the gaps between their kernels
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    waits = sum(1 for e in events if e.name in SYNCS and span.start <= e.time_range.start < span.end)
     line = f"{steps} steps traced: {ops / steps:.0f} aten ops"
     if not kernels:
         return line + " a step (no device kernels: a CPU run)"
-    host = [e.time_range.start for e in events if e.device_type == DeviceType.CPU]
-    start, end = min(host + [s for s, _ in kernels]), max(e for _, e in kernels)
-    return (f"{line}, {len(kernels) / steps:.0f} device ops and {max(waits, 0) / steps:.1f} host waits a step; "
-            f"the device busy {busy_share(kernels, start, end):.1%} of the traced time")
+    end = max(e for _, e in kernels)
+    return (f"{line}, {len(kernels) / steps:.0f} device ops and {waits / steps:.1f} host waits a step; "
+            f"the device busy {busy_share(kernels, span.start, end):.1%} of the traced time")
 
 
 def busy_share(intervals: list[tuple[float, float]], start: float, end: float) -> float:

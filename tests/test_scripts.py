@@ -72,18 +72,23 @@ def test_bench_train_reads_host_and_device_work_from_a_trace():
     assert bench.busy_share([(-2, 1), (9, 12)], 0, 10) == pytest.approx(0.2)  # clipped to the span
     assert bench.busy_share([], 0, 10) == 0.0
 
-    def event(name, start, end, parent=None, device=DeviceType.CPU):
+    def event(name, start, end, parent=None, device=DeviceType.CPU, annotation=False):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), cpu_parent=parent,
-                               device_type=device)
+                               device_type=device, is_user_annotation=annotation)
 
-    mm = event("aten::mm", 0, 3)
-    events = [mm, event("aten::empty", 1, 2, parent=mm), event("aten::add", 3, 4), event("cudaLaunchKernel", 3, 4),
-              event("cudaStreamSynchronize", 5, 9), event("cudaDeviceSynchronize", 18, 20),
-              event("gemm", 2, 10, device=DeviceType.CUDA), event("add", 12, 20, device=DeviceType.CUDA)]
-    # 2 steps: aten::empty runs inside aten::mm (not dispatched by the step itself); the last sync ends the trace
+    steps = event(bench.STEPS, 0, 16)
+    mm = event("aten::mm", 0, 3, parent=steps)
+    events = [steps, mm, event("aten::empty", 1, 2, parent=mm), event("aten::add", 3, 4, parent=steps),
+              event("cudaLaunchKernel", 3, 4), event("cudaStreamSynchronize", 5, 9),
+              event("cudaDeviceSynchronize", 17, 20), event("cudaDeviceSynchronize", 20, 21),
+              event("gemm", 2, 10, device=DeviceType.CUDA), event("add", 12, 20, device=DeviceType.CUDA),
+              event("Optimizer.step#AdamW2.step", 2, 20, device=DeviceType.CUDA, annotation=True)]
+    # 2 steps: aten::empty runs inside aten::mm (not dispatched by the step itself); the syncs after the
+    # steps' range (the script's, the profiler's own) are no waits; the annotated range's shadow on the
+    # device covers the gap 10-12, and is no device op
     assert bench.timeline(events, 2) == ("2 steps traced: 1 aten ops, 1 device ops and 0.5 host waits a step; "
                                          "the device busy 80.0% of the traced time")
-    assert bench.timeline(events[:3], 1) == "1 steps traced: 2 aten ops a step (no device kernels: a CPU run)"
+    assert bench.timeline(events[:4], 1) == "1 steps traced: 2 aten ops a step (no device kernels: a CPU run)"
 
 
 def test_bench_monitors(tmp_path):

@@ -107,22 +107,31 @@ class DivergenceWatch:
             self.spike_from = last - self.over + 1 if self.over else None
 
 
-def record_spikes(spikes: list[dict], warmup: list[int], passed: list[tuple[int, int]]) -> None:
+def record_spikes(spikes: list[dict], warmup: list[int], passed: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Add an interval's loss spikes to ``spikes`` (summary.json's: ``{step, steps}``): the
     ``warmup`` steps whose loss spiked in the divergence warmup, marked ``warmup`` (not counted;
     consecutive steps are one spike, one that goes on from the last recorded grows), then the
     ``(first step, length)`` of the counted spikes that passed. A spike that began in the warmup's
-    last steps and went on past it is one entry from its first step, counted: not marked."""
+    last steps and went on past it is one entry from its first step, counted: not marked.
+    Returns the counted spikes as recorded, ``(first step, length)``."""
     for at in warmup:
         last = spikes[-1] if spikes else {}
         if last.get("warmup") and last["step"] + last["steps"] == at:
             last["steps"] += 1
         else:
             spikes.append({"step": at, "steps": 1, "warmup": True})
+    out = []
     for first, length in passed:
-        last = spikes[-1] if spikes else {}
-        if last.get("warmup") and last["step"] + last["steps"] == first:
-            del last["warmup"]
-            last["steps"] += length
-        else:
-            spikes.append({"step": first, "steps": length})
+        began = spike_began(spikes, first)
+        if began != first:
+            del spikes[-1]
+        spikes.append({"step": began, "steps": first + length - began})
+        out.append((began, first + length - began))
+    return out
+
+
+def spike_began(spikes: list[dict], first: int) -> int:
+    """The first step of the spike counted from step ``first``: that of the warmup spike recorded
+    last in ``spikes`` when the counted one goes on from it, ``first`` otherwise."""
+    last = spikes[-1] if spikes else {}
+    return last["step"] if last.get("warmup") and last["step"] + last["steps"] == first else first

@@ -379,7 +379,7 @@ class Trainer:
         got = self._read_back([r for _, r in pending])
         steps = [s for s, _ in pending]
         reason, passed, early = self._verdict(steps, got)
-        record_spikes(self.spikes, early, passed)
+        passed = record_spikes(self.spikes, early, passed)
         rec = self._record(steps, got, dt, lr=pending[-1][1].lr)
         for s, skip in zip(steps, got.skipped):  # the figures mark each where it happened, not at the log step
             if skip:
@@ -500,7 +500,7 @@ class Trainer:
         step_time = self.pace.add(rec[N.STEP_TIME])
         self.metrics.progress(self.step, self.total_steps, interval_fields(
             rec, steps, skipped, passed, reason, last_vals, watch=self.divergence, step=self.step,
-            total_steps=self.total_steps, text=self.data.kind == "text", step_time=step_time))
+            total_steps=self.total_steps, text=self.data.kind == "text", step_time=step_time, spikes=self.spikes))
 
     def _mfu(self, samples_per_s: float) -> float | None:
         """Model FLOPs utilisation on CUDA: the model's training FLOPs per sample (nanoGPT's

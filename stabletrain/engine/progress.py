@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import statistics
 
-from stabletrain.engine.divergence import DivergenceWatch
+from stabletrain.engine.divergence import DivergenceWatch, spike_began
 from stabletrain.metrics import duration, milliseconds, si
 from stabletrain.monitor import names as N
 
@@ -33,11 +33,12 @@ class Pace:
 
 def interval_fields(rec: dict, steps: list[int], skipped: list[bool], passed: list[tuple[int, int]],
                     reason: str | None, last_vals: dict, *, watch: DivergenceWatch, step: int, total_steps: int,
-                    text: bool, step_time: float) -> dict:
+                    text: bool, step_time: float, spikes: list[dict] = ()) -> dict:
     """The progress line of the interval of ``steps`` (0-based) that ends at ``step``, from its
     metrics record ``rec``: which of them were ``skipped``, the spikes that ``passed`` ((first
     step, length)), the ``reason`` to stop if any, this step's evaluation ``last_vals`` (empty
-    when it had none), the divergence ``watch`` and the ``step_time`` the ETA counts with."""
+    when it had none), the divergence ``watch``, the ``step_time`` the ETA counts with and the
+    ``spikes`` on record (a spike under watch that began in the warmup is said from there)."""
     # validation only on the line of the step that evaluated it
     shown = {key: v for key, v in last_vals.items() if key.startswith((N.VAL + "/", N.VAL_EMA + "/"))}
     speed = {"tok/s" if text else "img/s": si(rec[N.throughput("tokens" if text else "samples")]),
@@ -56,7 +57,8 @@ def interval_fields(rec: dict, steps: list[int], skipped: list[bool], passed: li
     # what the divergence watch sees: a spike is a divergence only once it lasts divergence.window steps
     w = watch
     if w.over and reason is None:
-        extra["spike"] = (f"since step {w.spike_start(step)}, the loss above {w.factor:g}x its running "
+        since = spike_began(spikes, w.spike_start(step))
+        extra["spike"] = (f"since step {since}, the loss above {w.factor:g}x its running "
                           f"mean {w.ema:.4g} ({w.over} of {w.window} steps to a divergence)")
     elif w.uncounted is not None and reason is None and w.uncounted[0] > step - len(steps):
         # the warmup's: no window yet, the ring alone holds back. Said in the interval of its step,

@@ -257,7 +257,7 @@ def reparam_step(model: nn.Module, reps: list[tuple[Tensor, SigmaReparam]] | Non
         # 001's Alg. 1 updates u = normalize(W v) first, then v = normalize(W^T u): the shared
         # iteration (v first) run on W^T with the roles of u and v swapped is exactly that
         _, vecs = batched_sigma1([m.mT for m, _ in items], [(p.v, p.u) for _, p in items], iters=iters)
-        # two copies for all the vectors, not two per matrix: on a GPU each op is the host's time too
+        # one copy for all the vectors, not two per matrix: on a GPU each op is the host's time too
         torch._foreach_copy_([p.u for _, p in items] + [p.v for _, p in items],
                              [u for _, u in vecs] + [v for v, _ in vecs])
 

@@ -765,8 +765,13 @@ def test_a_spike_that_begins_in_the_warmups_last_step_and_goes_on_is_one_counted
     t._inject = lambda loss, done: loss * 1e3
     s = t.fit()
     assert s["status"] == "completed" and s["spikes"] == [{"step": 3, "steps": 3}], s
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "| 1 loss spike(s) passed, the last at step 3 (3 step(s)) |" in last, last
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "| 1 loss spike(s) passed, the last at step 3 (3 step(s)) |" in err[-1], err[-1]
+    # the progress lines say it as the record does: from step 3, counted from step 4
+    lines = {int(m.group(1)): x for x in err if (m := re.search(r"step (\d+)/8 \|", x))}
+    assert "| spike at step 3, above" in lines[3] and "not counted in the first divergence.warmup_steps=3" in lines[3]
+    assert "| spike since step 3, the loss above" in lines[4] and "(1 of 5 steps to a divergence)" in lines[4]
+    assert "| spike of step 3 passed after 3 step(s) |" in lines[6], lines[6]
 
 
 def test_the_steps_skipped_after_a_warmup_spike_do_not_repeat_it_on_their_lines(tmp_path, capsys):

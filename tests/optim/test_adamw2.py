@@ -918,3 +918,18 @@ def test_the_host_dispatches_a_few_ops_per_tensor_and_the_rest_per_bucket(skip):
         return count.ops
 
     assert ops_of_a_step(6) - ops_of_a_step(2) <= 4 * 1  # the stack's reshape of each matrix, no more
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64,
+                                   torch.complex128])
+def test_the_compute_dtype_is_the_parameters_promoted_with_fp32(dtype):
+    """The step computes in fp32 at least, fp64 and complex kept: a complex parameter steps."""
+    from stabletrain.optim.adamw2 import _compute_dtype
+
+    p = nn.Parameter(torch.randn(4, 3, dtype=dtype))
+    assert _compute_dtype(p) == torch.promote_types(dtype, torch.float32)
+    if dtype.is_complex:
+        before = p.detach().clone()
+        p.grad = torch.randn_like(p)
+        AdamW2([p], lr=1e-2).step()
+        assert torch.isfinite(torch.view_as_real(p.detach())).all() and not torch.equal(p.detach(), before)
