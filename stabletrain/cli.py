@@ -228,7 +228,13 @@ def _wrong_type(key: str, first: str) -> str | None:
         return f"{key}={given} must be {kind}, or null"
     example = str(default).lower() if isinstance(default, bool) else default if isinstance(default, (int, float)) \
         else None
-    return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "")
+    elsewhere = ""
+    if key.startswith("model."):  # model.num_heads=[3,6]: a family may set it per stage under its own key
+        from stabletrain.models.registry import counterparts
+
+        elsewhere = "".join(f"; under model.family={fam} its counterpart is model.{own}"
+                            for fam, own in counterparts(key[len("model."):]))
+    return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "") + elsewhere
 
 
 def schema_keys(node=None, prefix: str = "") -> list[str]:

@@ -117,6 +117,9 @@ def test_an_override_hydra_cannot_take_is_one_line_with_the_fix(args, line, caps
     ("compile=maybe", "compile=maybe must be true or false, or null"),
     ("schedule.unit=days", "schedule.unit=days is not one of: steps, epochs"),
     ("optim.tau=abc", "optim.tau=abc must be a number, or null"),  # no example to give
+    # timm's SwinTransformer(num_heads=(3, 6)): here Swin's own key
+    ("model.num_heads=[3,6]", "model.num_heads=[3, 6] must be an integer, e.g. model.num_heads=12; under "
+                              "model.family=swin its counterpart is model.stage_heads"),
 ])
 def test_a_value_of_the_wrong_type_names_the_type_wanted(override, line):
     from stabletrain.cli import compose_config, explain

@@ -62,7 +62,9 @@ def test_no_option_or_recipe_sets_a_key_it_does_not_read(group):
 @pytest.mark.parametrize("overrides,note", [
     (["model=vit_test", "model.dropout=0.1"], "model.dropout=0.1 changes nothing: only model.family=gpt reads it, "
                                               "and this run has model.family=vit"),
-    (["model=swin_test", "model.depth=3"], "only model.family=gpt/vit reads it, and this run has model.family=swin"),
+    (["model=swin_test", "model.depth=3"], "only model.family=gpt/vit reads it, and this run has model.family=swin; "
+                                           "its counterpart there is model.depths"),
+    (["model=swin_test", "model.num_heads=8"], "; its counterpart there is model.stage_heads"),
     (["model=gpt_test", "model.drop_path=0.1"], "only model.family=swin/vit reads it"),
     (["model=gpt_test", "model.img_size=64"], "model.img_size=64 changes nothing"),
     (["model=vit_test", "model.vocab_size=100"], "only model.family=gpt reads it"),

@@ -533,6 +533,9 @@ def _why_no_adamw2_curves(run: Run) -> str:
             f"stopped at step {stopped} before any")
 
 
+ADAMW2_PANELS = 16
+
+
 @_styled
 def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
     """000 App. M: AdamW²'s actual learning rate per bounded tensor, one panel per kind of
@@ -546,8 +549,13 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
     for p in N.natural_sorted(params):
         block, kind = _split_param(p)
         kinds[kind].append((block, p))
-    # the most populated kinds first (per-block matrices), singletons (embeddings) last
-    order = sorted(kinds, key=lambda k: (-len(kinds[k]), k))[:12]
+    # the most populated kinds first (per-block matrices), singletons (embeddings) last; a timm Swin
+    # has 13 kinds, a ViT 11: past a 4 x 4 grid the rest are named, not dropped silently
+    order = sorted(kinds, key=lambda k: (-len(kinds[k]), k))
+    order, left = order[:ADAMW2_PANELS], order[ADAMW2_PANELS:]
+    if left:
+        print(f"note: adamw2_lr.png draws {len(order)} of the {len(order) + len(left)} kinds of tensor; left "
+              f"out: {', '.join(left)} (their adamw2/lr_eff/* series are in metrics.jsonl)")
     cols = min(4, len(order))
     rows = math.ceil(len(order) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.1 * rows), squeeze=False)

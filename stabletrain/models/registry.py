@@ -19,13 +19,16 @@ from stabletrain.registry import Registry
 #             none registered: the model's own ``no_weight_decay()`` if it has one (timm's)
 #   keys      the ``model.*`` keys it reads; one of the others set away from its default is noted
 #             as changing nothing (none registered: no note)
+#   instead   ``{key: its own key}`` for a ``model.*`` key another family reads that this one sets
+#             under another name (swin: depth -> depths, num_heads -> stage_heads): the note and
+#             the type error of the other key name its counterpart
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
 #   weights   ``(state, settings, model_cfg, model) -> (state, settings, [how read])`` reading a
 #             checkpoint for ``init_weights``: another code base's names as the family's, its model
 #             settings as ``model.*`` keys (gpt: nanoGPT's and Hugging Face's GPT-2), tensors of
 #             another size resampled (vit, swin: timm's own filters); none: names as they are
 MODELS = Registry("model.family", "stabletrain.models", package=True,
-                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "tau", "weights"),
+                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "instead", "tau", "weights"),
                   call="(model_cfg, components)",
                   returns=(lambda m: isinstance(m, nn.Module), "the model, an nn.Module"))
 DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value
@@ -68,8 +71,17 @@ def model_unread_reasons(model_cfg) -> dict[str, str]:
     for key in (f.name for f in fields(ModelConfig) if f.name not in (*own, "name", "family", "kwargs")):
         readers = [n for n in MODELS.names() if key in MODELS.entry(n).info.get("keys", ())]
         out[f"model.{key}"] = (f"only model.family={'/'.join(readers)} reads it, and this run has "
-                               f"model.family={model_cfg.family}")
+                               f"model.family={model_cfg.family}"
+                               + "".join(f"; its counterpart there is model.{own}"
+                                         for _, own in counterparts(key, model_cfg.family)))
     return out
+
+
+def counterparts(key: str, family: str | None = None) -> list[tuple[str, str]]:
+    """``(family, its key)`` of the families that set ``model.<key>`` under a name of their own
+    (``instead=``: swin's ``stage_heads`` for ``num_heads``); of ``family`` alone when given."""
+    names = MODELS.names() if family is None else [family] if family in MODELS else []
+    return [(n, MODELS.entry(n).info["instead"][key]) for n in names if key in MODELS.entry(n).info.get("instead", {})]
 
 
 def unread_model_keys(model_cfg, given=()) -> list[str]:

@@ -105,6 +105,7 @@ def swin_flops(model: nn.Module, m) -> float:
                  no_decay=("absolute_pos_embed", "relative_position_bias_table"),  # timm's Swin recipe
                  keys=("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "act",
                        "embed_dim", "depths", "stage_heads", "window_size", "mlp_ratio"),
+                 instead={"depth": "depths", "num_heads": "stage_heads"},  # one per stage
                  weights=timm_filter(checkpoint_filter_fn))
 def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""

@@ -1168,3 +1168,29 @@ def test_a_missing_norm_panel_names_both_norms_bias_and_a_block_with_one_norms_g
     assert "the norm has no bias" in notes["both"][r"$\|\beta_2\|_2$"]
     assert "not logged" in notes["first"][r"$\|\gamma_2\|_2$"]
     assert "no norm gains" not in notes["first"][r"$\|\gamma_2\|_2$"]
+
+
+def test_adamw2_lr_draws_every_kind_of_a_swin_and_names_what_a_bigger_model_leaves_out(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """A timm Swin logs 13 kinds of bounded tensor (the patch embedding sorted last): all are drawn.
+    Past 16 panels the figure names the kinds it leaves out."""
+    swin = [f"layers.0.blocks.{b}.{k}" for b in range(2) for k in ("attn.qkv.weight", "attn.proj.weight",
+                                                                   "mlp.fc1.weight", "mlp.fc2.weight",
+                                                                   "norm1.weight", "norm2.weight",
+                                                                   "attn.relative_position_bias_table")]
+    swin += ["layers.1.downsample.norm.weight", "layers.1.downsample.reduction.weight", "head.fc.weight",
+             "norm.weight", "patch_embed.norm.weight", "patch_embed.proj.weight"]
+    for name, params, drawn in (("swin", swin, 13), ("wide", [f"extra{i}.weight" for i in range(20)], 16)):
+        figures = _figures(monkeypatch)
+        run = _run_dir(tmp_path / name, [{"step": s, "lr": 1e-3, **{N.adamw2_lr_eff(p): 1e-3 for p in params}}
+                                         for s in (10, 20)])
+        P.plot_adamw2_lr(P.load_run(run), tmp_path)
+        titles = [ax.get_title() for ax in figures["adamw2_lr.png"].axes if ax.get_visible()]
+        assert len(titles) == drawn, titles
+        note = capsys.readouterr().out
+        if name == "swin":
+            assert "patch_embed.proj.weight" in titles and note == ""
+        else:
+            assert note.strip() == ("note: adamw2_lr.png draws 16 of the 20 kinds of tensor; left out: extra6.weight, "
+                                    "extra7.weight, extra8.weight, extra9.weight (their adamw2/lr_eff/* series are in "
+                                    "metrics.jsonl)")
