@@ -733,15 +733,15 @@ def _local_matrix(p: Tensor) -> Tensor:
     return _local(p).reshape(-1, *shape[1:])
 
 
+_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _compute_dtype(p: Tensor) -> torch.dtype:
     """``p``'s dtype promoted with fp32: fp32 for the low-precision floats, fp64 kept, complex kept
     complex. The usual cases without torch.promote_types, which dispatches an op per tensor."""
     if p.dtype in _TO_FP32:
         return torch.float32
     return p.dtype if p.dtype == torch.float64 else torch.promote_types(p.dtype, torch.float32)
-
-
-_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _unstep(steps: list[Tensor], skip: Tensor | None) -> None:
