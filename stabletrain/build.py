@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf, open_dict
+from torch import nn
+from torch.nn.utils import parametrize
 
 from stabletrain import config as C
 from stabletrain.config import Components
@@ -44,8 +46,9 @@ from stabletrain.engine.memory import check_host_memory
 from stabletrain.engine.rundir import task_overrides
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
-from stabletrain.layers.deescalate import DEESCALATIONS
+from stabletrain.layers.deescalate import DEESCALATIONS, Deescalate
 from stabletrain.layers.init import INITS
+from stabletrain.layers.locater import attention_layers
 from stabletrain.layers.norm import NORMS
 from stabletrain.layers.reparam import REPARAMS
 from stabletrain.losses import LOSS_TERMS, build_loss_terms
@@ -289,6 +292,17 @@ def eval_note(data, cfg) -> str | None:
             f"of {bs}, a fixed random part); eval_batches={math.ceil(data.n_val / bs)} scores them all")
 
 
+def preset(cfg, group: str) -> str:
+    """The option of ``group`` as a user types it, where two presets register one name: sigma_qk
+    is sigma on q/k, block and ffn are where the one de-escalation goes."""
+    g, name = cfg[group], option_value(cfg[group].name)
+    if group == "reparam" and name == "sigma" and option_value(g.get("apply_to")) == "qk":
+        return "sigma_qk"
+    if group == "deescalate" and name == "deescalate":
+        return option_value(g.placement)
+    return name
+
+
 def components_line(cfg) -> str:
     """What the blocks are built of and what the loss adds: the start line that says an override
     of ``norm``, ``attention``, ... took (with the arguments of an option of one's own)."""
@@ -297,13 +311,8 @@ def components_line(cfg) -> str:
         registry = _chosen_options(cfg)[group][0]
         # a stabletrain option reads no kwargs (a sweep's, for its own option: noted apart)
         details = [] if is_builtin(registry.entry(name)) else [f"{k}={v}" for k, v in (g.get("kwargs") or {}).items()]
-        # the preset a user typed, where two presets register one name: sigma_qk is sigma on q/k,
-        # block and ffn are where the one de-escalation goes
-        if group == "reparam" and name == "sigma" and option_value(g.get("apply_to")) == "qk":
-            name = "sigma_qk"
-        elif group == "deescalate" and name == "deescalate":
-            name = option_value(g.placement)
-        elif group == "norm":
+        name = preset(cfg, group)
+        if group == "norm":
             details = ([f"alpha={g.alpha:g}"] if name == "stablenorm" else []) + details
             details += ["post-norm"] if option_value(g.placement) == "post" else []
         return f"{group}={name}" + (f" ({', '.join(details)})" if details else "")
@@ -626,7 +635,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
 
 def unbuilt_components(model, cfg) -> list[str]:
     """A family of the user's own whose builder ignores ``components`` builds none of the chosen
-    norm or attention: said at the start, not trained silently without them."""
+    norm, attention or de-escalation, and may have no layers sigmaReparam or LocAteR find: said at
+    the start, not trained silently without them."""
     family = MODELS.entry(cfg.model.family)
     if is_builtin(family):
         return []  # the tests build every option into every family of stabletrain's own
@@ -641,6 +651,29 @@ def unbuilt_components(model, cfg) -> list[str]:
     if attention != C.AttentionConfig().name and not ours:
         notes.append(f"attention={attention} changes nothing: model.family={family.name} built no attention of "
                      f"stabletrain's (its builder does not use components.attention)")
+    if option_value(cfg.deescalate.name) != C.DeescConfig().name and not any(issubclass(k, Deescalate) for k in kinds):
+        notes.append(f"deescalate={preset(cfg, 'deescalate')} changes nothing: model.family={family.name} built no "
+                     f"de-escalation (its builder does not use components.deescalate)")
+    return notes + _unreached_weights(model, cfg, family.name)
+
+
+def _unreached_weights(model, cfg, family: str) -> list[str]:
+    """What sigmaReparam and LocAteR find by module shape and a model of one's own may not have:
+    a fused ``qkv`` linear with ``num_heads`` (their query/key rows), plain linears and convs."""
+    notes = []
+    what = "no attention with a fused qkv nn.Linear and num_heads (as timm's and stabletrain's have)"
+    if option_value(cfg.reparam.name) != C.ReparamConfig().name:
+        if not any(parametrize.is_parametrized(m, "weight") for m in model.modules()):
+            notes.append(f"reparam={preset(cfg, 'reparam')} changes nothing: model.family={family} has "
+                         + ("no nn.Linear or nn.Conv2d it can normalise" if option_value(cfg.reparam.apply_to) ==
+                            "all" else f"{what}, whose query/key rows it normalises"))
+        elif any(isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None for m in model.modules()):
+            notes.append(f"reparam={preset(cfg, 'reparam')} leaves nn.MultiheadAttention's in_proj_weight "
+                         f"(its W_q, W_k, W_v) raw: it normalises nn.Linear and nn.Conv2d weights; give the "
+                         f"attention a fused qkv nn.Linear and num_heads to have them normalised")
+    if "locater" in (cfg.regularizer or {}) and not attention_layers(model):
+        notes.append(f"regularizer=locater adds 0: model.family={family} has {what}, whose query/key "
+                     f"weights it penalises")
     return notes
 
 

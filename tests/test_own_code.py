@@ -314,6 +314,58 @@ TIMM_VIT = """
 """
 
 
+MHA_OWN = """
+    import torch
+    from torch import nn
+    from stabletrain.models.registry import MODELS
+
+    class Net(nn.Module):  # torch's nn.MultiheadAttention: no fused qkv nn.Linear, no num_heads
+        def __init__(self, m):
+            super().__init__()
+            self.embed = nn.Linear(m.in_chans * m.patch_size ** 2, m.embed_dim)
+            self.p = m.patch_size
+            self.mha = nn.MultiheadAttention(m.embed_dim, m.num_heads, batch_first=True)
+            self.head = nn.Linear(m.embed_dim, m.num_classes)
+
+        def forward(self, x):
+            x = self.embed(nn.functional.unfold(x, self.p, stride=self.p).transpose(1, 2))
+            return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
+
+    @MODELS.register("mha_own", kind="vision")
+    def build(m, components):
+        return Net(m)
+"""
+
+
+@pytest.mark.parametrize("name,body,overrides,notes", [
+    ("mha_own", MHA_OWN, ["deescalate=block", "reparam=sigma_qk", "regularizer=locater"], [
+        "deescalate=block changes nothing: model.family=mha_own built no de-escalation",
+        "reparam=sigma_qk changes nothing: model.family=mha_own has no attention with a fused qkv nn.Linear and "
+        "num_heads (as timm's and stabletrain's have), whose query/key rows it normalises",
+        "regularizer=locater adds 0: model.family=mha_own has no attention with a fused qkv nn.Linear"]),
+    ("mha_own", MHA_OWN, ["reparam=sigma"], [
+        "reparam=sigma leaves nn.MultiheadAttention's in_proj_weight (its W_q, W_k, W_v) raw"]),
+    # names of their own: a module name is imported once per process (another test imports mlp_own)
+    ("mlp_fixes", MLP.replace("mlp_own", "mlp_fixes"), ["deescalate=ffn", "reparam=sigma"],
+     ["deescalate=ffn changes nothing"]),
+    ("timm_fixes", TIMM_VIT.replace("timm_vit_own", "timm_fixes"), ["reparam=sigma_qk", "regularizer=locater"],
+     []),  # timm's qkv + num_heads: found
+])
+def test_a_fix_a_model_of_ones_own_cannot_take_is_said_at_the_start(tmp_path, name, body, overrides, notes):
+    """De-escalation, sigmaReparam's q/k and LocAteR find their layers by shape: a model without
+    them trained as if they were on, silently (LocAteR's penalty read 0)."""
+    from stabletrain.build import build_trainer
+
+    path = _module(tmp_path, name, body)
+    cfg = make_cfg("model=vit_test", f"model.family={name}", f"imports=[{path}]", "logger=none", *overrides)
+    said = "\n".join(build_trainer(cfg, tmp_path / "run").notes)
+    for note in notes:
+        assert note in said, said
+    for fix in ("deescalate=", "reparam=", "regularizer="):
+        assert sum(line.count(fix) for line in said.splitlines() if "changes nothing" in line or "adds 0" in line
+                   or "raw:" in line) == sum(note.startswith(fix) for note in notes), said
+
+
 @pytest.mark.parametrize("name,body,family,coverage", [
     ("mlp_own", MLP, "mlp_own", "monitor: the model has no transformer blocks (modules with norm1, attn and mlp), "
                                 "so only its output's logits/log_z is monitored"),
