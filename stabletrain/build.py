@@ -237,19 +237,21 @@ def augment_line(cfg, data: Data) -> str | None:
     return f"augmentation: {'; '.join(parts)}" if parts else None
 
 
-def cadence_note(monitor_cfg, total_steps: int, monitors: bool = True, adamw2: bool = False,
+def cadence_note(monitor_cfg, total_steps: int, passes: Collection[str] = ("weight", "entropy"), adamw2: bool = False,
                  start: int = 0) -> str | None:
     """Said where a monitor pass runs fewer than three times after step 0: the weight pass, whose
     curves (sigma1, SEC) are then two or three points, or the probe pass, which measures attention
     entropy and raises its alerts: a collapse early in a short run is then seen at its end. AdamW²'s
     per-tensor rates (adamw2_lr.png), logged with or without the monitors, likewise. ``start``: the
-    step a resumed run starts from; the passes before it ran in the earlier process."""
+    step a resumed run starts from; the passes before it ran in the earlier process. ``passes``:
+    what the monitors read of this model (MonitorRunner.reads; none without monitors)."""
     if start >= total_steps:  # resumed at its last step: no pass is still to come
         return None
     alerts = " and its alerts" if monitor_cfg.alerts else ""
-    passes = [("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True),
-              (f"the probe pass (attention entropy{alerts})", "runs", "probe_every", True)] if monitors else []
-    passes += [("AdamW²'s per-tensor rates (adamw2_lr.png)", "are logged", "adamw2_every", False)] if adamw2 else []
+    probe = f"attention entropy{alerts}" if "entropy" in passes else "the output's log Z"
+    passes = ([("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True)] * ("weight" in passes)
+              + [(f"the probe pass ({probe})", "runs", "probe_every", True)] * bool(passes)
+              + [("AdamW²'s per-tensor rates (adamw2_lr.png)", "are logged", "adamw2_every", False)] * adamw2)
     sparse = [(what, verb, key, getattr(monitor_cfg, key), at_start) for what, verb, key, at_start in passes
               if total_steps < 3 * getattr(monitor_cfg, key)]
     if not sparse:
@@ -602,7 +604,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
     per_tensor = hasattr(optimizer, "telemetry")  # AdamW²'s per-tensor rates, logged without monitors too
-    sparse = StartNote(functools.partial(cadence_note, cfg.monitor, total, monitor is not None, per_tensor))
+    sparse = StartNote(functools.partial(cadence_note, cfg.monitor, total, monitor.reads() if monitor else (),
+                                         per_tensor))
     notes += [sparse] if sparse else []
     messages = [components_line(cfg), group_summary] + notes
     flops = MODELS.entry(cfg.model.family).info.get("flops")  # none registered: no MFU

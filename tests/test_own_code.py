@@ -391,6 +391,7 @@ def test_a_model_of_other_blocks_trains_and_is_told_what_it_does_not_get(tmp_pat
     if name == "timm_vit_own":  # no no_decay registered: timm's own no_weight_decay() is read
         assert not decays["pos_embed"] and not decays["cls_token"] and decays["blocks.0.attn.qkv.weight"]
     assert any(n.startswith(coverage) for n in trainer.notes)
+    assert trainer.monitor.reads() == (("weight", "log_z") if name == "timm_vit_own" else ("log_z",))
     summary = trainer.fit()
     assert summary["status"] == "completed"
     from stabletrain.metrics import read_records

@@ -255,13 +255,13 @@ def test_a_short_adamw2_run_is_told_when_its_per_tensor_rates_are_logged():
     from stabletrain.build import cadence_note
 
     cfg = make_cfg("model=gpt_test", "optim=adamw2")  # adamw2_every=50
-    assert cadence_note(cfg.monitor, 100, monitors=False, adamw2=True) == (
+    assert cadence_note(cfg.monitor, 100, passes=(), adamw2=True) == (
         "note: in this 100-step run AdamW²'s per-tensor rates (adamw2_lr.png) are logged at steps 50 and 100 "
         "(monitor.adamw2_every=50); monitor.adamw2_every=10 watches it ten times")
-    assert "(adamw2_lr.png) at step 40 only (monitor.adamw2_every=50)" in cadence_note(cfg.monitor, 40, True, True)
-    assert cadence_note(cfg.monitor, 150, monitors=False, adamw2=True) is None
-    assert "adamw2" not in cadence_note(cfg.monitor, 100, monitors=True, adamw2=False)
-    assert cadence_note(cfg.monitor, 100, monitors=False, adamw2=False) is None
+    assert "(adamw2_lr.png) at step 40 only (monitor.adamw2_every=50)" in cadence_note(cfg.monitor, 40, adamw2=True)
+    assert cadence_note(cfg.monitor, 150, passes=(), adamw2=True) is None
+    assert "adamw2" not in cadence_note(cfg.monitor, 100, passes=("weight", "entropy"), adamw2=False)
+    assert cadence_note(cfg.monitor, 100, passes=(), adamw2=False) is None
 
 
 def test_a_run_too_short_for_adamw2s_bound_and_a_batch_over_the_data_are_noted():
@@ -303,3 +303,17 @@ def test_adamw2_paper_recipes_at_paper_length_build(overrides, tmp_path):
     r = cli(*overrides, "dry_run=true", f"hydra.run.dir={tmp_path}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "dry run: nothing trained" in r.stdout + r.stderr
+
+
+def test_the_cadence_note_names_only_the_passes_the_monitors_run_on_this_model():
+    """A model of other blocks: the monitors read its output's log Z alone (the start line before
+    says so), and the note on a short run's passes advertised the weight pass and attention entropy."""
+    from stabletrain.build import cadence_note
+
+    cfg = make_cfg("model=vit_test")  # weight_every=100, probe_every=200
+    assert cadence_note(cfg.monitor, 100, passes=("log_z",)) == (
+        "note: in this 100-step run the probe pass (the output's log Z) runs at steps 0 and 100 "
+        "(monitor.probe_every=200); monitor.probe_every=10 watches it ten times")
+    timm = cadence_note(cfg.monitor, 100, passes=("weight", "log_z"))
+    assert "the weight pass (sigma1, SEC, the QK spectrum) runs at steps 0 and 100" in timm
+    assert "the probe pass (the output's log Z)" in timm and "entropy" not in timm

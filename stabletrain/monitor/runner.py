@@ -105,6 +105,12 @@ class MonitorRunner:
             return line + ", and so does the weight pass (no fused attn.qkv, attn.proj, mlp.fc1, mlp.fc2 to read)"
         return None
 
+    def reads(self) -> tuple[str, ...]:
+        """What the passes read of this model: ``weight`` (sigma1, SEC: blocks of timm's layout),
+        ``entropy`` (the probe pass's attention entropy: stabletrain's attention), and the output's
+        log Z, which every probe pass reads."""
+        return ("weight",) * bool(self.weight_blocks) + ("entropy",) * bool(self.blocks) + ("log_z",)
+
     def attach(self, sink) -> None:
         self.sink = sink
 
