@@ -328,7 +328,7 @@ def load_weights(model: nn.Module, path: str | Path, model_cfg=None) -> str:
                           f"(names or shapes differ: {said}); {fix}")
     with torch.no_grad():
         model.load_state_dict({k: take.get(k, v).to(v.dtype) for k, v in mine.items()})
-    note = f"init_weights: {len(mine) - len(kept)} of {len(mine)} tensors from {pt}"
+    note = f"init_weights: {len(mine) - len(kept)} of the model's {len(mine)} tensors from {pt}"
     note += f" ({'; '.join(read_as)})" if read_as else ""
     if mapped:
         note += f" ({mapped} layer(s) through the weight applied, across sigmaReparam)"

@@ -100,7 +100,8 @@ def test_a_nanogpt_checkpoint_loads_with_its_function(tmp_path):
                 "best_val_loss": torch.tensor(2.5), "config": {"batch_size": 12}}, tmp_path / "ckpt.pt")
     model, m = _gpt(f"model.block_size={T}")
     note = load_weights(model, tmp_path, m)
-    assert note.startswith(f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors); "
+    assert note.startswith("init_weights: 29 of the model's 29 " \
+        f"tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors); "
                            "the optimizer"), note
     with torch.no_grad():
         torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "none"), rtol=1e-4, atol=1e-4)
@@ -120,7 +121,8 @@ def test_hugging_face_gpt2_loads_with_its_function(tmp_path, prefix):
                                                       "activation_function": "gelu_new"}))
     model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
     note = load_weights(model, tmp_path, m)
-    assert f"29 of 29 tensors from {tmp_path / 'model.safetensors'} (Hugging Face GPT-2's tensors, its Conv1D " \
+    assert "29 of the model's 29 " \
+        f"tensors from {tmp_path / 'model.safetensors'} (Hugging Face GPT-2's tensors, its Conv1D " \
            "weights transposed)" in note and "unused" not in note and "had" not in note, note
     with torch.no_grad():
         torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
@@ -197,7 +199,8 @@ def test_settings_that_change_the_function_but_no_shape_are_named(tmp_path):
     model, m = _gpt("model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.vocab_size=256",
                     "model.bias=false", "model.block_size=32")
     note = load_weights(model, tmp_path / "run", m)
-    assert "the source's model had model.num_heads=4 (this run: 2): the" in note and "16 of 16" in note, note
+    assert "the source's model had model.num_heads=4 (this run: 2): the" in note, note
+    assert "16 of the model's 16" in note, note
     # and dropout (0.1 there, 0 here) trains, it computes the same function: not named
 
 
@@ -214,7 +217,8 @@ def test_a_run_starts_from_a_nanogpt_out_dir(tmp_path, capsys):
               "monitor=off", f"init_weights={tmp_path}", quiet=False)
     assert s["status"] == "completed"
     err = capsys.readouterr().err
-    assert (f"init_weights: 29 of 29 tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors; its first 32 of 40 "
+    assert ("init_weights: 29 of the model's 29 " \
+        f"tensors from {tmp_path / 'ckpt.pt'} (nanoGPT's tensors; its first 32 of 40 "
             "positions); the optimizer, schedule and step count start afresh") in err, err
 
 
@@ -227,7 +231,8 @@ def test_an_older_hugging_face_folder_of_pytorch_model_bin_loads_with_its_functi
                                                       "n_positions": T, "vocab_size": V}))
     model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
     note = load_weights(model, tmp_path, m)
-    assert f"29 of 29 tensors from {tmp_path / 'pytorch_model.bin'} (Hugging Face" in note and "had" not in note, note
+    assert "29 of the model's 29 " \
+        f"tensors from {tmp_path / 'pytorch_model.bin'} (Hugging Face" in note and "had" not in note, note
     with torch.no_grad():
         torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
     model, m = _gpt(f"model.block_size={T}")
@@ -288,7 +293,7 @@ def test_hugging_faces_n_inner_is_model_mlp_hidden(tmp_path):
     assert " ... (the source's model had model.mlp_hidden=64 (this run: null));" in note, note
     model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh", "model.mlp_hidden=64")
     note = load_weights(model, tmp_path, m)
-    assert "29 of 29" in note and "had" not in note, note
+    assert "29 of the model's 29" in note and "had" not in note, note
 
 
 def test_export_says_the_iteration_of_a_nanogpt_checkpoint(tmp_path, capsys):
@@ -339,7 +344,8 @@ def test_a_hugging_face_folder_of_sharded_weights_loads_whole_with_its_function(
     for source in (tmp_path, tmp_path / sorted(set(weight_map.values()))[1]):
         model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
         note = load_weights(model, source, m)
-        assert f"29 of 29 tensors from {index} (Hugging Face GPT-2's tensors" in note and "had" not in note, note
+        assert "29 of the model's 29 " \
+            f"tensors from {index} (Hugging Face GPT-2's tensors" in note and "had" not in note, note
         with torch.no_grad():
             torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)
     gone = sorted(set(weight_map.values()))[2]
@@ -434,7 +440,8 @@ def test_a_shard_alone_or_holding_no_tensors_by_name_is_refused(tmp_path):
                             "pytorch_model.bin.index.json that names the others; download the whole folder")
     (tmp_path / "one").mkdir()  # one shard of one: the whole model, read without an index
     torch.save(_hf_state(_nanogpt_state(seed=6)), tmp_path / "one" / "pytorch_model-00001-of-00001.bin")
-    assert f"29 of 29 tensors from {tmp_path / 'one' / 'pytorch_model-00001-of-00001.bin'} (Hugging Face GPT-2's" \
+    assert "29 of the model's 29 " \
+        f"tensors from {tmp_path / 'one' / 'pytorch_model-00001-of-00001.bin'} (Hugging Face GPT-2's" \
         in load_weights(model, tmp_path / "one" / "pytorch_model-00001-of-00001.bin", m)
 
 
@@ -450,6 +457,7 @@ def test_a_whole_file_beside_the_index_an_earlier_sharded_save_left_is_read_itse
     save_file(_hf_state(sd), str(tmp_path / "model.safetensors"))
     for source in (tmp_path, tmp_path / "model.safetensors"):
         model, m = _gpt(f"model.block_size={T}", "model.act=gelu_tanh")
-        assert f"29 of 29 tensors from {tmp_path / 'model.safetensors'} (Hugging" in load_weights(model, source, m)
+        assert "29 of the model's 29 " \
+            f"tensors from {tmp_path / 'model.safetensors'} (Hugging" in load_weights(model, source, m)
         with torch.no_grad():
             torch.testing.assert_close(model(_idx()), _reference_logits(sd, _idx(), "tanh"), rtol=1e-4, atol=1e-4)

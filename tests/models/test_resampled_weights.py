@@ -138,10 +138,10 @@ def test_a_sigma_reparam_run_of_another_patch_size_has_the_weight_it_applied_res
 
 
 @pytest.mark.parametrize("there,here,kept", [
-    (True, False, "28 of 31 tensors from {}; 3 kept their initialisation: pos_embed ((1, 64, 32) here, "
+    (True, False, "28 of the model's 31 tensors from {}; 3 kept their initialisation: pos_embed ((1, 64, 32) here, "
                   "(1, 17, 32) there), fc_norm.weight (not there), fc_norm.bias (not there); 4 of the source's unused: "
                   "cls_token, pos_embed, norm.weight, norm.bias; the optimizer"),
-    (False, True, "28 of 32 tensors from {}; 4 kept their initialisation: cls_token (not there), pos_embed "
+    (False, True, "28 of the model's 32 tensors from {}; 4 kept their initialisation: cls_token (not there), pos_embed "
                   "((1, 65, 32) here, (1, 16, 32) there), norm.weight (not there), norm.bias (not there); 3 of the "
                   "source's unused: pos_embed, fc_norm.weight, fc_norm.bias; the optimizer"),
 ])
@@ -191,7 +191,7 @@ def test_a_folder_timm_saved_for_the_hub_starts_a_run(tmp_path, caplog, safe, fi
     model, m = _ours("vit_test", "model.img_size=32")
     with caplog.at_level(logging.INFO):
         note = load_weights(model, tmp_path / "hub", m)
-    assert f"32 of 32 tensors from {tmp_path / 'hub' / file} (pos_embed resampled" in note, note
+    assert f"32 of the model's 32 tensors from {tmp_path / 'hub' / file} (pos_embed resampled" in note, note
     assert not [r.getMessage() for r in caplog.records if r.name.startswith("timm")]
 
 
@@ -207,7 +207,8 @@ def test_a_timm_trunk_under_open_clips_names_loads_as_timms_own_loads_it(tmp_pat
     ref.load_state_dict(vision_transformer.checkpoint_filter_fn(src.state_dict(), ref))
     model, m = _ours("vit_test", "model.img_size=32")
     note = load_weights(model, tmp_path / "open_clip.bin", m)
-    assert (f"32 of 32 tensors from {tmp_path / 'open_clip.bin'} (pos_embed (visual.trunk.pos_embed there) resampled "
+    assert ("32 of the model's 32 " \
+        f"tensors from {tmp_path / 'open_clip.bin'} (pos_embed (visual.trunk.pos_embed there) resampled "
             "from (1, 17, 32) to (1, 65, 32) as timm does); the optimizer") in note, note
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -224,7 +225,7 @@ def test_an_open_clip_projection_that_does_not_fit_the_head_is_named_as_the_sour
     torch.save(trunk | {"visual.head.proj.weight": torch.randn(64, 32)}, tmp_path / "open_clip.bin")
     model, m = _ours("vit_test")
     note = load_weights(model, tmp_path / "open_clip.bin", m)
-    assert ("init_weights: 30 of 32 tensors from {}; 2 kept their initialisation: head.weight (not there), "
+    assert ("init_weights: 30 of the model's 32 tensors from {}; 2 kept their initialisation: head.weight (not there), "
             "head.bias (not there); 1 of the source's unused: visual.head.proj.weight; the optimizer"
             .format(tmp_path / "open_clip.bin")) in note, note
     mine = model.state_dict()
@@ -233,7 +234,7 @@ def test_an_open_clip_projection_that_does_not_fit_the_head_is_named_as_the_sour
     torch.save(trunk | {"visual.head.proj.weight": proj}, tmp_path / "fits.bin")
     model, m = _ours("vit_test")
     note = load_weights(model, tmp_path / "fits.bin", m)
-    assert f"32 of 32 tensors from {tmp_path / 'fits.bin'}; the optimizer" in note, note
+    assert f"32 of the model's 32 tensors from {tmp_path / 'fits.bin'}; the optimizer" in note, note
     assert torch.equal(model.head.weight, proj) and not model.head.bias.any()
 
 

@@ -48,7 +48,8 @@ def test_the_loaded_model_computes_the_sources_function(tmp_path, family, there,
         note = load_weights(dst, tmp_path / "w.pt")
         torch.testing.assert_close(dst(x), src(x), rtol=1e-4, atol=1e-5)
     n = len(dst.state_dict())
-    assert note.startswith(f"init_weights: {n} of {n} tensors from {tmp_path / 'w.pt'}") and "kept" not in note
+    assert note.startswith(f"init_weights: {n} of the model's {n} " \
+        f"tensors from {tmp_path / 'w.pt'}") and "kept" not in note
 
 
 def test_the_same_sigma_reparam_loads_as_it_is(tmp_path):
@@ -124,7 +125,7 @@ def test_a_run_starts_from_another_runs_weights(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(trainer.model.eval()(x), src(x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(trainer.ema.module.eval()(x), src(x), rtol=1e-4, atol=1e-5)
-    assert any(n.startswith(f"init_weights: 40 of 40 tensors from {tmp_path / 'a/checkpoints/last.pt'}")
+    assert any(n.startswith(f"init_weights: 40 of the model's 40 tensors from {tmp_path / 'a/checkpoints/last.pt'}")
                for n in trainer.notes), trainer.notes
     cfg = make_cfg(*base, "steps=4", f"init_weights={tmp_path / 'a'}", f"resume={tmp_path / 'a/checkpoints/last.pt'}")
     notes = build_trainer(cfg, tmp_path / "c").notes
@@ -225,7 +226,8 @@ def test_a_resumed_run_continues_its_own_checkpoint_without_reading_the_source(t
             "ckpt_every=2"]
     train(tmp_path / "a", *base, "steps=2")
     cfg = make_cfg(*base, "steps=4", "resume=auto", f"init_weights={tmp_path / 'a'}")
-    assert any(str(n).startswith("init_weights: 16 of 16") for n in build_trainer(cfg, tmp_path / "b").notes)
+    notes = build_trainer(cfg, tmp_path / "b").notes
+    assert any(str(n).startswith("init_weights: 16 of the model's 16") for n in notes)
     train(tmp_path / "b", *base, "steps=2", f"init_weights={tmp_path / 'a'}")
     (tmp_path / "a").rename(tmp_path / "gone")
     notes = build_trainer(cfg, tmp_path / "b").notes
