@@ -603,6 +603,10 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
+        acts = [k for k in ("rollback_on_alert", "stop_on_alert") if cfg.monitor[k]]
+        if acts and "entropy" not in monitor.reads():  # an alert needs a block's attention entropy
+            notes.append(f"monitor.{acts[0]}=true can never act: a health alert needs attention entropy, which the "
+                         f"probe pass reads from stabletrain's attention only, and this model has none")
     per_tensor = hasattr(optimizer, "telemetry")  # AdamW²'s per-tensor rates, logged without monitors too
     sparse = StartNote(functools.partial(cadence_note, cfg.monitor, total, monitor.reads() if monitor else (),
                                          per_tensor))

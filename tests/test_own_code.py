@@ -350,6 +350,9 @@ MHA_OWN = """
      ["deescalate=ffn changes nothing"]),
     ("timm_fixes", TIMM_VIT.replace("timm_vit_own", "timm_fixes"), ["reparam=sigma_qk", "regularizer=locater"],
      []),  # timm's qkv + num_heads: found
+    ("timm_alerts", TIMM_VIT.replace("timm_vit_own", "timm_alerts"), ["monitor.stop_on_alert=true"],
+     ["monitor.stop_on_alert=true can never act: a health alert needs attention entropy, which the probe pass "
+      "reads from stabletrain's attention only, and this model has none"]),
 ])
 def test_a_fix_a_model_of_ones_own_cannot_take_is_said_at_the_start(tmp_path, name, body, overrides, notes):
     """De-escalation, sigmaReparam's q/k and LocAteR find their layers by shape: a model without
