@@ -669,7 +669,7 @@ def _unreached_weights(model, cfg, family: str) -> list[str]:
     a fused ``qkv`` linear with ``num_heads`` (their query/key rows), plain linears and convs."""
     notes = []
     what = "no attention with a fused qkv nn.Linear and num_heads (as timm's and stabletrain's have)"
-    if option_value(cfg.reparam.name) != C.ReparamConfig().name:
+    if option_value(cfg.reparam.name) == "sigma":  # stabletrain's: one of one's own may reach other layers
         if not any(parametrize.is_parametrized(m, "weight") for m in model.modules()):
             notes.append(f"reparam={preset(cfg, 'reparam')} changes nothing: model.family={family} has "
                          + ("no nn.Linear or nn.Conv2d it can normalise" if option_value(cfg.reparam.apply_to) ==
