@@ -249,10 +249,10 @@ def cadence_note(monitor_cfg, total_steps: int, passes: Collection[str] = ("weig
         return None
     alerts = " and its alerts" if monitor_cfg.alerts else ""
     probe = f"attention entropy{alerts}" if "entropy" in passes else "the output's log Z"
-    passes = ([("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True)] * ("weight" in passes)
+    logged = ([("the weight pass (sigma1, SEC, the QK spectrum)", "runs", "weight_every", True)] * ("weight" in passes)
               + [(f"the probe pass ({probe})", "runs", "probe_every", True)] * bool(passes)
               + [("AdamW²'s per-tensor rates (adamw2_lr.png)", "are logged", "adamw2_every", False)] * adamw2)
-    sparse = [(what, verb, key, getattr(monitor_cfg, key), at_start) for what, verb, key, at_start in passes
+    sparse = [(what, verb, key, getattr(monitor_cfg, key), at_start) for what, verb, key, at_start in logged
               if total_steps < 3 * getattr(monitor_cfg, key)]
     if not sparse:
         return None
