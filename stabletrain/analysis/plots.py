@@ -330,12 +330,30 @@ def _qk_caveat(run: Run) -> str:
             if attention in ("qknorm", "stable") else "")
 
 
+def _why_no_entropy(run: Run) -> str:
+    """Why a run logged no attention entropy: no monitors, no probe pass yet, or a probe pass
+    (its log Z logged) that found no attention of stabletrain's to read."""
+    monitor = _chosen(run, "monitor.name")
+    if monitor == "off":
+        return "the run used monitor=off"
+    if run.has(N.LOG_Z) and not _blocks_with(run, N.ATTN_LOGIT_MAX, None):  # the probe ran; no attention read
+        family = _chosen(run, "model.family")
+        return ("its probe pass ran (logits/log_z logged) but reads the entropy of stabletrain's attention only, "
+                f"and this model{f' (family {family})' if family else ''} has none")
+    if monitor is None:
+        return "no config.yaml to say why"
+    every = _chosen(run, "monitor.probe_every") or "?"
+    stopped = (run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?")
+    return (f"the probe pass logs it every monitor.probe_every={every} steps and at the run's last, and it "
+            f"stopped at step {stopped} before any")
+
+
 @_styled
 def plot_entropy(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
     """001 Fig. 2/3: attention entropy per layer; Theorem 3.1's bound beside the minimum."""
     layers = _blocks_with(run, N.ENTROPY, N.ENT_MEAN) or _blocks_with(run, N.ENTROPY, N.ENT_MIN)
     if not layers:
-        _skip("entropy.png", "no entropy/<block>/mean or min metrics")
+        _skip("entropy.png", f"no entropy/<block>/mean or min metrics: {_why_no_entropy(run)}")
         return None
     bound_blocks = [b for b in blocks if run.has(N.metric(N.ENTROPY, b, N.ENT_BOUND_MIN))]
     if not bound_blocks:

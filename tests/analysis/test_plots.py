@@ -156,6 +156,28 @@ def test_a_missing_adamw2_figure_says_why(tmp_path, capsys, config, why):
     assert capsys.readouterr().out.strip() == f"note: skipping adamw2_lr.png: no adamw2/lr_eff/<param> metrics: {why}"
 
 
+@pytest.mark.parametrize("config,records,why", [
+    ("monitor:\n  name: 'off'\n", [], "the run used monitor=off"),
+    ("monitor:\n  name: standard\n  probe_every: 200\nmodel:\n  family: mine\n", [{"logits/log_z": 5.5}],
+     "its probe pass ran (logits/log_z logged) but reads the entropy of stabletrain's attention only, and this "
+     "model (family mine) has none"),
+    ("monitor:\n  name: standard\n  probe_every: 200\n", [],
+     "the probe pass logs it every monitor.probe_every=200 steps and at the run's last, and it stopped at step 4 "
+     "before any"),
+    (None, [], "no config.yaml to say why"),
+])
+def test_a_missing_entropy_figure_says_why(tmp_path, capsys, config, records, why):
+    """A model of other blocks is told its attention is not read, not only that the metrics are absent."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": 4, "loss": 3.0, **r}) + "\n"
+                                                    for r in records or [{}]))
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "diverged", "step": 4}))
+    if config:
+        (tmp_path / "config.yaml").write_text(config)
+    P.plot_entropy(P.load_run(tmp_path), [], tmp_path)
+    note = capsys.readouterr().out.strip()
+    assert note == f"note: skipping entropy.png: no entropy/<block>/mean or min metrics: {why}"
+
+
 def test_read_metrics_keeps_sparse_series_and_skips_torn_lines(tmp_path):
     run = P.load_run(_write_run(tmp_path / "r"))
     steps, _ = run.metrics["loss"]
