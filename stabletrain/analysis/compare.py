@@ -7,6 +7,7 @@ different numbers of keys) so that runs unlike each other share an axis.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,13 +62,17 @@ def over_blocks(run: Run, group: str, quantity: str, reduce=np.max, relative: bo
 
 
 def _one_schedule(runs: list[Run]) -> bool:
-    """Whether the runs logged one and the same lr curve (more than one run)."""
+    """Whether the runs logged one and the same lr curve (more than one run), at the steps they
+    share: a run that diverged or was stopped early logged a prefix of the others' schedule."""
     series = [r.get(N.LR) for r in runs]
     if len(series) < 2 or any(x is None for x in series):
         return False
-    steps, values = series[0]
-    return all(np.array_equal(x[0], steps) and np.allclose(x[1], values, rtol=1e-9, atol=0.0, equal_nan=True)
-               for x in series[1:])
+    shared = functools.reduce(np.intersect1d, [x[0] for x in series])
+    if len(shared) < 2:
+        return False
+    # a step logged twice (rolled back to, resumed from): its last value, the one the run went on with
+    at = [np.array([dict(zip(x[0].tolist(), x[1].tolist()))[s] for s in shared.tolist()]) for x in series]
+    return all(np.allclose(v, at[0], rtol=1e-9, atol=0.0, equal_nan=True) for v in at[1:])
 
 
 def _decades_apart(series: list[Series | None]) -> bool:

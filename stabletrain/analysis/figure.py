@@ -18,6 +18,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 import numpy as np
 
 from stabletrain.analysis.runs import Run, Series
@@ -62,6 +63,15 @@ def _line(ax, series: Series | None, logy: bool = False, **kw) -> bool:
     return True
 
 
+def _spans_decades(series: Series | None, ratio: float = 10.0) -> bool:
+    """Whether a series' finite values are all positive and span at least ``ratio`` (max / min):
+    on a linear axis its early, small values would lie flat on the axis."""
+    if series is None:
+        return False
+    y = _finite(series)[1]
+    return len(y) > 1 and bool(y.min() > 0) and float(y.max() / y.min()) >= ratio
+
+
 def _empty(ax, why: str) -> None:
     """Say why a panel has no line, without a meaningless 0..1 frame of ticks."""
     ax.text(0.5, 0.5, why, ha="center", va="center", transform=ax.transAxes, color="gray")
@@ -84,11 +94,35 @@ def _suptitle(fig, text: str, fontsize: float | None = None) -> None:
     size = fontsize or plt.rcParams["figure.titlesize"]
     size = size if isinstance(size, (int, float)) else 12.0
     chars = max(40, int(fig.get_figwidth() * 72 / (0.55 * size)))  # a character is about 0.55 em wide
-    if len(text) > chars:  # never inside $...$: mathtext is one piece
-        parts = re.split(r"(\$[^$]*\$)", text)
-        glued = "".join(p.replace(" ", "\0") if p.startswith("$") else p for p in parts)
-        text = "\n".join(textwrap.wrap(glued, chars, break_long_words=False)).replace("\0", " ")
-    fig.suptitle(text, **({"fontsize": fontsize} if fontsize else {}))
+    fig.suptitle(_wrap(text, chars), **({"fontsize": fontsize} if fontsize else {}))
+
+
+def _wrap(text: str, chars: int) -> str:
+    """``text`` in lines of at most ``chars`` characters, never broken inside ``$...$`` (mathtext
+    is one piece) nor inside a word."""
+    if len(text) <= chars:
+        return text
+    parts = re.split(r"(\$[^$]*\$)", text)
+    glued = "".join(p.replace(" ", "\0") if p.startswith("$") else p for p in parts)
+    return "\n".join(textwrap.wrap(glued, chars, break_long_words=False)).replace("\0", " ")
+
+
+def _titles_fit(fig) -> None:
+    """A panel's title wider than its panel (a colour bar narrowed it, or it landed in the last
+    column) is wrapped to the panel's width, and the figure laid out again: it was cut at the
+    figure's edge or ran over its neighbour's."""
+    renderer = fig.canvas.get_renderer()
+    wrapped = False
+    for ax in fig.axes:
+        text = ax.get_title()
+        if not (text and ax.get_visible()):
+            continue
+        width, room = ax.title.get_window_extent(renderer).width, ax.get_window_extent(renderer).width
+        if width > room * 1.02:
+            ax.title.set_text(_wrap(text.replace("\n", " "), max(12, int(len(text) * room / width))))
+            wrapped = True
+    if wrapped:
+        fig.tight_layout()
 
 
 def _over_lines(ax, leg, renderer) -> bool:
@@ -137,6 +171,8 @@ MIN_RELATIVE_SPAN = 0.02
 
 def _save(fig, out_dir: Path, name: str) -> Path:
     for ax in fig.axes:
+        if ax.get_xlabel() == "step" and isinstance(ax.xaxis.get_major_locator(), mticker.AutoLocator):
+            ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))  # no step 22.5
         if not (ax.get_visible() and ax.axison and ax.get_lines()):
             continue
         lo, hi = ax.get_ylim()
@@ -145,6 +181,7 @@ def _save(fig, out_dir: Path, name: str) -> Path:
         elif ax.get_yscale() == "log" and 0 < lo < hi < lo * (1 + 2 * MIN_RELATIVE_SPAN):
             mid = math.sqrt(lo * hi)  # the same fraction, about the geometric middle
             ax.set_ylim(mid / math.sqrt(1 + 2 * MIN_RELATIVE_SPAN), mid * math.sqrt(1 + 2 * MIN_RELATIVE_SPAN))
+    _titles_fit(fig)
     _legends_off_lines(fig)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name

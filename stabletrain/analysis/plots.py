@@ -37,13 +37,14 @@ import numpy as np
 from matplotlib.lines import Line2D
 
 from stabletrain.analysis.figure import (_blocks_with, _empty, _finite, _fit_legend, _line, _min_span, _save, _skip,
-                                         _styled, _suptitle)
+                                         _spans_decades, _styled, _suptitle)
 from stabletrain.analysis.runs import Run, Series, load_run
 from stabletrain.analysis.ticks import log_scale
 from stabletrain.monitor import names as N
 
 
-# quantities spanning decades (a crash multiplies them by 10-100, 000) get a log axis
+# quantities spanning decades (a crash multiplies them by 10-100, 000) get a log axis; the others
+# get one where their run's values do span a decade
 _LOG_QUANTITIES = {N.WQ_T_WK_FULL, N.WO_WV_FULL, N.W2_W1, N.ACT_X, N.ACT_GRAD_X}
 
 
@@ -279,8 +280,9 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
         return None
     fig, axes = plt.subplots(4, 4, figsize=(15, 11))
     for ax, q in zip(axes.flat, N.FIFTEEN):
-        logy = q.quantity in _LOG_QUANTITIES
-        ok = _line(ax, run.get(N.metric(q.group, block, q.quantity)), logy=logy, color=_FULL_WIDTH,
+        series = run.get(N.metric(q.group, block, q.quantity))
+        logy = q.quantity in _LOG_QUANTITIES or _spans_decades(series)  # a crash's sigma1(W_q), x100
+        ok = _line(ax, series, logy=logy, color=_FULL_WIDTH,
                    label="full width")
         # beside the paper's full-width product, the largest single head (docs/methods.md §7)
         per_head = {N.WQ_T_WK_FULL: N.WQ_T_WK_MAX, N.WO_WV_FULL: N.WO_WV_MAX}.get(q.quantity)
@@ -538,6 +540,15 @@ def _split_param(param: str) -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m else ("", param)
 
 
+# where sigmaReparam's parametrisation keeps the raw weight it trains: torch.nn.utils.parametrize's name
+_RAW_WEIGHT = ".parametrizations.weight.original"
+
+
+def _shown_kind(kind: str) -> str:
+    """A kind of tensor as a panel names it: sigmaReparam's raw W by the weight's own name."""
+    return kind.replace(_RAW_WEIGHT, ".weight (raw W)") if kind.endswith(_RAW_WEIGHT) else kind
+
+
 def _why_no_adamw2_curves(run: Run) -> str:
     import yaml
 
@@ -585,7 +596,7 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
                   label=block or ("actual lr" if len(entries) == 1 else p))  # one tensor: its name is the title
         _line(ax, run.get(N.LR), logy=True, color="black", ls="--", lw=1, label="scheduled lr")
         _mark_divergence(ax, run)
-        ax.set_title(kind)
+        ax.set_title(_shown_kind(kind))
         ax.set_xlabel("step")
         ax.set_ylabel("actual lr")
         if len(entries) <= 6:

@@ -313,6 +313,41 @@ def test_a_long_figure_title_is_wrapped_within_the_figure_and_never_inside_matht
     plt.close(fig)
 
 
+def test_a_panel_title_wider_than_its_panel_is_wrapped_and_steps_are_whole(tmp_path):
+    """logits.png's title under a colour bar, training.png's in the last column: cut at the figure's
+    edge before. And a step axis of 20..40 is ticked at whole steps (22.5 read as a step)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(9, 3))
+    for ax in axes:
+        ax.plot([20, 40], [1.0, 2.0])
+        ax.set_xlabel("step")
+    title = "gradient norm (before clipping, the interval's largest, over every parameter)"
+    axes[2].set_title(title)
+    fig.tight_layout()
+    F._save(fig, tmp_path, "t.png")
+    fig.canvas.draw()
+    box, panel = axes[2].title.get_window_extent(), axes[2].get_window_extent()
+    assert "\n" in axes[2].get_title() and axes[2].get_title().replace("\n", " ") == title
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width and box.width <= panel.width * 1.02
+    ticks = [t for t in axes[0].get_xticks() if 20 <= t <= 40]
+    assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks)
+
+
+def test_a_sigma1_that_spans_decades_gets_a_log_axis_and_reparams_raw_weight_its_own_name(tmp_path, monkeypatch):
+    """A crash's sigma1(W_q) from 0.2 to 30 lay flat on a linear axis for most of the run; a
+    sigmaReparam run's AdamW² panels were titled by the parametrisation's internal path."""
+    raw = "blocks.0.attn.qkv.parametrizations.weight.original"
+    run = _run_dir(tmp_path / "r", [{"step": s, "loss": 3.0, "lr": 1e-3, N.adamw2_lr_eff(raw): 1e-3,
+                                     N.metric("sigma1", "blocks.0", "wq"): 0.2 * 1.5 ** s,
+                                     N.metric("sigma1", "blocks.0", "wv"): 1.0 + 0.01 * s} for s in range(0, 14)])
+    figures = _figures(monkeypatch)
+    P.plot_dynamics(run)
+    wq, wv = figures["dynamics_blocks.0.png"].axes[0], figures["dynamics_blocks.0.png"].axes[2]
+    assert (wq.get_yscale(), wv.get_yscale()) == ("log", "linear")
+    assert figures["adamw2_lr.png"].axes[0].get_title() == "attn.qkv.weight (raw W)"
+
+
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     """metrics.jsonl stores NaN/inf as strings (JSON has none); they come back as floats."""
     import numpy as np
@@ -520,6 +555,18 @@ def _lr_run(path, lr, frac=None, steps=50):
                                                       for s in range(0, steps, 10)))
     path.joinpath("summary.json").write_text(json.dumps({"status": "completed", "step": steps - 10}))
     return path
+
+
+def test_a_run_that_stopped_early_shares_the_others_schedule(tmp_path, figures):
+    """A tau sweep with one blow-up: the diverged run logged a prefix of the others' lr, and the
+    panel still draws the share at the bound (it fell back to three equal scheduled-lr lines)."""
+    runs = [_lr_run(tmp_path / "a", 1e-3, 0.9), _lr_run(tmp_path / "b", 1e-3, 0.2),
+            _lr_run(tmp_path / "c", 1e-3, 0.5, steps=30)]
+    C.compare_runs(runs, tmp_path / "cmp", labels=["a", "b", "c"])
+    assert figures[-1].axes[2].get_title().startswith("AdamW²: fraction of tensors at the bound")
+    _lr_run(tmp_path / "d", 3e-3, 0.5, steps=30)  # another lr over the shared steps: lr is what differs
+    C.compare_runs([*runs[:2], tmp_path / "d"], tmp_path / "cmp", labels=["a", "b", "d"])
+    assert figures[-1].axes[2].get_title() == "scheduled lr"
 
 
 @pytest.fixture
