@@ -534,11 +534,11 @@ READ_BY = {
     "schedule.min_lr": ("schedule=cosine",), "schedule.horizon": ("schedule=cosine",),
 }
 # groups whose every key is unread under one option: group -> (its schema, that option, why, the
-# keys that option's own yaml sets)
-OFF = {"reparam": (ReparamConfig, "none", "reparametrises no layer", ()),
+# keys read even then: that option's own yaml sets alerts; attn_fp32 works without sigmaReparam)
+OFF = {"reparam": (ReparamConfig, "none", "reparametrises no layer", ("attn_fp32",)),
        "deescalate": (DeescConfig, "none", "adds no de-escalation", ()),
        "init": (InitConfig, "family", "keeps the model's own init", ()),
-       "monitor": (MonitorConfig, "off", "measures nothing", ("alerts",))}
+       "monitor": (MonitorConfig, "off", "measures nothing", ("alerts", "adamw2_every"))}
 # keys that another key's setting leaves unread: key -> (read in this run?, what to set to use it)
 READ_WHEN = {
     **{f"ema.{k}": (lambda c: c.ema.decay is not None, "the weight average is off (set ema.decay, e.g. 0.9999)")

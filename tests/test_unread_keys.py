@@ -47,6 +47,8 @@ def test_a_key_nothing_reads_is_noted(overrides, note):
     ["attention=stable", "norm.alpha=0.3"],  # StableAtten's alpha when attention.alpha is null
     ["norm=rmsnorm", "norm.eps=1e-6"], ["init=stable", "init.gain=0.5"], ["schedule.min_lr=1e-5"],
     ["divergence.action=rollback", "divergence.max_rollbacks=5"],
+    # read whatever the option: AdamW²'s own telemetry under monitor=off, fp32 attention without sigmaReparam
+    ["optim=adamw2", "monitor=off", "monitor.adamw2_every=10"], ["reparam=none", "reparam.attn_fp32=true"],
 ])
 def test_a_key_its_option_reads_is_not_noted(overrides):
     assert unread_keys(make_cfg(*overrides)) == []
