@@ -103,6 +103,12 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         if extra:
             raise ConfigError(f"data.{extra[0]} is image augmentation; a {family.name} model trains on text: "
                               f"remove data.{extra[0]}")
+        # the image classifier's settings, which a text run would ignore
+        for key, what, off in (("label_smoothing", "the image classifier's loss", 0), ("repeated_aug",
+                               "repeated augmentation of images", 1), ("img_size", "the images' size", None)):
+            if d[key] != off:
+                raise ConfigError(f"data.{key}={d[key]} sets {what}; a {family.name} model trains on text: "
+                                  f"remove data.{key}")
     else:
         from stabletrain.data.vision import check_randaug
 

@@ -116,6 +116,11 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if yaml and key:  # a yaml of the user's own sets a key the schema lacks
         hint = _nearest_key(key) or "not in the config schema (`python train.py --cfg job` prints every key)"
         return f"{yaml.group(1)}.yaml sets unknown key '{key}': {hint}"
+    if (chosen := re.match(r"Multiple values for ([\w/]+)\.", first)) is not None:  # +experiment=X
+        given = next((ov.lstrip("+") for ov in overrides if ov.lstrip("+").startswith(chosen.group(1) + "=")),
+                     f"{chosen.group(1)}=OPTION")
+        return (f"+{given}: the group {chosen.group(1)} is in train.yaml's defaults already, so its option is "
+                f"chosen without the '+': {given}")
     if (have := re.match(r"Could not append to config\. An item is already at '([\w.]+)'", first)) is not None:
         return (f"+{have.group(1)} adds a key that is there already (set by its option's yaml): drop the '+' to set "
                 f"it, or write '++{have.group(1)}=...', which sets it either way")
@@ -212,6 +217,14 @@ def _wrong_type(key: str, first: str) -> str | None:
 
     given = re.search(r"[Vv]alue '(.*?)'", first)
     given = given.group(1) if given else "?"
+    if "is not Optional" in first:  # optim.lr=null
+        from stabletrain.config import schema_default
+
+        try:
+            default = schema_default(key)
+        except KeyError:  # a key of a yaml of one's own
+            return f"{key}=null: {key} needs a value"
+        return f"{key}=null: {key} needs a value, e.g. {key}={default} (leave it out for its default)"
     if (choices := re.search(r"expected one of \[(.*)\]", first)):
         return f"{key}={given} is not one of: {choices.group(1)}"
     kind = next((k for t, k in (("to Integer", "an integer"), ("to Float", "a number"),
@@ -294,7 +307,9 @@ def _nearest_key(bad: str) -> str | None:
         if near and f"{near[0]}.{leaf}" in keys:
             return f"did you mean {near[0]}.{leaf}?"
         rest = bad.partition(".")[2]  # train.imports, cfg.steps: a prefix that is no node of the config
-        return f"did you mean {rest}?" if rest in keys else None  # (top-level keys have no prefix)
+        if rest in keys:
+            return f"did you mean {rest}?"  # (top-level keys have no prefix)
+        return _nearest_key(rest) if rest and not near else None  # train.max_step: as max_step would be
     leaves = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
     near = [x for x in leaves if x.startswith(leaf)] if leaf else []
     near = near if len(near) == 1 else difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
@@ -665,6 +680,13 @@ def check_keys(overrides: list[str]) -> None:
 
     for ov in overrides:
         key = ov.split("=", 1)[0]
+        group, value = key.lstrip("+~"), ov.partition("=")[2]
+        if "." not in group and value.lower() == "null" and is_group(group, overrides) and "~" not in key:
+            options = group_options(group, overrides)
+            raise ConfigError(f"{ov}: a group takes one of its options ({', '.join(options)})"
+                              + ("; leave it out for no recipe" if group == "experiment" else
+                                 f"; leave it out for the default, or choose {group}=none"
+                                 if "none" in options else "; leave it out for the default"))
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")
             if not (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))

@@ -465,12 +465,17 @@ def validate(cfg: Any) -> None:
     _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
     _need(m.patch_embed_std is None or m.patch_embed_std > 0, f"model.patch_embed_std={m.patch_embed_std} must be > 0")
     _need(m.depth >= 1 and m.num_heads >= 1, f"model.depth={m.depth} and model.num_heads={m.num_heads} must be >= 1")
+    _need(m.embed_dim >= 1, f"model.embed_dim={m.embed_dim} must be >= 1 (e.g. model.embed_dim=384)")
+    _need(m.mlp_ratio > 0, f"model.mlp_ratio={m.mlp_ratio} must be > 0 (e.g. 4.0)")
+    _need(m.mlp_hidden is None or m.mlp_hidden >= 1, f"model.mlp_hidden={m.mlp_hidden} must be >= 1, or null "
+                                                     f"(model.mlp_ratio x model.embed_dim)")
     _need(m.act in ("gelu", "gelu_tanh", "relu"), f"model.act={m.act} is not an option: use gelu, gelu_tanh, relu")
     for key in ("eval_every", "eval_batches", "ckpt_every"):
         _need(getattr(cfg, key) >= 1, f"{key}={getattr(cfg, key)} must be >= 1")
     _need(cfg.logger.log_every >= 1, f"logger.log_every={cfg.logger.log_every} must be >= 1")
     _need(cfg.schedule.min_lr >= 0, f"schedule.min_lr={cfg.schedule.min_lr} must be >= 0")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
+    _need(o.trust_coef > 0, f"optim.trust_coef={o.trust_coef} must be > 0 (LARS: 0.001)")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
     dv = cfg.divergence
@@ -517,6 +522,9 @@ def validate(cfg: Any) -> None:
     _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
     _need(sc.min_lr <= o.lr, f"schedule.min_lr={sc.min_lr} must be <= optim.lr={o.lr}")
     _need(0 < sc.gamma <= 1, f"schedule.gamma={sc.gamma} must be in (0, 1] (the factor of each step decay)")
+    unit = getattr(sc.unit, "name", sc.unit)
+    _need(all(x >= 0 for x in sc.milestones),
+          f"schedule.milestones={list(sc.milestones)} must be >= 0 (in schedule.unit={unit} from the run's start)")
 
 
 # keys that only some options read: key -> the options ("group=option") that read it
@@ -528,6 +536,7 @@ READ_BY = {
     "attention.eps": ("attention=qknorm", "attention=stable"),
     **{f"optim.{k}": ("optim=adamw2",) for k in ("tau", "eps_inside_sqrt", "power_iters", "warm_start",
                                                   "overlap_sigma_w", "bound_norm_gains")},
+    **{f"optim.{k}": ("optim=adamw", "optim=adamw2") for k in ("betas", "eps", "fused")},
     "optim.momentum": ("optim=sgd", "optim=lars"), "optim.nesterov": ("optim=sgd",),
     "optim.trust_coef": ("optim=lars",),
     "schedule.milestones": ("schedule=step",), "schedule.gamma": ("schedule=step",),

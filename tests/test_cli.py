@@ -168,6 +168,43 @@ def test_image_augmentation_on_text_is_refused():
         validate(make_cfg("model=gpt_test", "data.mixup=0.8"))
 
 
+@pytest.mark.parametrize("override,what", [("data.label_smoothing=0.1", "the image classifier's loss"),
+                                           ("data.repeated_aug=2", "repeated augmentation of images"),
+                                           ("data.img_size=8", "the images' size")])
+def test_an_image_classifiers_setting_on_text_is_refused_not_ignored(override, what):
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=gpt_test", override))
+    key = override.split("=")[0]
+    assert str(e.value) == f"{override} sets {what}; a gpt model trains on text: remove {key}"
+
+
+def test_a_swin_stage_without_blocks_is_refused():
+    with pytest.raises(ConfigError, match=r"model.depths=\[1, 0\]: every stage needs at least one block"):
+        validate(make_cfg("model=swin_test", "model.depths=[1,0]"))
+
+
+@pytest.mark.parametrize("args,line", [
+    ("experiment=null", "experiment=null: a group takes one of its options (adamw2_gpt2_s, "),
+    ("model=null", "model=null: a group takes one of its options ("),
+    ("regularizer=NULL", "regularizer=NULL: a group takes one of its options (locater, none, zloss); leave it out for "
+                         "the default, or choose regularizer=none"),
+    ("+experiment=stable_gpt2_s", "+experiment=stable_gpt2_s: the group experiment is in train.yaml's defaults "
+                                  "already, so its option is chosen without the '+': experiment=stable_gpt2_s"),
+    ("train.max_step=3", "unknown key 'train.max_step': did you mean steps?"),
+    ("optim.lr=null", "optim.lr=null: optim.lr needs a value, e.g. optim.lr=0.001 (leave it out for its default)"),
+    ("regularizer=zloss regularizer.zloss.coef=abc",
+     "regularizer.zloss.coef=abc must be a number, e.g. regularizer.zloss.coef=0.0001"),
+])
+def test_a_group_given_null_a_plus_too_many_and_a_null_value_get_one_line(args, line, capsys):
+    """Each was a traceback, or a Hydra/OmegaConf line that named no fix."""
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit):
+        check_overrides(args.split())
+    printed = capsys.readouterr().err.strip()
+    assert printed.startswith("error: " + line) and "\n" not in printed, printed
+
+
 def test_gpt_dropout_sits_where_nanogpt_has_it():
     """Embeddings, attention probabilities, after each branch's projection; none after the GELU."""
     model = model_of(make_cfg("model=gpt_test", "model.dropout=0.1"))
@@ -270,7 +307,7 @@ def test_help_prints_the_keys_this_run_reads():
     assert {"embed_dim", "block_size", "vocab_size", "dropout"} <= set(shown["model"])
     assert not {"patch_size", "depths", "window_size", "img_size"} & set(shown["model"])
     assert "tau" not in shown["optim"] and "betas" in shown["optim"]
-    assert shown["reparam"] == {"name": "none"} and "every" not in shown["ema"]
+    assert shown["reparam"] == {"name": "none", "attn_fp32": False} and "every" not in shown["ema"]  # read alone
     r = cli("model=vit_test", "optim=adamw2", "-h")
     shown = r.stdout.split("== Config ==\n", 1)[1]
     assert "  patch_size: 4\n" in shown and "  tau: " in shown and "  block_size:" not in shown

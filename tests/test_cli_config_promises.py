@@ -275,6 +275,13 @@ def test_a_quoted_run_dir_is_checked_as_the_path_hydra_takes(tmp_path):
     (["resume=/nonexistent/last.pt"], "resume=/nonexistent/last.pt: no such checkpoint (use resume=auto or a path to "
                                       "a .pt file)"),
     (["device=cuda:"], "device=cuda: is not an option: use auto, cpu, cuda or cuda:N"),
+    # a traceback from the build before, or a model with no MLP trained silently
+    (["optim.trust_coef=0"], "optim.trust_coef=0.0 must be > 0 (LARS: 0.001)"),
+    (["model.embed_dim=0"], "model.embed_dim=0 must be >= 1 (e.g. model.embed_dim=384)"),
+    (["model.mlp_ratio=0"], "model.mlp_ratio=0.0 must be > 0 (e.g. 4.0)"),
+    (["model.mlp_hidden=0"], "model.mlp_hidden=0 must be >= 1, or null (model.mlp_ratio x model.embed_dim)"),
+    (["schedule=step", "schedule.milestones=[5,-1]"],
+     "schedule.milestones=[5.0, -1.0] must be >= 0 (in schedule.unit=steps from the run's start)"),
 ])
 def test_each_bound_refuses_the_first_value_past_it(overrides, line):
     from stabletrain.config import validate
@@ -288,6 +295,7 @@ def test_each_bound_refuses_the_first_value_past_it(overrides, line):
     ["optim.betas=[0.0,0.99]"],  # beta1 = 0: no momentum, RMSProp-like Adam
     ["debug.nan_at_step=10"],  # the run's last step is a step the fault happens at
     ["optim.lr=0.001", "schedule.min_lr=0.001"],  # a cosine to the lr itself: constant
+    ["model.mlp_hidden=1", "model.mlp_ratio=0.01", "schedule=step", "schedule.milestones=[0]"],
 ])
 def test_each_bound_takes_its_edge(overrides):
     from stabletrain.config import validate

@@ -32,6 +32,8 @@ from tests.helpers import cli, make_cfg
     (["divergence.skip_nonfinite=false", "divergence.max_skips=3"], "divergence.max_skips=3 changes nothing: no step"),
     (["monitor=off", "monitor.stop_on_alert=true"],
      "monitor.stop_on_alert=true changes nothing: monitor=off measures nothing"),
+    (["optim=sgd", "optim.betas=[0.8,0.9]"], "optim.betas=[0.8,0.9] changes nothing: only optim=adamw/adamw2 reads"),
+    (["optim=lars", "optim.fused=true"], "optim.fused=true changes nothing: only optim=adamw/adamw2 reads it"),
     (["monitor.alerts=false", "monitor.entropy_floor=0.2"], "monitor.entropy_floor=0.2 changes nothing: health alerts "
                                                             "are off (monitor.alerts=false)"),
 ])

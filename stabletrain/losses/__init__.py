@@ -56,9 +56,12 @@ def term_params(name: str, given: Mapping | None):
         wrong = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
         missing = re.search(r"missing mandatory value: (\w+)", first)
         if wrong and key:
-            kind = wrong.group(2).lower()
-            raise ConfigError(f"regularizer.{name}.{key}={wrong.group(1)} is not {'an' if kind[0] in 'aeiou' else 'a'} "
-                              f"{kind}") from None
+            kind = {"float": "a number", "integer": "an integer", "bool": "true or false"}.get(
+                wrong.group(2).lower(), f"a {wrong.group(2).lower()}")
+            default = getattr(schema, "__dataclass_fields__", {}).get(key)
+            example = default.default if default is not None and isinstance(default.default, (int, float)) else None
+            raise ConfigError(f"regularizer.{name}.{key}={wrong.group(1)} must be {kind}"
+                              + (f", e.g. regularizer.{name}.{key}={example}" if example is not None else "")) from None
         if missing:
             raise ConfigError(f"regularizer.{name}.{missing.group(1)} has no default: set it, "
                               f"regularizer.{name}.{missing.group(1)}=VALUE") from None

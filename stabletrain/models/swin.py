@@ -56,6 +56,9 @@ def check_swin(m, components: Components) -> None:
     if len(m.depths) != len(m.stage_heads):
         raise ConfigError(f"model.depths={list(m.depths)} and model.stage_heads={list(m.stage_heads)} must have "
                           f"one entry per stage each")
+    if not all(d >= 1 for d in m.depths):
+        raise ConfigError(f"model.depths={list(m.depths)}: every stage needs at least one block, "
+                          f"e.g. model.depths=[2,2,6,2]")
     for stage, heads in enumerate(m.stage_heads):
         width = m.embed_dim * 2**stage
         if heads < 1 or width % heads:
