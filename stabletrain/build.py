@@ -198,7 +198,7 @@ def short_bound_note(optim_cfg, total_steps: int) -> str | None:
     and a short run from a small init may stay near chance (vit_test, 100 steps: 1.5x, val/acc
     0.07 against AdamW's 0.31), though not every one does (conv_vit_mini reached 0.93). Said below
     10x: a byte-level gpt_mini of 150 steps at tau 0.01 (4.5x) reached val/loss 4.2 where AdamW
-    reached 3.5 in 80; the default run (conv_vit_mini, 600 steps at 0.004: 11x) trains well."""
+    reached 3.5 in 80; conv_vit_mini with the default run's recipe (600 steps at 0.004: 11x) trains well."""
     if option_value(optim_cfg.name) != "adamw2" or optim_cfg.tau is None:
         return None
     # in logs: (1 + tau)^steps overflows a float for a paper-length run (GPT-S: 1.01^600000)

@@ -559,6 +559,8 @@ READ_WHEN = {
        for k in ("skip_window", "max_rollbacks", "lr_scale_on_rollback")},
     "divergence.max_skips": (lambda c: c.divergence.skip_nonfinite,
                              "no step is skipped (divergence.skip_nonfinite=false)"),
+    **{f"logger.{k}": (lambda c: str(getattr(c.logger.wandb, "value", c.logger.wandb)) != "disabled",
+                        "wandb is off (logger.wandb=disabled, as logger=none sets)") for k in ("project", "entity")},
     # (under monitor=off, OFF says it)
     **{f"monitor.{k}": (lambda c: c.monitor.alerts or _name(c.monitor) == "off",
                         "health alerts are off (monitor.alerts=false)")

@@ -81,6 +81,7 @@ construction.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections import defaultdict
@@ -279,8 +280,15 @@ class AdamW2(Optimizer):
         return found_inf.reshape(()) > 0
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        index = len(self.param_groups)
+        known = (*self.defaults, "params", "names", "param_names")
+        for key in param_group:
+            # a misspelt key ("tua") would leave the group at the default; other keys (a scheduler's,
+            # one's own bookkeeping) are the group's, as torch.optim keeps them
+            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6) if key not in (*known, "name") else []
+            if near:
+                raise ValueError(f"AdamW2: param group {index}: unknown key {key!r}: did you mean {near[0]!r}?")
         super().add_param_group(param_group)  # fills the group's missing keys from the defaults
-        index = len(self.param_groups) - 1
         _check_hyperparameters(self.param_groups[-1], f"param group {index}: ")
         if param_group.get("names") or param_group.get("param_names"):  # telemetry keys: one per tensor
             taken = {n for i, g in enumerate(self.param_groups[:-1]) for n in _group_names(g, i)}

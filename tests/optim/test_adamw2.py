@@ -336,6 +336,17 @@ def test_a_bad_value_is_refused_in_one_line_as_an_argument_and_in_a_param_group(
         AdamW2(groups)
 
 
+def test_a_misspelt_group_key_is_refused_and_other_keys_are_kept():
+    """{"tua": 0.1} trained the group at the default tau, silently; a scheduler's or one's own keys
+    stay the group's, as torch.optim keeps them."""
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"^AdamW2: param group 1: unknown key 'tua': did you mean 'tau'\?$"):
+        AdamW2([{"params": [lin.weight]}, {"params": [lin.bias], "tua": 0.1}])
+    opt = AdamW2([{"params": [lin.weight], "name": "decay", "initial_lr": 1e-3, "layer_id": 3}])
+    assert (opt.param_groups[0]["name"], opt.param_groups[0]["layer_id"], opt.param_groups[0]["tau"]) == \
+        ("decay", 3, 0.004)
+
+
 def test_a_name_given_twice_is_refused():
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     with pytest.raises(ValueError, match="param group 1: name 'w' is given twice"):
