@@ -4,7 +4,8 @@ A per-block metric is ``<group>/<block>/<quantity>`` (``sigma1/blocks.3/wq_t_wk_
 block is the module path of the transformer block and may contain dots
 (``layers.1.blocks.0`` in Swin) but never a slash. ``token_sim/<block>`` has no quantity.
 AdamW² telemetry is ``adamw2/frac_bounded`` and, per tensor, ``adamw2/lr_eff/<param>``,
-``adamw2/lr_ratio/<param>``, ``adamw2/sigma_w/<param>`` and ``adamw2/sigma_u/<param>`` (docs/methods.md §1). Training scalars are plain names.
+``adamw2/lr_ratio/<param>``, ``adamw2/sigma_w/<param>`` and ``adamw2/sigma_u/<param>``
+(docs/methods.md §1). Training scalars are plain names.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def test_parameters_are_checked_in_one_line():
         build_loss_terms({"zloss": {"coef": -1.0}})
     with pytest.raises(ConfigError, match=r"regularizer.zloss: .*coeff.*its keys: coef"):
         build_loss_terms({"zloss": {"coeff": 1.0}})
-    with pytest.raises(ConfigError, match=r"^regularizer.zloss.coef=fast must be a number, e.g. regularizer.zloss.coef=0.0001$"):
+    with pytest.raises(ConfigError,
+                       match=r"^regularizer.zloss.coef=fast must be a number, e.g. regularizer.zloss.coef=0.0001$"):
         build_loss_terms({"zloss": {"coef": "fast"}})
     with pytest.raises(ConfigError, match="regularizer=nope is not an option; choose one of: locater, zloss"):
         build_loss_terms({"nope": {}})
