@@ -216,8 +216,9 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
         ax.set_ylim(top=ceiling + 0.08 * max(ceiling - low, 0.1 * abs(ceiling)))
     xs = sorted({p.lr for g in names for p in groups[g]})
     log_scale(ax, "x")
-    ax.set_xlabel("learning rate")
+    ax.set_xlabel("learning rate (log scale)")
     ax.set_ylabel("final loss (val if evaluated)")
+    ax.set_title(_title([p for g in names for p in groups[g]]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
@@ -225,6 +226,18 @@ def figure(groups: dict[str, list[Point]], order: Sequence[str] | None = None):
         label_x_ticks(fig, ax, xs)
         fig.tight_layout()
     return fig
+
+
+def _title(points: list[Point]) -> str:
+    """What the benchmark trained, as far as its runs agree: ``final loss against learning rate,
+    gpt_mini, 300 steps``."""
+    configs = [sweeps.resolved_config(p.path) for p in points if p.path is not None]
+    shared = []
+    for key, shown in (("model.name", "{}"), ("steps", "{} steps")):
+        values = {str(c.get(key)) for c in configs}
+        if len(values) == 1 and None not in (c.get(key) for c in configs):
+            shared.append(shown.format(values.pop()))
+    return ", ".join(["final loss against learning rate", *shared])
 
 
 def write(out_dir: str | Path, order: Sequence[str] | None = None, only: Sequence[str] | None = None,

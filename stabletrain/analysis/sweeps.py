@@ -18,7 +18,7 @@ import yaml
 
 # final_loss is the loss minimised; where a run has loss terms (LocAteR, z-loss), final_task_loss
 # is its task part, the one to compare with runs without them
-FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss", "final_task_loss"]
+FIXED = ["status", "step", "total_steps", "diverged_at", "final_loss", "final_task_loss", "eval_step"]
 # shown only when some run of the sweep has one: what a healthy-looking final loss may hide, and
 # why a point was refused or failed
 EVENTS = ["skipped_steps", "spikes", "rollbacks", "alerts", "first_alert", "reason"]
@@ -281,7 +281,9 @@ def rows(runs: list[Run], root: Path | None = None) -> tuple[list[str], list[dic
         row = {k: r.settings.get(k, "") for k in keys}
         row.update(status=s.get("status", "?"), step=s.get("step", ""), total_steps=s.get("total_steps", ""),
                    diverged_at=s.get("diverged_at", s.get("step", "")) if s.get("status") == "diverged" else "",
-                   final_loss=final.get("loss", ""), final_task_loss=final.get("task_loss", ""))
+                   final_loss=final.get("loss", ""), final_task_loss=final.get("task_loss", ""),
+                   # the step its final_val/* come from, where it stopped between evaluations
+                   eval_step=s["eval_step"] if s.get("eval_step", s.get("step")) != s.get("step") else "")
         row.update(_events(s))
         row.update({f"final_{k}": final.get(k, "") for k in vals})
         row["run"] = r.path.name
@@ -290,7 +292,7 @@ def rows(runs: list[Run], root: Path | None = None) -> tuple[list[str], list[dic
         out.append(row)
     out.sort(key=lambda row: [_sort_key(row[k]) for k in keys] + [_sort_key(row["run"])])
     # where it diverged, and the skips, rollbacks and alerts: columns only where some run had them
-    optional = ["diverged_at", "final_task_loss", *EVENTS]
+    optional = ["diverged_at", "final_task_loss", "eval_step", *EVENTS]
     kept = [k for k in optional if any(row[k] != "" for row in out)]
     for row in out:
         for k in optional:

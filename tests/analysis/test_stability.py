@@ -96,6 +96,18 @@ def test_the_figure_draws_diverged_runs_on_the_top_edge_not_at_a_loss(tmp_path):
     assert bottom < 2.5 and 3.5 < top < math.log(256) * 1.1  # L0's line and the losses, nothing higher
 
 
+def test_the_figure_says_what_its_runs_trained_as_far_as_they_agree(tmp_path):
+    out = tmp_path / "bench"
+    for fix, lr, steps in (("adamw", 0.01, 300), ("adamw2", 0.01, 300), ("adamw2", 0.1, 200)):
+        _run(out / fix / f"lr{lr}", lr, "completed", {"loss": 3.0})
+        config = yaml.safe_load((out / fix / f"lr{lr}" / "config.yaml").read_text())
+        config["model"]["name"], config["steps"] = "gpt_mini", steps
+        (out / fix / f"lr{lr}" / "config.yaml").write_text(yaml.safe_dump(config))
+    assert S.figure(S.collect(out)).axes[0].get_title() == "final loss against learning rate, gpt_mini"
+    (out / "adamw2" / "lr0.1" / "config.yaml").unlink()
+    assert S.figure(S.collect(out)).axes[0].get_title() == "final loss against learning rate, gpt_mini, 300 steps"
+
+
 def test_a_plain_sweep_is_no_benchmark(tmp_path):
     """A plain sweep's runs (OUT/0/, OUT/1/) made a table of one 'fix' per run: they are left out."""
     _run(tmp_path / "0", 0.001, "completed", {"loss": 3.5})
@@ -118,6 +130,8 @@ def test_a_loss_above_l0_is_a_triangle_on_the_top_edge_and_the_axis_ends_at_l0(t
     assert len(tri) == 1 and list(tri[0].get_xdata()) == [0.1] and list(tri[0].get_ydata()) == [1.0]
     assert tri[0].get_transform() == ax.get_xaxis_transform()
     assert [t.get_text() for t in ax.texts] == ["40"]
+    assert ax.get_title() == "final loss against learning rate"  # no model nor steps in these configs
+    assert ax.get_xlabel() == "learning rate (log scale)"
     l0 = math.log(256)
     bottom, top = ax.get_ylim()
     assert bottom < 2.5 and l0 < top < l0 + 0.1 * (l0 - 2.5) + 1e-9

@@ -31,6 +31,19 @@ def test_summary_falls_back_to_config_yaml_and_sorts_numerically(tmp_path):
     assert "| 0.004 | completed |" in sweeps.markdown(columns, table)
 
 
+def test_a_point_that_stopped_between_evaluations_says_where_its_validation_is_from(tmp_path):
+    """A point diverged at 25 has final_val/loss of step 20 beside a completed point's of step 40."""
+    base = {"model": {"name": "gpt_test"}, "divergence": {"max_skips": 1}}
+    _fake_run(tmp_path / "0", base, {"status": "diverged", "step": 25, "eval_step": 20, "final": {"val/loss": 5.0}})
+    _fake_run(tmp_path / "1", {**base, "divergence": {"max_skips": 5}},
+              {"status": "completed", "step": 40, "eval_step": 40, "final": {"val/loss": 4.0}})
+    columns, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert columns.index("eval_step") < columns.index("final_val/loss")
+    assert [(r["step"], r["eval_step"], r["final_val/loss"]) for r in table] == [(25, 20, 5.0), (40, "", 4.0)]
+    _fake_run(tmp_path / "2", base, {"status": "completed", "step": 40, "eval_step": 40})
+    assert "eval_step" not in sweeps.rows(sweeps.find_runs(tmp_path / "2"))[0]  # only where it tells something
+
+
 def test_a_sweep_point_without_a_summary_is_listed_as_unfinished(tmp_path):
     for i, tau in enumerate([0.003, 0.004]):
         d = tmp_path / str(i)
