@@ -79,13 +79,16 @@ _FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
 
 
 def _mark_divergence(ax, run: Run) -> None:
-    """What the run went through, as vertical lines: the step it diverged at (red, dotted), the
+    """What the run went through, as vertical lines: the loss spikes it went on from (a red band), the
+    step it diverged at (red, dotted), the
     steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
     the steps whose non-finite update was skipped (grey), and the steps a resume
     continued from (green, dash-dot). Not on a panel that drew nothing (:func:`_empty`): lines
     across its note would read as data."""
     if not ax.get_lines():
         return
+    for first, steps in _spikes(run):  # a band over the spiking steps, behind the curves
+        ax.axvspan(first - 0.5, first + steps - 0.5, color="tab:red", alpha=0.12, lw=0, zorder=0)
     for step in run.resumed_at:
         ax.axvline(step, color="tab:green", ls="-.", lw=0.8)
     for step in run.skipped_at:
@@ -156,6 +159,13 @@ def _depth_legend_or_bar(fig, ax, blocks: list[str]) -> None:
     cb.set_label(f"depth ({blocks[0]} .. {blocks[-1]})")
 
 
+def _spikes(run: Run) -> list[tuple[int, int]]:
+    """``(first step, steps)`` of the loss spikes the run counted and went on from (summary.json;
+    not those of the divergence warmup, before its loss average means anything)."""
+    return [(s["step"], s.get("steps", 1)) for s in (run.summary or {}).get("spikes") or []
+            if isinstance(s, dict) and isinstance(s.get("step"), (int, float)) and not s.get("warmup")]
+
+
 def _title(run: Run, what: str) -> str:
     status = ""
     if run.summary:
@@ -181,6 +191,10 @@ def _title(run: Run, what: str) -> str:
             if here and run.skipped_at and set(run.skipped_at) <= {run.diverged_step}:
                 where = "at the red line"  # drawn under it
             status += f", {total} non-finite step(s) skipped ({where})"
+        if spikes := _spikes(run):
+            status += f", {len(spikes)} loss spike(s) passed (shaded)"
+        if run.alerts:
+            status += f", {len(run.alerts)} health alert(s)"
         if run.resumed_at:
             status += f", resumed at step {', '.join(f'{s:g}' for s in run.resumed_at)} (green)"
         status += "]"

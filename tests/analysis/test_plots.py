@@ -348,6 +348,22 @@ def test_a_sigma1_that_spans_decades_gets_a_log_axis_and_reparams_raw_weight_its
     assert figures["adamw2_lr.png"].axes[0].get_title() == "attn.qkv.weight (raw W)"
 
 
+def test_a_spike_the_run_went_on_from_is_a_band_on_every_panel_and_in_the_title(tmp_path, monkeypatch):
+    """summary.json lists the spikes; the figures said only [completed], and the spike showed in the
+    loss curve alone. The divergence warmup's spike is not one the run counted."""
+    records = [{"step": s, "loss": 9.0 if s in (30, 31, 32) else 3.0, "lr": 1e-3} for s in range(0, 60)]
+    run = _run_dir(tmp_path / "r", records, {"status": "completed", "step": 59, "spikes": [
+        {"step": 2, "steps": 1, "warmup": True}, {"step": 30, "steps": 3}], "alerts": [{"step": 40, "layer": "b"}]})
+    figures = _figures(monkeypatch)
+    P.plot_dynamics(run)
+    fig = figures["training.png"]
+    assert "[completed, 1 loss spike(s) passed (shaded), 1 health alert(s)]" in fig._suptitle.get_text()
+    for ax in (a for a in fig.axes if a.get_lines()):
+        bands = [p.get_x() for p in ax.patches]
+        assert bands == [29.5], bands  # steps 30-32: from 29.5, 3 wide
+        assert ax.patches[0].get_width() == 3.0
+
+
 def test_read_metrics_reads_back_nonfinite_values(tmp_path):
     """metrics.jsonl stores NaN/inf as strings (JSON has none); they come back as floats."""
     import numpy as np
