@@ -687,6 +687,10 @@ def check_keys(overrides: list[str]) -> None:
                               + ("; leave it out for no recipe" if group == "experiment" else
                                  f"; leave it out for the default, or choose {group}=none"
                                  if "none" in options else "; leave it out for the default"))
+        if key.startswith("~") and not {".", "/"} & set(group) and group != "experiment" and is_group(group, overrides):
+            # Hydra drops the group's yaml; the schema's defaults then train, without a word
+            raise ConfigError(f"{ov}: removing the {group} group trains with the schema's own {group} settings; "
+                              f"choose an option instead: {group}=" + "|".join(group_options(group, overrides)))
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")
             if not (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))

@@ -191,6 +191,8 @@ def test_a_swin_stage_without_blocks_is_refused():
     ("+experiment=stable_gpt2_s", "+experiment=stable_gpt2_s: the group experiment is in train.yaml's defaults "
                                   "already, so its option is chosen without the '+': experiment=stable_gpt2_s"),
     ("train.max_step=3", "unknown key 'train.max_step': did you mean steps?"),
+    ("~optim", "~optim: removing the optim group trains with the schema's own optim settings; choose an option "
+               "instead: optim=adamw|adamw2|lars|sgd"),
     ("optim.lr=null", "optim.lr=null: optim.lr needs a value, e.g. optim.lr=0.001 (leave it out for its default)"),
     ("regularizer=zloss regularizer.zloss.coef=abc",
      "regularizer.zloss.coef=abc must be a number, e.g. regularizer.zloss.coef=0.0001"),
