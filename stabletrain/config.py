@@ -123,6 +123,18 @@ class ModelConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+
+# The model.* keys each built-in family reads (its registration's keys=), kept beside the schema so
+# that what reads a run's directory without torch (the sweep table, compare.png's labels) knows them
+FAMILY_KEYS = {
+    "gpt": ("vocab_size", "block_size", "bias", "dropout", "embed_dim", "depth", "num_heads", "mlp_ratio",
+            "mlp_hidden", "act"),
+    "vit": ("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "class_token", "act",
+            "init_std", "patch_embed_std", "embed_dim", "depth", "num_heads", "mlp_ratio", "mlp_hidden"),
+    "swin": ("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "act", "embed_dim",
+             "depths", "stage_heads", "window_size", "mlp_ratio"),
+}
+
 @dataclass
 class NormConfig:
     name: str = "layernorm"  # a norm registered in stabletrain.layers.norm

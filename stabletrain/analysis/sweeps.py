@@ -191,14 +191,18 @@ def filled_varying_keys(runs: list[Run]) -> list[str]:
 
 
 def _unread(run: Run, key: str) -> bool:
-    """Whether ``run`` chose none of the options that read ``key`` (optim.tau on an AdamW run): a
-    label naming it would read as a setting that run had; or where another key of the run leaves it
-    unread (divergence.lr_scale_on_rollback on a run that stops at a divergence). Unknown choices
-    count as read."""
+    """Whether ``run`` chose none of the options that read ``key`` (optim.tau on an AdamW run), or its
+    model family does not read it (model.depth on a Swin): a label naming it would read as a setting
+    that run had; or where another key of the run leaves it unread (divergence.lr_scale_on_rollback
+    on a run that stops at a divergence). Unknown choices count as read; so does a model key of a
+    family not built in (its keys are its registration's, which this module cannot import)."""
     from omegaconf import OmegaConf
 
-    from stabletrain.config import READ_BY, READ_WHEN
+    from stabletrain.config import FAMILY_KEYS, READ_BY, READ_WHEN
 
+    if key.startswith("model.") and key[len("model."):] not in ("name", "family", "kwargs"):
+        reads = FAMILY_KEYS.get(str(resolved_config(run.path).get("model.family")))
+        return reads is not None and key[len("model."):] not in reads  # Swin's model.depth: its depths
     if key in READ_WHEN:
         try:
             nested = yaml.safe_load((run.path / "config.yaml").read_text())

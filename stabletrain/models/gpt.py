@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from stabletrain.config import Components, shown_value
+from stabletrain.config import FAMILY_KEYS, Components, shown_value
 from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
 from stabletrain.layers.deescalate import DEESCALATIONS
@@ -127,8 +127,7 @@ def gpt_weights(state: dict[str, Tensor], settings: dict, m, _model=None) -> tup
 @MODELS.register("gpt", kind="text", data="pytext", check=check_gpt, flops=gpt_flops, tau=0.01,  # 000 Table 2
                  no_decay=(),  # nanoGPT decays every matrix, its position embedding too
                  weights=gpt_weights,
-                 keys=("vocab_size", "block_size", "bias", "dropout", "embed_dim", "depth", "num_heads", "mlp_ratio",
-                       "mlp_hidden", "act"))
+                 keys=FAMILY_KEYS["gpt"])
 class GPT(nn.Module):
     """GPT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``.
 

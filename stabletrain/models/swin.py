@@ -12,7 +12,7 @@ from __future__ import annotations
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock, checkpoint_filter_fn
 from torch import Tensor, nn
 
-from stabletrain.config import Components
+from stabletrain.config import FAMILY_KEYS, Components
 from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import SwinAttention
 from stabletrain.layers.block import BlockForward
@@ -106,8 +106,7 @@ def swin_flops(model: nn.Module, m) -> float:
 
 @MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops,
                  no_decay=("absolute_pos_embed", "relative_position_bias_table"),  # timm's Swin recipe
-                 keys=("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "act",
-                       "embed_dim", "depths", "stage_heads", "window_size", "mlp_ratio"),
+                 keys=FAMILY_KEYS["swin"],
                  instead={"depth": "depths", "num_heads": "stage_heads"},  # one per stage
                  weights=timm_filter(checkpoint_filter_fn))
 def build_swin(m, components: Components) -> SwinTransformer:

@@ -9,7 +9,7 @@ from timm.layers import GELUTanh, trunc_normal_
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
-from stabletrain.config import Components
+from stabletrain.config import FAMILY_KEYS, Components
 from stabletrain.errors import ConfigError
 from stabletrain.layers.block import Block
 from stabletrain.layers.norm import make_norm
@@ -59,12 +59,8 @@ def vit_flops(model: nn.Module, m) -> float:
 VIT_NO_DECAY = ("pos_embed", "cls_token", "dist_token", "reg_token")
 
 
-VIT_KEYS = ("img_size", "in_chans", "patch_size", "num_classes", "drop_path", "qkv_bias", "class_token", "act",
-            "init_std", "patch_embed_std", "embed_dim", "depth", "num_heads", "mlp_ratio", "mlp_hidden")
-
-
 @MODELS.register("vit", kind="vision", data="digits", check=check_vit, flops=vit_flops, no_decay=VIT_NO_DECAY,
-                 keys=VIT_KEYS, weights=timm_filter(checkpoint_filter_fn, trunk="visual.trunk."))
+                 keys=FAMILY_KEYS["vit"], weights=timm_filter(checkpoint_filter_fn, trunk="visual.trunk."))
 def build_vit(m, components: Components) -> VisionTransformer:
     """ViT from ``m`` (the ``model`` group) built of :class:`Block` with ``components``."""
     tokens = (m.img_size // m.patch_size) ** 2 + int(m.class_token)

@@ -314,6 +314,24 @@ def test_a_label_leaves_out_a_key_the_runs_option_does_not_read(tmp_path):
     assert sweeps.labels([tmp_path / "a", tmp_path / "b"]) == ["optim.name=adamw", "optim.name=adamw2, optim.tau=0.01"]
 
 
+def test_a_label_leaves_out_a_model_key_the_runs_family_does_not_read(tmp_path):
+    """A GPT, a ViT and a Swin compared: the Swin was labelled model.depth=12, the schema's default
+    in its config.yaml (it reads depths); a family of one's own keeps every key it was given."""
+    for name, family, depth in (("g", "gpt", 2), ("v", "vit", 10), ("s", "swin", 12), ("m", "mine", 12)):
+        _fake_run(tmp_path / name, {"model": {"name": f"{family}_test", "family": family, "depth": depth}},
+                  {"status": "completed"})
+    assert sweeps.labels([tmp_path / n for n in "gvsm"]) == [
+        "model.depth=2, model.family=gpt, model.name=gpt_test", "model.depth=10, model.family=vit, model.name=vit_test",
+        "model.family=swin, model.name=swin_test", "model.depth=12, model.family=mine, model.name=mine_test"]
+
+
+def test_the_built_in_families_register_the_keys_the_analysis_knows():
+    from stabletrain.config import FAMILY_KEYS
+    from stabletrain.models.registry import MODELS
+
+    assert {f: MODELS.entry(f).info["keys"] for f in FAMILY_KEYS} == FAMILY_KEYS
+
+
 @pytest.mark.parametrize("values,log", [
     ([0.002, 0.004, 0.008], True),  # doubling: even in log, not in value
     ([1e-4, 3e-4, 1e-3, 3e-3], True),  # decades apart
