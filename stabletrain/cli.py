@@ -436,7 +436,7 @@ def check_overrides(argv: list[str]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from stabletrain.build import validate
-    from stabletrain.errors import ConfigError
+    from stabletrain.errors import ConfigError, first_line
 
     try:
         points = _sweep_points(overrides)
@@ -473,6 +473,8 @@ def check_overrides(argv: list[str]) -> None:
             if swept and (new := re.search(r"add it with a '\+', \+([\w.]+)=VALUE$", line)):
                 line += f" ('++{new.group(1)}=VALUE' where the yaml of some swept options sets it and others' not)"
             _fail(line + where(ovs))
+        except ValueError as e:  # Hydra's own refusals of an override's form raise plain ValueErrors
+            _fail(f"{' '.join(ovs)}: {first_line(e)}" + where(ovs))
         configs.append(cfg)
     whole_grid = prod(len({p[i] for p in points}) for i in swept) == len(points)
     if swept and whole_grid:
@@ -681,7 +683,8 @@ def check_keys(overrides: list[str]) -> None:
     for ov in overrides:
         key = ov.split("=", 1)[0]
         group, value = key.lstrip("+~"), ov.partition("=")[2]
-        if "." not in group and value.lower() == "null" and is_group(group, overrides) and "~" not in key:
+        nulls = "null" in (v.strip().lower() for v in value.split(","))  # a sweep's point too: norm=null,layernorm
+        if "." not in group and nulls and is_group(group, overrides) and "~" not in key:
             options = group_options(group, overrides)
             raise ConfigError(f"{ov}: a group takes one of its options ({', '.join(options)})"
                               + ("; leave it out for no recipe" if group == "experiment" else

@@ -186,6 +186,7 @@ def test_a_swin_stage_without_blocks_is_refused():
 @pytest.mark.parametrize("args,line", [
     ("experiment=null", "experiment=null: a group takes one of its options (adamw2_gpt2_s, "),
     ("model=null", "model=null: a group takes one of its options ("),
+    ("-m norm=null,layernorm", "norm=null,layernorm: a group takes one of its options ("),
     ("regularizer=NULL", "regularizer=NULL: a group takes one of its options (locater, none, zloss); leave it out for "
                          "the default, or choose regularizer=none"),
     ("+experiment=stable_gpt2_s", "+experiment=stable_gpt2_s: the group experiment is in train.yaml's defaults "
