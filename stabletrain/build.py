@@ -103,12 +103,12 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         if extra:
             raise ConfigError(f"data.{extra[0]} is image augmentation; a {family.name} model trains on text: "
                               f"remove data.{extra[0]}")
-        # the image classifier's settings, which a text run would ignore
-        for key, what, off in (("label_smoothing", "the image classifier's loss", 0), ("repeated_aug",
-                               "repeated augmentation of images", 1), ("img_size", "the images' size", None)):
-            if d[key] != off:
-                raise ConfigError(f"data.{key}={d[key]} sets {what}; a {family.name} model trains on text: "
-                                  f"remove data.{key}")
+        # the image classifier's settings, which a text run would ignore: refused, but in a sweep
+        # over model families noted at its text points (its image points read them)
+        for key, what in IMAGE_ONLY.items():
+            if C.differs(d[key], C.schema_default(f"data.{key}")) and not {"model", "data"} & set(swept):
+                raise ConfigError(f"data.{key}={C.shown_value(d[key])} sets {what}; a {family.name} model trains "
+                                  f"on text: remove data.{key}")
     else:
         from stabletrain.data.vision import check_randaug
 
@@ -455,17 +455,25 @@ def _unread_data_keys(cfg, given: Collection[str] = ()) -> list[str]:
             if key in given or C.differs(cfg.data[key.split(".", 1)[1]], C.schema_default(key))]
 
 
+# data keys for an image classifier alone, and what each sets
+IMAGE_ONLY = {"label_smoothing": "the image classifier's loss", "repeated_aug": "repeated augmentation of images",
+              "img_size": "the images' size"}
+
+
 def unread_data_reasons(cfg) -> dict[str, str]:
-    """Every data key the chosen data set does not read (it declares ``reads``), set or not, with
-    why: what :func:`stabletrain.config.unread_reasons` is for the other groups' keys, so that a
-    sweep's check (``cli.check_swept_keys_read``) sees them too."""
+    """Every data key the chosen data set does not read (it declares ``reads``; a text data set
+    reads no image setting), set or not, with why: what :func:`stabletrain.config.unread_reasons`
+    is for the other groups' keys, so that a sweep's check (``cli.check_swept_keys_read``) sees
+    them too."""
     entry = _data_entry(cfg)
+    text = {f"data.{k}": f"it sets {what}, and this run trains on text (data={entry.name})"
+            for k, what in IMAGE_ONLY.items()} if entry.info.get("kind") == "text" else {}
     reads = entry.info.get("reads")
     if reads is None:
-        return {}
+        return text
     readers = {k: [e.name for e in DATASETS.entries() if k in (e.info.get("reads") or ())] for k in OPTION_KEYS}
-    return {f"data.{k}": f"only data={'/'.join(readers[k])} reads it, and this run has data={entry.name}"
-            for k in OPTION_KEYS if k not in reads}
+    return {**{f"data.{k}": f"only data={'/'.join(readers[k])} reads it, and this run has data={entry.name}"
+               for k in OPTION_KEYS if k not in reads}, **text}
 
 
 def unread_data_notes(cfg, given: Collection[str] = ()) -> list[str]:

@@ -116,11 +116,11 @@ def explain(err: Exception, overrides: list[str]) -> str:
     if yaml and key:  # a yaml of the user's own sets a key the schema lacks
         hint = _nearest_key(key) or "not in the config schema (`python train.py --cfg job` prints every key)"
         return f"{yaml.group(1)}.yaml sets unknown key '{key}': {hint}"
-    if (chosen := re.match(r"Multiple values for ([\w/]+)\.", first)) is not None:  # +experiment=X
-        given = next((ov.lstrip("+") for ov in overrides if ov.lstrip("+").startswith(chosen.group(1) + "=")),
-                     f"{chosen.group(1)}=OPTION")
-        return (f"+{given}: the group {chosen.group(1)} is in train.yaml's defaults already, so its option is "
-                f"chosen without the '+': {given}")
+    chosen = re.match(r"Multiple values for ([\w/]+)\.", first)
+    added = chosen and next((ov for ov in overrides if ov.startswith(f"+{chosen.group(1)}=")), None)
+    if added:  # +experiment=X; a yaml's defaults list choosing a group again keeps Hydra's own line
+        return (f"{added}: the group {chosen.group(1)} is in train.yaml's defaults already, so its option is "
+                f"chosen without the '+': {added[1:]}")
     if (have := re.match(r"Could not append to config\. An item is already at '([\w.]+)'", first)) is not None:
         return (f"+{have.group(1)} adds a key that is there already (set by its option's yaml): drop the '+' to set "
                 f"it, or write '++{have.group(1)}=...', which sets it either way")
@@ -218,13 +218,13 @@ def _wrong_type(key: str, first: str) -> str | None:
     given = re.search(r"[Vv]alue '(.*?)'", first)
     given = given.group(1) if given else "?"
     if "is not Optional" in first:  # optim.lr=null
-        from stabletrain.config import schema_default
+        from stabletrain.config import schema_default, shown_value
 
         try:
             default = schema_default(key)
         except KeyError:  # a key of a yaml of one's own
             return f"{key}=null: {key} needs a value"
-        return f"{key}=null: {key} needs a value, e.g. {key}={default} (leave it out for its default)"
+        return f"{key}=null: {key} needs a value, e.g. {key}={shown_value(default)}, or leave it out"
     if (choices := re.search(r"expected one of \[(.*)\]", first)):
         return f"{key}={given} is not one of: {choices.group(1)}"
     kind = next((k for t, k in (("to Integer", "an integer"), ("to Float", "a number"),

@@ -176,6 +176,12 @@ def test_an_image_classifiers_setting_on_text_is_refused_not_ignored(override, w
         validate(make_cfg("model=gpt_test", override))
     key = override.split("=")[0]
     assert str(e.value) == f"{override} sets {what}; a gpt model trains on text: remove {key}"
+    # a sweep over model families: its image points read it, its text points say it changes nothing
+    validate(make_cfg("model=gpt_test", override), swept={"model"})
+    from stabletrain.build import unread_data_notes
+
+    assert unread_data_notes(make_cfg("model=gpt_test", override)) == [
+        f"note: {override} changes nothing: it sets {what}, and this run trains on text (data=pytext)"]
 
 
 def test_a_swin_stage_without_blocks_is_refused():
@@ -194,7 +200,10 @@ def test_a_swin_stage_without_blocks_is_refused():
     ("train.max_step=3", "unknown key 'train.max_step': did you mean steps?"),
     ("~optim", "~optim: removing the optim group trains with the schema's own optim settings; choose an option "
                "instead: optim=adamw|adamw2|lars|sgd"),
-    ("optim.lr=null", "optim.lr=null: optim.lr needs a value, e.g. optim.lr=0.001 (leave it out for its default)"),
+    ("optim.lr=null", "optim.lr=null: optim.lr needs a value, e.g. optim.lr=0.001, or leave it out"),
+    ("schedule.unit=null", "schedule.unit=null: schedule.unit needs a value, e.g. schedule.unit=steps, or leave it "
+                           "out"),
+    ("optim.betas=null", "optim.betas=null: optim.betas needs a value, e.g. optim.betas=[0.9,0.999], or leave it out"),
     ("regularizer=zloss regularizer.zloss.coef=abc",
      "regularizer.zloss.coef=abc must be a number, e.g. regularizer.zloss.coef=0.0001"),
 ])

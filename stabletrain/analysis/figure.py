@@ -117,9 +117,15 @@ def _titles_fit(fig) -> None:
         text = ax.get_title()
         if not (text and ax.get_visible()):
             continue
-        width, room = ax.title.get_window_extent(renderer).width, ax.get_window_extent(renderer).width
-        if width > room * 1.02:
-            ax.title.set_text(_wrap(text.replace("\n", " "), max(12, int(len(text) * room / width))))
+        room = ax.get_window_extent(renderer).width
+        lines = text.split("\n")  # the title's own line breaks stay; the widest line sets the measure
+        chars = max(map(len, lines))
+        for _ in range(4):  # characters differ in width: narrower until it fits
+            width = ax.title.get_window_extent(renderer).width
+            if width <= room * 1.02 or chars <= 12:
+                break
+            chars = max(12, min(chars - 1, int(chars * room / width)))
+            ax.title.set_text("\n".join(_wrap(line, chars) for line in lines))
             wrapped = True
     if wrapped:
         fig.tight_layout()
@@ -172,7 +178,8 @@ MIN_RELATIVE_SPAN = 0.02
 def _save(fig, out_dir: Path, name: str) -> Path:
     for ax in fig.axes:
         if ax.get_xlabel() == "step" and isinstance(ax.xaxis.get_major_locator(), mticker.AutoLocator):
-            ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))  # no step 22.5
+            # no step 22.5; AutoLocator's own spacing (every 100000, not 80000) otherwise
+            ax.xaxis.set_major_locator(mticker.MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
         if not (ax.get_visible() and ax.axison and ax.get_lines()):
             continue
         lo, hi = ax.get_ylim()

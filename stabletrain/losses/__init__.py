@@ -53,13 +53,15 @@ def term_params(name: str, given: Mapping | None):
     except Exception as e:
         first = str(e).strip().splitlines()[0]
         key = getattr(e, "full_key", None) or ""
-        wrong = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
+        wrong = (re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", first)
+                 or re.match(r"Value '(.*)' is not a valid (bool)", first))
         missing = re.search(r"missing mandatory value: (\w+)", first)
         if wrong and key:
             kind = {"float": "a number", "integer": "an integer", "bool": "true or false"}.get(
                 wrong.group(2).lower(), f"a {wrong.group(2).lower()}")
             default = getattr(schema, "__dataclass_fields__", {}).get(key)
             example = default.default if default is not None and isinstance(default.default, (int, float)) else None
+            example = str(example).lower() if isinstance(example, bool) else example  # as a yaml writes it
             raise ConfigError(f"regularizer.{name}.{key}={wrong.group(1)} must be {kind}"
                               + (f", e.g. regularizer.{name}.{key}={example}" if example is not None else "")) from None
         if missing:

@@ -81,7 +81,6 @@ construction.
 
 from __future__ import annotations
 
-import difflib
 import math
 import numbers
 from collections import defaultdict
@@ -281,13 +280,11 @@ class AdamW2(Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
-        known = (*self.defaults, "params", "names", "param_names")
-        for key in param_group:
+        for key, value in param_group.items():
             # a misspelt key ("tua") would leave the group at the default; other keys (a scheduler's,
-            # one's own bookkeeping) are the group's, as torch.optim keeps them
-            near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6) if key not in (*known, "name") else []
-            if near:
-                raise ValueError(f"AdamW2: param group {index}: unknown key {key!r}: did you mean {near[0]!r}?")
+            # one's own bookkeeping: tag, layer_decay, no_decay) are the group's, as torch.optim keeps them
+            if (near := _misspelt(str(key), value, self.defaults)) is not None:
+                raise ValueError(f"AdamW2: param group {index}: unknown key {key!r}: did you mean {near!r}?")
         super().add_param_group(param_group)  # fills the group's missing keys from the defaults
         _check_hyperparameters(self.param_groups[-1], f"param group {index}: ")
         if param_group.get("names") or param_group.get("param_names"):  # telemetry keys: one per tensor
@@ -677,6 +674,36 @@ def _check_hyperparameters(group: dict, where: str) -> None:
         raise ValueError(f"AdamW2: {where}power_iters={iters!r} must be an integer >= 1")
     if group["bound"] not in (None, True, False):
         raise ValueError(f"AdamW2: {where}bound={group['bound']!r} must be True, False or None (by shape)")
+
+
+def _misspelt(key: str, value: Any, defaults: dict) -> str | None:
+    """The hyperparameter ``key`` is a misspelling of: one or two letters off it (one for a short
+    name), with a value of its kind; None for a key of the group's own."""
+    if key in defaults or key in ("params", "names", "param_names"):
+        return None
+    for known, default in defaults.items():
+        if _edits(key, known) > (1 if len(known) <= 5 else 2):
+            continue
+        if known == "betas":
+            kind = isinstance(value, (tuple, list))
+        elif known == "bound" or isinstance(default, bool):
+            kind = value is None or isinstance(value, bool) if known == "bound" else isinstance(value, bool)
+        else:
+            kind = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if kind:
+            return known
+    return None
+
+
+def _edits(a: str, b: str) -> int:
+    """Letters added, dropped, changed or swapped with a neighbour to turn ``a`` into ``b``."""
+    d = [[i + j if not i * j else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[-1][-1]
 
 
 def _group_names(group: dict, index: int) -> list[str]:

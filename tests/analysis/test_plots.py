@@ -334,6 +334,25 @@ def test_a_panel_title_wider_than_its_panel_is_wrapped_and_steps_are_whole(tmp_p
     assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks)
 
 
+def test_a_title_of_several_lines_keeps_its_breaks_and_fits_its_panel(tmp_path):
+    """compare.png's two-line entropy title grew wider when wrapped as one line of its whole length."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax in axes.flat:
+        ax.plot([0, 1], [0, 1])
+    title = ("min over blocks and heads of attention entropy\nover log T (1 = uniform attention over the keys, "
+             r"0 = one key; $H / \log T$ where runs attend over different numbers of keys)")
+    axes[0, 2].set_title(title)
+    fig.tight_layout()
+    F._save(fig, tmp_path, "t.png")
+    fig.canvas.draw()
+    shown = axes[0, 2].get_title()
+    assert shown.startswith("min over blocks and heads of attention entropy\n")  # its own break kept
+    assert shown.replace("\n", " ") == title.replace("\n", " ")
+    assert axes[0, 2].title.get_window_extent().width <= axes[0, 2].get_window_extent().width * 1.02
+
+
 def test_a_sigma1_that_spans_decades_gets_a_log_axis_and_reparams_raw_weight_its_own_name(tmp_path, monkeypatch):
     """A crash's sigma1(W_q) from 0.2 to 30 lay flat on a linear axis for most of the run; a
     sigmaReparam run's AdamW² panels were titled by the parametrisation's internal path."""

@@ -64,6 +64,24 @@ def test_a_parameter_without_a_default_is_asked_for_by_name():
         LOSS_TERMS._entries.pop("needs_own")
 
 
+def test_a_switch_of_ones_own_term_given_a_word_says_true_or_false():
+    from dataclasses import dataclass
+
+    from stabletrain.losses import LOSS_TERMS
+
+    @dataclass
+    class Switch:
+        on: bool = True
+
+    LOSS_TERMS.register("switch_own", params=Switch)(lambda p: None)
+    try:
+        with pytest.raises(ConfigError, match=r"^regularizer.switch_own.on=maybe must be true or false, "
+                                              r"e.g. regularizer.switch_own.on=true$"):
+            build_loss_terms({"switch_own": {"on": "maybe"}})
+    finally:
+        LOSS_TERMS._entries.pop("switch_own")
+
+
 def test_a_loss_term_yaml_written_as_the_other_groups_is_refused_saying_how_it_is_written():
     """name: zloss / coef: 1e-4 made "regularizer=name is not an option", a term never typed."""
     from omegaconf import OmegaConf

@@ -342,9 +342,14 @@ def test_a_misspelt_group_key_is_refused_and_other_keys_are_kept():
     lin = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"^AdamW2: param group 1: unknown key 'tua': did you mean 'tau'\?$"):
         AdamW2([{"params": [lin.weight]}, {"params": [lin.bias], "tua": 0.1}])
-    opt = AdamW2([{"params": [lin.weight], "name": "decay", "initial_lr": 1e-3, "layer_id": 3}])
-    assert (opt.param_groups[0]["name"], opt.param_groups[0]["layer_id"], opt.param_groups[0]["tau"]) == \
-        ("decay", 3, 0.004)
+    for key, value, meant in (("weight_decy", 0.1, "weight_decay"), ("warm_strat", False, "warm_start"),
+                              ("beta", (0.9, 0.99), "betas"), ("bounds", True, "bound")):
+        with pytest.raises(ValueError, match=f"unknown key '{key}': did you mean '{meant}'"):
+            AdamW2([{"params": [lin.weight], key: value}])
+    own = {"name": "decay", "initial_lr": 1e-3, "layer_id": 3, "tag": "attn", "layer_decay": 0.75, "no_decay": True,
+           "is_decay": False, "bounded": True, "weight_decay_end": 0.1, "param_kind": "matrix"}
+    opt = AdamW2([{"params": [lin.weight], **own}])
+    assert {k: opt.param_groups[0][k] for k in own} == own and opt.param_groups[0]["tau"] == 0.004
 
 
 def test_a_name_given_twice_is_refused():
