@@ -571,7 +571,7 @@ READ_WHEN = {
        for k in ("skip_window", "max_rollbacks", "lr_scale_on_rollback")},
     "divergence.max_skips": (lambda c: c.divergence.skip_nonfinite,
                              "no step is skipped (divergence.skip_nonfinite=false)"),
-    **{f"logger.{k}": (lambda c: str(getattr(c.logger.wandb, "value", c.logger.wandb)) != "disabled",
+    **{f"logger.{k}": (lambda c: _value(c.logger.wandb) != "disabled",
                         "wandb is off (logger.wandb=disabled, as logger=none sets)") for k in ("project", "entity")},
     # (under monitor=off, OFF says it)
     **{f"monitor.{k}": (lambda c: c.monitor.alerts or _name(c.monitor) == "off",
@@ -580,8 +580,12 @@ READ_WHEN = {
 }
 
 
+def _value(v: Any) -> str:
+    return str(getattr(v, "value", v))  # an enum member's value
+
+
 def _name(group_cfg: Any) -> str:
-    return str(getattr(group_cfg.name, "value", group_cfg.name))
+    return _value(group_cfg.name)
 
 
 def unread_reasons(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str, ...] = ()) -> dict[str, str]:

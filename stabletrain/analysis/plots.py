@@ -359,9 +359,8 @@ def _why_no_entropy(run: Run) -> str:
     if monitor is None:
         return "no config.yaml to say why"
     every = _chosen(run, "monitor.probe_every") or "?"
-    stopped = (run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?")
     return (f"the probe pass logs it every monitor.probe_every={every} steps and at the run's last, and it "
-            f"stopped at step {stopped} before any")
+            f"stopped at step {_stopped_at(run)} before any")
 
 
 @_styled
@@ -571,9 +570,13 @@ def _why_no_adamw2_curves(run: Run) -> str:
     optim, every = cfg.get("optim") or {}, (cfg.get("monitor") or {}).get("adamw2_every", "?")
     if optim.get("name") != "adamw2":
         return f"the run used optim={optim.get('name', '?')}" if optim else "not an AdamW² run?"
-    stopped = (run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?")
     return (f"this AdamW² run logs them every monitor.adamw2_every={every} steps and at its last, and it "
-            f"stopped at step {stopped} before any")
+            f"stopped at step {_stopped_at(run)} before any")
+
+
+def _stopped_at(run: Run) -> str:
+    """The step the run stopped at (summary.json's), else the last it logged at."""
+    return str((run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?"))
 
 
 ADAMW2_PANELS = 16
