@@ -71,7 +71,8 @@ def _one_schedule(runs: list[Run]) -> bool:
     if len(shared) < 2:
         return False
     # a step logged twice (rolled back to, resumed from): its last value, the one the run went on with
-    at = [np.array([dict(zip(x[0].tolist(), x[1].tolist()))[s] for s in shared.tolist()]) for x in series]
+    last = [dict(zip(x[0].tolist(), x[1].tolist())) for x in series]
+    at = [np.array([values[s] for s in shared.tolist()]) for values in last]
     return all(np.allclose(v, at[0], rtol=1e-9, atol=0.0, equal_nan=True) for v in at[1:])
 
 
