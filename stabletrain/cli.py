@@ -449,6 +449,8 @@ def check_overrides(argv: list[str]) -> None:
     try:
         check_keys(overrides)
         check_option_names(overrides)
+        for ov in dict.fromkeys(ov for p in points for ov in p):
+            check_values([ov])
     except ConfigError as e:
         _fail(str(e))
     swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
@@ -634,7 +636,7 @@ def help_text(overrides: list[str]) -> str | None:
     left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]
     for key in left_out:
         group, _, leaf = key.partition(".")
-        cfg[group].pop(leaf, None)
+        (cfg[group] if leaf else cfg).pop(leaf or group, None)
     groups = {g: group_options(g, overrides) for g in sorted({p.name for d in config_dirs(overrides) if d.is_dir()
                                                               for p in d.iterdir() if p.is_dir()} - {"hydra"})}
     listing = "\n".join(f"{g}: {', '.join(opts)}" for g, opts in groups.items() if opts)
@@ -715,6 +717,38 @@ def check_keys(overrides: list[str]) -> None:
         if ov.startswith("hydra/launcher=slurm") and missing:
             raise ConfigError(f"hydra/launcher=slurm submits through SLURM, but there is no {' nor '.join(missing)} "
                               f"on this machine; run on the cluster's login node, or drop it to sweep locally")
+
+
+def check_values(overrides: list[str]) -> None:
+    """Values OmegaConf would take without a word for something else than meant: a number for a bool
+    (``optim.nesterov=2`` read as true), and several options of one group (``optim=[adamw,sgd]``:
+    Hydra merges both yaml files into one optim, the later's keys replacing the earlier's, so SGD
+    trained with AdamW's leftovers; ``experiment=[a,b]`` one recipe over another). Only loss terms
+    add up (``regularizer=[zloss,locater]``), each once. ``overrides``: one point's (no sweeps)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from stabletrain.config import is_bool_key
+    from stabletrain.errors import ConfigError
+
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.is_hydra_override() or o.is_sweep_override() or o.is_delete():
+            continue
+        key, value = o.key_or_group, o.value()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1) \
+                and is_bool_key(key):
+            raise ConfigError(f"{o.input_line.lstrip('+')}: {key} is true or false, e.g. {key}=true")
+        if not isinstance(value, list) or "." in key or not is_group(key, overrides):
+            continue
+        names = [str(v) for v in value]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if key == "regularizer" and twice is not None:
+            raise ConfigError(f"{o.input_line}: {twice} is listed twice, and a loss term is added once: "
+                              f"{key}=[{','.join(dict.fromkeys(names))}] (its settings are regularizer.{twice}.*)")
+        if key != "regularizer" and len(names) > 1:
+            what = "recipes" if key == "experiment" else f"{key} options"
+            raise ConfigError(f"{o.input_line}: {key} takes one option; a list merges the {what} into one, "
+                              f"{names[-1]}'s values replacing {', '.join(names[:-1])}'s: choose one "
+                              f"({key}={names[0]}), or with -m sweep them ({key}={','.join(names)})")
 
 
 def _check_output_dir(key: str, value: str) -> None:

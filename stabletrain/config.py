@@ -571,6 +571,8 @@ READ_WHEN = {
        for k in ("skip_window", "max_rollbacks", "lr_scale_on_rollback")},
     "divergence.max_skips": (lambda c: c.divergence.skip_nonfinite,
                              "no step is skipped (divergence.skip_nonfinite=false)"),
+    "resume_allow_changes": (lambda c: c.resume is not None,
+                             "this run resumes nothing (set resume=auto, or resume=PATH)"),
     **{f"logger.{k}": (lambda c: _value(c.logger.wandb) != "disabled",
                         "wandb is off (logger.wandb=disabled, as logger=none sets)") for k in ("project", "entity")},
     # (under monitor=off, OFF says it)
@@ -638,7 +640,7 @@ def unread_keys(cfg: Any, own: Mapping[str, tuple[str, ...] | None] | tuple[str,
     point at the key's default value is noted too: its results match the other values' there."""
     def value(key):
         group, _, leaf = key.partition(".")
-        return cfg[group][leaf]
+        return cfg[group][leaf] if leaf else cfg[group]
 
     return [f"note: {key}={shown_value(value(key))} changes nothing: {why}"
             for key, why in unread_reasons(cfg, own).items()
@@ -650,13 +652,13 @@ def given_keys(overrides: Iterable[str] | None) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides or () if "=" in o}
 
 
-def schema_default(key: str) -> Any:
-    """The typed schema's default of a dotted key (``optim.lr`` -> 0.001, ``model.depth`` -> 12);
-    KeyError for a key the schema lacks."""
+def _schema_field(key: str) -> tuple[Any, Any]:
+    """The typed schema's type hint and default of a dotted key; KeyError for a key it lacks."""
     import dataclasses
     import typing
 
     node: Any = TrainConfig
+    hint: Any = TrainConfig
     for part in key.split("."):
         f = {f.name: f for f in fields(node)}.get(part) if dataclasses.is_dataclass(node) else None
         if f is None:
@@ -668,7 +670,22 @@ def schema_default(key: str) -> Any:
             node = hint
         else:
             node = f.default
-    return node() if isinstance(node, type) else node
+    return hint, node() if isinstance(node, type) else node
+
+
+def schema_default(key: str) -> Any:
+    """The typed schema's default of a dotted key (``optim.lr`` -> 0.001, ``model.depth`` -> 12);
+    KeyError for a key the schema lacks."""
+    return _schema_field(key)[1]
+
+
+def is_bool_key(key: str) -> bool:
+    """Whether the schema types ``key`` as a bool (``optim.nesterov``, ``compile``: Optional[bool])."""
+    try:
+        hint = _schema_field(key)[0]
+    except KeyError:
+        return False
+    return hint is bool or hint == Optional[bool]
 
 
 def differs(value: Any, default: Any) -> bool:

@@ -103,6 +103,14 @@ def test_epochs_round_to_the_nearest_step_and_a_rollback_within_a_probe_is_not_n
     assert any("monitor.rollback_on_alert with ckpt_every" in n for n in tr.notes) is noted, tr.notes
 
 
+def test_dist_timeout_in_one_process_is_noted(tmp_path):
+    """dist_timeout bounds a collective's wait for other ranks; a single process has none to wait for."""
+    _, tr = _trainer(tmp_path, "model=vit_test", "steps=1", "monitor=off", "dist_timeout=60")
+    assert sum("dist_timeout=60 changes nothing: this run is one process" in n for n in tr.notes) == 1, tr.notes
+    _, tr = _trainer(tmp_path / "default", "model=vit_test", "steps=1", "monitor=off")
+    assert not any("dist_timeout" in n for n in tr.notes), tr.notes
+
+
 def test_sigma_reparams_power_iteration_runs_after_each_step(tmp_path):
     """reparam=sigma: the hook its registry returns is handed to the trainer, so u, v follow the
     weights as they train (they are never updated by the forward)."""

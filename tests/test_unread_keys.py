@@ -35,6 +35,7 @@ from tests.helpers import cli, make_cfg
     (["optim=sgd", "optim.betas=[0.8,0.9]"], "optim.betas=[0.8,0.9] changes nothing: only optim=adamw/adamw2"),
     (["optim=lars", "optim.fused=true"], "optim.fused=true changes nothing: only optim=adamw/adamw2 reads it"),
     (["logger=none", "logger.project=mine"], "logger.project=mine changes nothing: wandb is off"),
+    (["resume_allow_changes=true"], "resume_allow_changes=true changes nothing: this run resumes nothing"),
     (["monitor.alerts=false", "monitor.entropy_floor=0.2"], "monitor.entropy_floor=0.2 changes nothing: health alerts "
                                                             "are off (monitor.alerts=false)"),
 ])
@@ -52,7 +53,7 @@ def test_a_key_nothing_reads_is_noted(overrides, note):
     ["divergence.action=rollback", "divergence.max_rollbacks=5"],
     # read whatever the option: AdamW²'s own telemetry under monitor=off, fp32 attention without sigmaReparam
     ["optim=adamw2", "monitor=off", "monitor.adamw2_every=10"], ["reparam=none", "reparam.attn_fp32=true"],
-    ["logger=wandb_online", "logger.entity=me"],
+    ["logger=wandb_online", "logger.entity=me"], ["resume=auto", "resume_allow_changes=true"],
 ])
 def test_a_key_its_option_reads_is_not_noted(overrides):
     assert unread_keys(make_cfg(*overrides)) == []
