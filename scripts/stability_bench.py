@@ -34,8 +34,8 @@ and learning rates (``--summarize-only``: of every run under OUT, whatever setti
 
 Presets (``--preset``; every key can still be overridden with ``--extra``):
   tiny  byte-level GPT, 2 layers, width 64, context 64, batch 16, 300 steps, lr 1e-3 to 1
-        (5 points), no clipping: 35 runs for the 7 default fixes. Measured: 12.7 min for the full
-        grid on a 2-core CPU shared with other jobs (README "Stability benchmark").
+        (5 points), no clipping: 35 runs for the 7 default fixes. Measured: 6.7 min for the full
+        grid on a 2-core CPU with OMP_NUM_THREADS=1 (README "Stability benchmark").
   cpu   (default) gpt_mini (4 layers, width 128, context 128), batch 32, 1000 steps, lr 3e-4 to 3e-1.
   gpu   the scale of Wortsman et al. (2023)'s small models: pre-LN GPT, width 512 (8 heads of 64),
         depth 8, context 512, batch 256, 10k steps, warmup 5k for adamw_warmup, AdamW betas
