@@ -488,6 +488,8 @@ def validate(cfg: Any) -> None:
     _need(cfg.schedule.min_lr >= 0, f"schedule.min_lr={cfg.schedule.min_lr} must be >= 0")
     _need(0 <= o.momentum < 1, f"optim.momentum={o.momentum} must be in [0, 1)")
     _need(o.trust_coef > 0, f"optim.trust_coef={o.trust_coef} must be > 0 (LARS: 0.001)")
+    _need(_name(o) != "sgd" or not o.nesterov or o.momentum > 0,
+          "optim.nesterov=true needs momentum: set optim.momentum > 0 (e.g. 0.9), or optim.nesterov=false")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
     dv = cfg.divergence

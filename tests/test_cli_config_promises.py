@@ -282,6 +282,8 @@ def test_a_quoted_run_dir_is_checked_as_the_path_hydra_takes(tmp_path):
     (["model.mlp_hidden=0"], "model.mlp_hidden=0 must be >= 1, or null (model.mlp_ratio x model.embed_dim)"),
     (["schedule=step", "schedule.milestones=[5,-1]"],
      "schedule.milestones=[5.0, -1.0] must be >= 0 (in schedule.unit=steps from the run's start)"),
+    (["optim=sgd", "optim.momentum=0", "optim.nesterov=true"],  # torch's ValueError at the build before
+     "optim.nesterov=true needs momentum: set optim.momentum > 0 (e.g. 0.9), or optim.nesterov=false"),
 ])
 def test_each_bound_refuses_the_first_value_past_it(overrides, line):
     from stabletrain.config import validate
@@ -296,6 +298,8 @@ def test_each_bound_refuses_the_first_value_past_it(overrides, line):
     ["debug.nan_at_step=10"],  # the run's last step is a step the fault happens at
     ["optim.lr=0.001", "schedule.min_lr=0.001"],  # a cosine to the lr itself: constant
     ["model.mlp_hidden=1", "model.mlp_ratio=0.01", "schedule=step", "schedule.milestones=[0]"],
+    ["optim=sgd", "optim.momentum=0.01", "optim.nesterov=true"],
+    ["optim=lars", "optim.momentum=0", "optim.nesterov=true"],  # noted as unread: LARS takes no nesterov
 ])
 def test_each_bound_takes_its_edge(overrides):
     from stabletrain.config import validate
