@@ -615,9 +615,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
         from stabletrain.monitor.runner import MonitorRunner
 
         probe = next(data.val_batches(cfg.monitor.probe_batch_size, 1))
-        # Theorem 3.1 bounds plain softmax logits: not normalised q/k
-        plain = ATTENTIONS.get(cfg.attention.name) is ATTENTIONS.get("softmax")
-        monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast, with_bound=plain,
+        monitor = MonitorRunner(model, cfg.monitor, probe, device=device, autocast=autocast,
                                 active=info.is_main, sharding=_monitor_sharding() if sharded else None)
         notes += [gap] if (gap := monitor.coverage()) else []
         acts = [k for k in ("rollback_on_alert", "stop_on_alert") if cfg.monitor[k]]

@@ -74,7 +74,7 @@ def test_the_loop_settings_are_the_configs_values(tmp_path):
     x, y = tr.monitor.probe_batch
     vx, vy = next(data.val_batches(3, 1))
     assert torch.equal(x, vx) and torch.equal(y, vy)
-    assert tr.monitor.with_bound is False
+    assert tr.monitor.blocks and not any(blk.attn.entropy_bound_applies for _, blk in tr.monitor.blocks)
 
 
 def test_the_model_is_built_at_the_datas_classes_channels_and_image_size(tmp_path):

@@ -69,6 +69,22 @@ def test_monitor_runner_in_a_loop_of_ones_own():
     assert logged and logged[0][0] == 1 and "sigma1/blocks.0/wq" in logged[0][1]
 
 
+@pytest.mark.parametrize("attention,bounded", [("softmax", True), ("qknorm", False), ("stable", False)])
+def test_a_monitor_runner_of_ones_own_logs_the_entropy_bound_only_where_it_holds(attention, bounded):
+    """Theorem 3.1 bounds the entropy of raw q . k / sqrt(d_h) logits: a runner built as the docs show
+    (no with_bound argument) on a q/k-normalised model logged a "bound" above the measured entropy."""
+    from stabletrain.config import AttentionConfig
+
+    torch.manual_seed(0)
+    model = build_model(_vit(), Components(attention=AttentionConfig(name=attention)))
+    runner = MonitorRunner(model, MonitorConfig(weight_every=1, probe_every=1),
+                           (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,))), device="cpu")
+    got = runner.probe_metrics()
+    assert ("entropy/blocks.0/bound_min" in got) is bounded and "entropy/blocks.0/min" in got
+    if bounded:
+        assert got["entropy/blocks.0/bound_min"] <= got["entropy/blocks.0/min"]
+
+
 def test_the_readmes_own_loop_block_builds_the_options_values_and_iterates_sigma():
     """README's "The fixes on a model in your own loop": norm=stablenorm's alpha is 0.25 (the
     dataclass default, 0.5, is RMSNorm), and model.step_hook() moves sigmaReparam's estimate."""

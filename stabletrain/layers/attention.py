@@ -157,7 +157,6 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
 class Attention(nn.Module):
     """Multi-head self-attention with timm's parameter names (qkv, q_norm, k_norm, proj)."""
 
-    entropy_bound_applies = True  # plain q . k logits: the monitors may log Theorem 3.1's bound
 
     def __init__(self, dim: int, num_heads: int, *, attn_cfg, norm_cfg, seq_len: int,
                  qkv_bias: bool = True, proj_bias: bool = True, causal: bool = False,
@@ -172,6 +171,13 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         self.probe: Optional[dict] = None
+
+    @property
+    def entropy_bound_applies(self) -> bool:
+        """Whether the monitors may log Theorem 3.1's entropy bound, which holds for the logits
+        ``q . k / sqrt(d_h)`` of raw ``q, k``: not where q and k are normalised (qknorm, StableAtten)."""
+        return (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+                and math.isclose(self.scale, self.head_dim**-0.5))
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, **_) -> Tensor:
         b, t, c = x.shape
