@@ -285,6 +285,17 @@ class AdamW2(Optimizer):
             # one's own bookkeeping: tag, layer_decay, no_decay) are the group's, as torch.optim keeps them
             if (near := _misspelt(str(key), value, self.defaults)) is not None:
                 raise ValueError(f"AdamW2: param group {index}: unknown key {key!r}: did you mean {near!r}?")
+            # torch AdamW's switches: a group asking for what AdamW2 does not do would be ignored (a group
+            # copied from torch.optim.AdamW carries them off, which is what AdamW2 does)
+            if key in _NOT_TAKEN and value not in (None, False):
+                raise ValueError(f"AdamW2: param group {index}: {key}={value!r}: {_NOT_TAKEN[key]}")
+        for key in ("names", "param_names"):
+            names = param_group.get(key)
+            if names is not None and not isinstance(names, (list, tuple)):
+                if isinstance(names, str) or not isinstance(names, Iterable):
+                    raise ValueError(f"AdamW2: param group {index}: {key} must be a list of strings, one per "
+                                     f"param, not {type(names).__name__}")
+                param_group = {**param_group, key: list(names)}  # a generator, read once
         super().add_param_group(param_group)  # fills the group's missing keys from the defaults
         _check_hyperparameters(self.param_groups[-1], f"param group {index}: ")
         if param_group.get("names") or param_group.get("param_names"):  # telemetry keys: one per tensor
@@ -676,6 +687,16 @@ def _check_hyperparameters(group: dict, where: str) -> None:
         raise ValueError(f"AdamW2: {where}bound={group['bound']!r} must be True, False or None (by shape)")
 
 
+# torch.optim.AdamW's group switches that AdamW2 does not take, and why
+_NOT_TAKEN = {
+    "amsgrad": "AdamW2 keeps no max of the second moments (set it False or drop it)",
+    "maximize": "AdamW2 minimises: negate the loss instead",
+    "capturable": "AdamW2 takes no capturable mode",
+    "differentiable": "AdamW2's step is not differentiable",
+    "fused": "fused is the optimizer's, not a group's: AdamW2(..., fused=...)",
+}
+
+
 def _misspelt(key: str, value: Any, defaults: dict) -> str | None:
     """The hyperparameter ``key`` is a misspelling of: one or two letters off it (one for a short
     name), with a value of its kind; None for a key of the group's own."""
@@ -711,7 +732,7 @@ def _group_names(group: dict, index: int) -> list[str]:
     if names is None:
         return [f"group{index}.{i}" for i in range(len(group["params"]))]
     if len(names) != len(group["params"]):
-        raise ValueError(f"param group {index}: {len(names)} names for {len(group['params'])} params")
+        raise ValueError(f"AdamW2: param group {index}: {len(names)} names for {len(group['params'])} params")
     return list(names)
 
 

@@ -352,6 +352,31 @@ def test_a_misspelt_group_key_is_refused_and_other_keys_are_kept():
     assert {k: opt.param_groups[0][k] for k in own} == own and opt.param_groups[0]["tau"] == 0.004
 
 
+@pytest.mark.parametrize("key,value,says", [("maximize", True, "negate the loss"), ("amsgrad", True, "no max"),
+                                             ("fused", True, "AdamW2(..., fused=...)"),
+                                             ("differentiable", True, "not differentiable")])
+def test_a_group_asking_for_a_torch_adamw_switch_is_refused(key, value, says):
+    """{"maximize": True} in a group minimised, silently; a group copied from torch.optim.AdamW, with
+    those switches off, is taken."""
+    lin = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=rf"^AdamW2: param group 0: {key}=True: .*{re.escape(says)}"):
+        AdamW2([{"params": [lin.weight], key: value}])
+    copied = torch.optim.AdamW(lin.parameters(), lr=0.01).param_groups
+    assert AdamW2(copied).param_groups[0]["lr"] == 0.01
+
+
+def test_names_are_read_from_any_iterable_and_a_string_is_refused():
+    lin = nn.Linear(4, 4)
+    named = list(lin.named_parameters())
+    opt = AdamW2([{"params": [p for _, p in named], "names": (n for n, _ in named)}])
+    assert opt.param_groups[0]["names"] == ["weight", "bias"]
+    with pytest.raises(ValueError, match=r"^AdamW2: param group 0: names must be a list of strings, one per param, "
+                                         r"not str$"):
+        AdamW2([{"params": [lin.weight], "names": "weight"}])
+    with pytest.raises(ValueError, match=r"^AdamW2: param group 0: 1 names for 2 params$"):
+        AdamW2([{"params": [lin.weight, lin.bias], "names": ["weight"]}]).step()
+
+
 def test_a_name_given_twice_is_refused():
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     with pytest.raises(ValueError, match="param group 1: name 'w' is given twice"):
