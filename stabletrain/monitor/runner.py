@@ -54,8 +54,8 @@ class MonitorRunner:
     ``with_bound``: log the sigmaReparam paper's Theorem 3.1 entropy bound where it holds, which
     each block's attention says (``entropy_bound_applies``: logits
     ``x W_q^h^T W_k^h x^T / sqrt(d_h)`` of raw q, k; normalised q/k change the logits it bounds).
-    ``active`` is false on ranks > 0, where nothing is computed or logged; with ``sharding`` (an FSDP2-sharded model) those ranks still run each pass's gathers
-    and forward.
+    ``active`` is false on ranks > 0, where nothing is computed or logged; with ``sharding`` (an
+    FSDP2-sharded model) those ranks still run each pass's gathers and forward.
     Messages and records go to ``sink`` (``message(text)``, ``log(step, values)``), given with
     :meth:`attach` once the run's metrics sink is open.
     """
