@@ -23,7 +23,7 @@ def _vit(**kw) -> ModelConfig:
 def test_build_model_exposes_the_reparam_hook_it_documents():
     model = build_model(_vit(), Components(reparam=ReparamConfig(name="sigma")))
     assert isinstance(model.step_hook, PowerStep) and model.step_hook.model is model
-    assert build_model(_vit(), Components()).step_hook is None
+    assert build_model(_vit(), Components()).step_hook() is None  # a no-op: a loop calls it whatever the options
 
 
 def test_build_model_runs_the_family_check():
@@ -108,8 +108,18 @@ def test_the_readmes_own_loop_block_builds_the_options_values_and_iterates_sigma
         model.step_hook = lambda: calls.append(1) or real()
         return model
 
+    run = {**scope, "counted": counted}
     exec(code.replace("model = build_model(cfg.model, Components.of(cfg))",
-                      "model = counted(build_model(cfg.model, Components.of(cfg)))"), {**scope, "counted": counted})
+                      "model = counted(build_model(cfg.model, Components.of(cfg)))"), run)
     assert isinstance(real, PowerStep) and len(calls) == 3
     norms = [m for m in real.model.modules() if isinstance(m, StableNorm)]
     assert norms and all(m.alpha == 0.25 for m in norms)
+    # the data's classes, and train.py's groups: sigmaReparam's gamma neither decayed nor bounded
+    from stabletrain.layers.reparam import gamma_parameters
+
+    assert run["model"].head.out_features == 10
+    gammas = {id(p) for _, p in gamma_parameters(run["model"])}
+    of_gammas = [g for g in run["opt"].param_groups if any(id(p) in gammas for p in g["params"])]
+    assert of_gammas and all(g["weight_decay"] == 0 and g["bound"] is False for g in of_gammas)
+    # without a reparametrisation the same loop runs: step_hook is a no-op
+    exec(code.replace('"reparam=sigma"', '"reparam=none"'), dict(scope))

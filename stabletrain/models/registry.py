@@ -99,13 +99,17 @@ def build_model(model_cfg, components: Components | None = None) -> nn.Module:
     """The model ``model_cfg`` describes, built of ``components`` (defaults where None), then
     re-initialised per ``components.init`` and reparametrised per ``components.reparam``.
 
-    Returns the model; its reparametrisation's per-step hook, if any, is ``model.step_hook``
-    (None without one; see :func:`build_model_and_hook` for the pair). A loop of one's own must
-    call ``model.step_hook()`` after every optimizer step: sigmaReparam's ``sigma`` is otherwise
-    never iterated past its first estimate."""
+    Returns the model; its reparametrisation's per-step hook is ``model.step_hook`` (a no-op
+    without one; see :func:`build_model_and_hook` for the pair, None there). A loop of one's own
+    must call ``model.step_hook()`` after every optimizer step: sigmaReparam's ``sigma`` is
+    otherwise never iterated past its first estimate."""
     model, hook = build_model_and_hook(model_cfg, components)
-    model.step_hook = hook
+    model.step_hook = hook if hook is not None else _no_step_hook
     return model
+
+
+def _no_step_hook() -> None:
+    """No reparametrisation: nothing to iterate after a step (a loop may call it whatever the options)."""
 
 
 def build_model_and_hook(model_cfg, components: Components | None = None):
