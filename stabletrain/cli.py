@@ -341,6 +341,8 @@ def compose_config(overrides: list[str], with_hydra: bool = False):
 def checked_config(overrides: list[str]):
     """:func:`compose_config` for the scripts: a mistake in ``overrides`` (an unknown model, a
     misspelt key, a value out of range) ends the script in the line train.py would print."""
+    if isinstance(overrides, str):  # read one character at a time, it said "cannot parse 'm'"
+        _fail(f"checked_config takes a list of overrides: checked_config({overrides.split()!r})")
     check_overrides(list(overrides))
     return compose_config(overrides)
 

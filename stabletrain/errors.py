@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A value that cannot run; the message is one line naming the key and the fix."""
 
 
+class ReachedNothing(UserWarning):
+    """A fix found no layer of the model to act on (sigmaReparam and no linear layer, LocAteR and
+    no fused qkv attention): warned to a loop of one's own; train.py's start notes say it instead."""
+
+
 class StoppedAtOnce(KeyboardInterrupt):
     """A second Ctrl-C ended training mid-step, without a checkpoint; the message says at which
     step and which step last.pt holds (``saved_step``, None when there is none)."""

@@ -123,3 +123,52 @@ def test_the_readmes_own_loop_block_builds_the_options_values_and_iterates_sigma
     assert of_gammas and all(g["weight_decay"] == 0 and g["bound"] is False for g in of_gammas)
     # without a reparametrisation the same loop runs: step_hook is a no-op
     exec(code.replace('"reparam=sigma"', '"reparam=none"'), dict(scope))
+
+
+class _SeparateQK(nn.Module):
+    """An attention of one's own with separate q, k, v linears (no fused qkv)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.num_heads = 2
+
+
+def test_a_fix_that_finds_no_layer_of_ones_own_model_warns_instead_of_doing_nothing_silently():
+    """reparam=sigma_qk reparametrises a fused qkv's query/key rows and LocAteR penalises them: on a
+    model with separate q/k linears both did nothing, without a word, outside train.py (whose start
+    notes say it). Applying sigmaReparam a second time still changes nothing, quietly."""
+    import warnings
+
+    from torch.nn.utils import parametrize
+
+    from stabletrain.errors import ReachedNothing
+    from stabletrain.layers.locater import locater_penalty
+    from stabletrain.losses.locater import LocaterParams
+
+    model = _SeparateQK()
+    with pytest.warns(ReachedNothing, match=r"^apply_reparam: _SeparateQK has no fused qkv nn.Linear in a module with "
+                                            r"num_heads, .*: the model is unchanged$"):
+        apply_reparam(model, ReparamConfig(name="sigma", apply_to="qk"))
+    assert not any(parametrize.is_parametrized(m, "weight") for m in model.modules())
+    with pytest.warns(ReachedNothing, match=r"^LocAteR: _SeparateQK has no attention with a fused qkv .*adds 0$"):
+        assert float(locater_penalty(model, LocaterParams())) == 0.0
+    apply_reparam(model, ReparamConfig(name="sigma"))  # every linear: reached
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReachedNothing)
+        apply_reparam(model, ReparamConfig(name="sigma"))  # again: each is reparametrised already
+
+
+def test_checked_config_ends_a_mistake_in_one_line_and_names_a_string_for_a_list(capsys):
+    """The README's way to compose a config from a loop of one's own: an unknown option is train.py's line;
+    a string (read a character at a time) says to give a list."""
+    from stabletrain.cli import checked_config
+
+    assert checked_config(["model=vit_mini", "norm=stablenorm"]).norm.alpha == 0.25
+    for given, line in ((["model=nope"], "error: model=nope is not an option of 'model'"),
+                        ("model=vit_mini norm=stablenorm", "error: checked_config takes a list of overrides: "
+                                                           "checked_config(['model=vit_mini', 'norm=stablenorm'])")):
+        with pytest.raises(SystemExit):
+            checked_config(given)
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(line) and "\n" not in err, err

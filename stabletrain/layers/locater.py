@@ -21,8 +21,12 @@ the attention computes with). The monitor quantities ``tr(W_QK^2)`` and
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
+
+from stabletrain.errors import ReachedNothing
 
 
 
@@ -82,6 +86,8 @@ def locater_penalty(model: nn.Module, reg_cfg, whole_weights=None) -> Tensor:
              else whole_weights(attn.qkv, lambda qkv, h=attn.num_heads: penalty(qkv, h))
              for _, attn in attention_layers(model)]
     if not terms:
+        warnings.warn(f"LocAteR: {type(model).__name__} has no attention with a fused qkv nn.Linear and num_heads, "
+                      f"whose query/key weights it penalises: the term adds 0", ReachedNothing, stacklevel=2)
         return torch.zeros((), device=next(model.parameters()).device)
     return torch.stack(terms).sum()
 

@@ -39,13 +39,14 @@ Decisions (docs/methods.md §2):
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from stabletrain.errors import ConfigError
+from stabletrain.errors import ConfigError, ReachedNothing
 from stabletrain.registry import Registry, option_value
 from stabletrain.spectral import batched_sigma1, normalize_or, random_unit
 
@@ -185,6 +186,11 @@ def apply_reparam(model: nn.Module, cfg) -> nn.Module:
             targets.append((mod, QKV_LAYOUTS[(apply_to, split)]))
         elif apply_to == "all":
             targets.append((mod, (0,)))
+    if not targets and not any(parametrize.is_parametrized(m, "weight") for m in model.modules()):
+        warnings.warn(f"apply_reparam: {type(model).__name__} has " + (
+            "no nn.Linear or nn.Conv2d to reparametrise" if apply_to == "all" else
+            "no fused qkv nn.Linear in a module with num_heads, whose query/key rows reparam.apply_to=qk "
+            "reparametrises") + ": the model is unchanged", ReachedNothing, stacklevel=2)
     for mod, _ in targets:  # checked before any change, so a refusal leaves the model intact
         if mod.weight.device.type != "meta" and not mod.weight.detach().any():
             raise ConfigError(f"sigmaReparam of the all-zero weight of {mod}: sigma(W) = 0 leaves gamma / sigma "
