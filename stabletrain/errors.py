@@ -1,6 +1,7 @@
 """The one error a user's mistake raises: a config value, a data file or a checkpoint that
 cannot run. Its message is one line naming the problem and the fix; the command line prints
-it as ``error: ...`` and exits 2, with no traceback (:func:`fail`)."""
+it as ``error: ...`` and exits 2, with no traceback (:func:`fail`). Also the warning a loop of
+one's own gets where a fix finds nothing to act on (:class:`ReachedNothing`)."""
 
 from __future__ import annotations
 
