@@ -157,7 +157,6 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
 class Attention(nn.Module):
     """Multi-head self-attention with timm's parameter names (qkv, q_norm, k_norm, proj)."""
 
-
     def __init__(self, dim: int, num_heads: int, *, attn_cfg, norm_cfg, seq_len: int,
                  qkv_bias: bool = True, proj_bias: bool = True, causal: bool = False,
                  attn_fp32: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0):
