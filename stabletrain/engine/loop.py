@@ -663,8 +663,9 @@ class Trainer:
 
     def _install_signals(self):
         def handler(signum, _frame):
-            if signum == signal.SIGINT and self.stop_signal == signal.SIGINT:
-                raise KeyboardInterrupt  # the second Ctrl-C: a step that hangs can still be left
+            if signum == signal.SIGINT and self.stop_signal is not None:
+                # a second Ctrl-C, or one after a SIGTERM: a step (or an evaluation) that hangs can still be left
+                raise KeyboardInterrupt
             if signum == signal.SIGINT and self.stop_signal is None and self.info.is_main:
                 # a step may take minutes on a CPU: say at once that the Ctrl-C was heard
                 at = self.step if self.after_step else self.step + 1  # the step whose end is awaited
@@ -710,8 +711,10 @@ class Trainer:
             status, reason = self._train(resumed)
             return self._finish(status, reason, self.last_vals)
         except KeyboardInterrupt:
-            last = self.saved_step
-            reason = (f"a second Ctrl-C at step {self.step}, without a checkpoint"
+            last, first = self.saved_step, self.stop_signal
+            what = ("a second Ctrl-C" if first in (None, signal.SIGINT) else
+                    f"a Ctrl-C after {signal.Signals(first).name}")
+            reason = (f"{what} at step {self.step}, without a checkpoint"
                       + (f" (last.pt holds step {last})" if last is not None else ""))
             self._finish("interrupted", reason, {}, quiet=True)
             raise StoppedAtOnce(reason, last) from None

@@ -348,12 +348,15 @@ def test_a_timeout_in_a_single_process_is_not_called_a_collective_timeout(tmp_pa
         run_module.main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=1"), tmp_path)
 
 
-@pytest.mark.parametrize("at,reason,then", [
-    (3, "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)",
+@pytest.mark.parametrize("at,first,reason,then", [
+    (3, "SIGINT", "a second Ctrl-C at step 3, without a checkpoint (last.pt holds step 2)",
      "continue it with: the run's command plus resume=auto"),
-    (1, "a second Ctrl-C at step 1, without a checkpoint", "no checkpoint was written: run it again"),
+    (1, "SIGINT", "a second Ctrl-C at step 1, without a checkpoint", "no checkpoint was written: run it again"),
+    # a Ctrl-C after a scheduler's SIGTERM was ignored, even twice, until the step and checkpoint were done
+    (3, "SIGTERM", "a Ctrl-C after SIGTERM at step 3, without a checkpoint (last.pt holds step 2)",
+     "continue it with: the run's command plus resume=auto"),
 ])
-def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch, at, reason, then):
+def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypatch, at, first, reason, then):
     """The first Ctrl-C asks for a checkpoint at the end of the step; a second one, say while a
     step hangs, stops at once: summary.json and the last line say so and name last.pt's step,
     and suggest resuming only when there is a checkpoint to resume."""
@@ -371,7 +374,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_where(tmp_path, capsys, monkeypa
 
         def step(*a, **k):
             if t.step == at:
-                signal.raise_signal(signal.SIGINT)
+                signal.raise_signal(getattr(signal, first))
                 signal.raise_signal(signal.SIGINT)
             return orig(*a, **k)
 
