@@ -255,6 +255,18 @@ def requeue_after(signum: int, info: D.DistInfo) -> None:
         subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
 
 
+# what frees a run directory that could not be written into, by errno
+_FIX = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EACCES: "make it writable",
+        errno.EPERM: "make it writable", errno.EROFS: "move it to a writable disk"}
+
+
+def _go_on(run_dir, fix: str) -> str:
+    """How a run stopped by its run directory goes on: its resume command, or from the start."""
+    if last_checkpoint(Path(run_dir)) is None:
+        return f"{fix} and run it again (no checkpoint was written)"
+    return f"{fix}, then continue it with: {continue_with(run_dir, task_overrides())}"
+
+
 def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
     """``run`` with config mistakes reported as one line (no traceback) and exit code 2.
 
@@ -270,18 +282,19 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         fail(str(e))
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
-        fail(str(e), 1)
+        fail(f"{e}; {_go_on(run_dir, _FIX.get(e.errno, 'fix the disk'))}", 1)
         return None
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        ours = e.filename is not None and Path(str(e.filename)).resolve().is_relative_to(Path(run_dir).resolve())
+        if not (full or (ours and e.errno in _FIX)):
             raise
-        # metrics.jsonl is written at every log step, so a disk filled by another job meets it
-        # before a checkpoint: the same one line, and the command that goes on once there is room
-        then = (f"free space, then continue it with: {continue_with(run_dir, task_overrides())}"
-                if last_checkpoint(Path(run_dir)) is not None else "free space and run it again (no checkpoint "
-                "was written)")
-        what = "the disk is full" if e.errno == errno.ENOSPC else "the disk quota is used up"
-        fail(f"cannot write into {run_dir}: {what}{f' ({e.filename})' if e.filename else ''}; {then}", 1)
+        # metrics.jsonl is written at every log step, so a disk filled by another job (or a run dir
+        # made read-only) meets it before a checkpoint: one line, and the command that goes on after
+        what = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EROFS: "the file system is read-only"}.get(e.errno, "permission denied")
+        fail(f"cannot write into {run_dir}: {what}{f' ({e.filename})' if e.filename else ''}; "
+             f"{_go_on(run_dir, _FIX[e.errno])}", 1)
         return None
     except torch.OutOfMemoryError as e:  # the loop has written summary.json (status failed, the step)
         done = read_json(Path(run_dir) / "summary.json") or {}

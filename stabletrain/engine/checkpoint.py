@@ -48,6 +48,9 @@ def save_checkpoint(path: Path, payload: dict) -> None:
         tmp.unlink(missing_ok=True)
         kept = f"{path} still holds the previous checkpoint" if path.is_file() else "no checkpoint was kept"
         raise _write_error(e, path, kept) from None
+    except BaseException:  # a second Ctrl-C mid-write: no checkpoint-sized temp file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _write_error(e: OSError, path: Path, kept: str) -> CheckpointWriteError:

@@ -175,7 +175,8 @@ def test_a_full_disk_exits_with_one_line(tmp_path, monkeypatch, capsys):
         main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=1"), tmp_path)
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: cannot write last.pt: the disk is full") and "Traceback" not in "".join(err)
+    assert err[-1] == ("error: cannot write last.pt: the disk is full; no checkpoint was kept; free space and run it "
+                       "again (no checkpoint was written)") and "Traceback" not in "".join(err)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
@@ -223,10 +224,26 @@ def test_a_used_up_quota_is_one_line_naming_the_file(tmp_path, monkeypatch, caps
     assert last == (f"error: cannot write into {tmp_path}: the disk quota is used up ({where}); free space and run "
                     f"it again (no checkpoint was written)"), last
 
-    def denied(cfg, run_dir):
-        raise PermissionError(errno.EACCES, "Permission denied", where)
+    # a run directory made read-only mid-run: summary.json could not be written, which was a traceback
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints/last.pt").write_bytes(b"")
+    monkeypatch.setattr(R, "task_overrides", lambda: ["model=gpt_test"])
+    for err, what in ((errno.EACCES, "permission denied"), (errno.EROFS, "the file system is read-only")):
+        def denied(cfg, run_dir, err=err):
+            raise OSError(err, "refused", str(tmp_path / ".summary.json.tmp1"))
 
-    monkeypatch.setattr(R, "run", denied)
+        monkeypatch.setattr(R, "run", denied)
+        with pytest.raises(SystemExit) as e:
+            R.main_guarded(SimpleNamespace(), tmp_path)
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert e.value.code == 1 and last.startswith(
+            f"error: cannot write into {tmp_path}: {what} ({tmp_path}/.summary.json.tmp1); ") and \
+            ", then continue it with: " in last and "resume=auto" in last, last
+
+    def elsewhere(cfg, run_dir):  # not the run's own file: not said to be
+        raise PermissionError(errno.EACCES, "Permission denied", "/etc/shadow")
+
+    monkeypatch.setattr(R, "run", elsewhere)
     with pytest.raises(PermissionError):
         R.main_guarded(SimpleNamespace(), Path(tmp_path))
 
@@ -253,7 +270,8 @@ def test_a_full_disk_while_copying_into_the_ring_is_one_line(tmp_path, monkeypat
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: cannot write step_000001.pt: the disk is full; {tmp_path / 'checkpoints/last.pt'} "
-                       f"holds step 1"), err[-1]
+                       f"holds step 1; free space, then continue it with: the run's command plus resume=auto "
+                       f"hydra.run.dir={tmp_path}"), err[-1]
     monkeypatch.undo()
     assert torch.load(tmp_path / "checkpoints/last.pt", weights_only=True)["step"] == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last.pt"]  # no temp file left
@@ -452,3 +470,22 @@ def test_train_yaml_registers_the_sweep_report():
 
     hydra = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["hydra"]
     assert hydra["callbacks"]["sweep_report"]["_target_"] == "stabletrain.run.SweepReport"
+
+
+def test_a_second_ctrl_c_during_a_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    """The write is stopped at once; its checkpoint-sized temp file was left until the next start."""
+    from stabletrain.engine import checkpoint
+
+    path = tmp_path / "checkpoints/last.pt"
+    checkpoint.save_checkpoint(path, {"step": 1})
+
+    def interrupted(obj, f, *a, **k):
+        f.write(b"x" * 1000)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.torch, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(path, {"step": 2})
+    monkeypatch.undo()
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    assert torch.load(path, weights_only=True)["step"] == 1
