@@ -10,16 +10,28 @@ import contextlib
 import io
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 
-from stabletrain.cli import check_overrides, epochs_over_steps
-from stabletrain.config import register
-from stabletrain.engine.distributed import detect
-from stabletrain.engine.rundir import KeptHydraRecord
-from stabletrain.errors import fail
-from stabletrain.run import main_guarded
+def _interrupted_while_starting(kind, value, tb) -> None:
+    """A Ctrl-C in the seconds of imports and composition, before the run's own handlers: one line,
+    not the traceback of whichever import it landed in (the process still ends by SIGINT)."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("\nerror: interrupted while starting, before training; run it again", file=sys.stderr)
+        return
+    sys.__excepthook__(kind, value, tb)
+
+
+sys.excepthook = _interrupted_while_starting
+
+import hydra  # noqa: E402 - after the hook: importing torch takes seconds
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+
+from stabletrain.cli import check_overrides, epochs_over_steps  # noqa: E402
+from stabletrain.config import register  # noqa: E402
+from stabletrain.engine.distributed import detect  # noqa: E402
+from stabletrain.engine.rundir import KeptHydraRecord  # noqa: E402
+from stabletrain.errors import fail  # noqa: E402
+from stabletrain.run import main_guarded  # noqa: E402
 
 register()
 
