@@ -49,6 +49,8 @@ def run(cfg, run_dir: str | Path) -> dict:
             lock = RunDirLock(run_dir).acquire()
             for tmp in remove_stale_temps(run_dir / "checkpoints"):
                 print(f"removed {tmp.name}, left by a checkpoint write that was interrupted", file=sys.stderr)
+        # a preemption warning before the loop answers signals (the build, a resume's load, the
+        # sink's start) is held for the loop, which checkpoints after its first step and requeues
         with HeldPreemptionWarnings() as held:
             try:
                 trainer = build_trainer(cfg, run_dir, info)
@@ -58,21 +60,21 @@ def run(cfg, run_dir: str | Path) -> dict:
                 elif lock is not None and sweep_dir() is None:  # a refused sweep point keeps its summary.json
                     lock.release_and_remove_unused()
                 raise
-        trainer.stop_signal = held.signum  # the loop checkpoints after its first step and requeues
+            trainer.held_signal = held.taken
 
-        def write_config() -> None:
-            config = run_dir / "config.yaml"
-            # Written once the model is built, so it records what the data set (class count,
-            # channels), and once a resume has succeeded, so a refused one leaves the file of the
-            # run it refused. A requeued attempt keeps the first attempt's file: the loop refuses
-            # to resume a checkpoint of another config, and that file must still say which it was.
-            requeued = cfg.resume is None and D.may_be_requeued() and last_checkpoint(run_dir) is not None
-            if not (requeued and config.is_file()):
-                config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+            def write_config() -> None:
+                config = run_dir / "config.yaml"
+                # Written once the model is built, so it records what the data set (class count,
+                # channels), and once a resume has succeeded, so a refused one leaves the file of the
+                # run it refused. A requeued attempt keeps the first attempt's file: the loop refuses
+                # to resume a checkpoint of another config, and that file must still say which it was.
+                requeued = cfg.resume is None and D.may_be_requeued() and last_checkpoint(run_dir) is not None
+                if not (requeued and config.is_file()):
+                    config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-        if info.is_main:
-            trainer.on_start.append(write_config)
-        summary = trainer.fit()
+            if info.is_main:
+                trainer.on_start.append(write_config)
+            summary = trainer.fit()
     finally:
         if lock is not None:
             lock.release()
@@ -85,10 +87,11 @@ def run(cfg, run_dir: str | Path) -> dict:
 
 
 class HeldPreemptionWarnings:
-    """A preemption warning (SIGUSR1/SIGUSR2) that arrives while the run is being built, before
-    the loop answers signals, is held for the loop instead of ending the process (their default
-    action) and losing the requeue. The handlers in place before (submitit's) are put back
-    on leaving, so that :func:`requeue_after` finds them."""
+    """A preemption warning (SIGUSR1/SIGUSR2) that arrives while the run is being built or its
+    loop starts (a resume's load, the sink), before the loop answers signals, is held for the
+    loop instead of ending the process (their default action) and losing the requeue. The
+    handlers in place before (submitit's) are put back on leaving, so that
+    :func:`requeue_after` finds them."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -96,6 +99,10 @@ class HeldPreemptionWarnings:
 
     def _hold(self, signum, _frame) -> None:
         self.signum = signum
+
+    def taken(self) -> int | None:
+        """The warning held so far (the loop asks when it starts answering signals)."""
+        return self.signum
 
     def __enter__(self) -> HeldPreemptionWarnings:
         for name in ("SIGUSR1", "SIGUSR2"):

@@ -23,6 +23,7 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -168,6 +169,8 @@ class Trainer:
                                  equivalent=settings.equivalent, overrides=settings.overrides)
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.stop_signal: int | None = None
+        # a signal held for the loop until it answers signals (run.py's preemption warning during the start)
+        self.held_signal: Callable[[], int | None] = lambda: None
         self.after_step = False  # between a step's update and the next step: its evaluation, log, checkpoint
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
@@ -662,6 +665,10 @@ class Trainer:
     # --- the run --------------------------------------------------------------------
 
     def _install_signals(self):
+        held = self.held_signal()
+        if held is not None and D.signal_rank(held) >= D.signal_rank(self.stop_signal):
+            self.stop_signal = held
+
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.stop_signal is not None:
                 # a second Ctrl-C, or one after a SIGTERM: a step (or an evaluation) that hangs can still be left

@@ -178,6 +178,37 @@ def test_a_preemption_warning_while_the_run_is_built_still_requeues(tmp_path, mo
     assert torch.load(tmp_path / "run/checkpoints/last.pt", weights_only=True)["step"] == 1
 
 
+def test_a_preemption_warning_while_a_resume_loads_still_requeues(tmp_path, monkeypatch):
+    """Between the build and the loop's own handlers (a checkpoint read from slow storage, wandb's
+    start) SIGUSR1 ended the process, without a requeue and with the earlier attempt's summary.json."""
+    log = tmp_path / "scontrol.log"
+    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
+    monkeypatch.setenv("SLURM_JOB_ID", "79")
+    args = [*GPT, "steps=8", "batch_size=8", "ckpt_every=2"]
+    step = Trainer.train_step
+    calls = []
+
+    def warned_at_step_3(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", warned_at_step_3)
+    assert train(tmp_path / "run", *args)["step"] == 3
+    monkeypatch.setattr(Trainer, "train_step", step)
+    real_resume = Trainer.maybe_resume
+
+    def slow_load(self):
+        os.kill(os.getpid(), signal.SIGUSR1)  # the next warning, while the requeued attempt loads last.pt
+        return real_resume(self)
+
+    monkeypatch.setattr(Trainer, "maybe_resume", slow_load)
+    s = train(tmp_path / "run", *args)
+    assert s["status"] == "interrupted" and "SIGUSR1" in s["reason"] and s["step"] == 4
+    assert log.read_text().split() == ["requeue", "79", "requeue", "79"]
+
+
 def test_srun_environment_gives_ranks_and_rendezvous(monkeypatch):
     for k in list(os.environ):
         if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
