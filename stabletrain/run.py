@@ -324,8 +324,10 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
                 else "no checkpoint was written: run it again to start over")
         fail(f"interrupted: {e}; {then}", 128 + signal.SIGINT)
         return None
-    except KeyboardInterrupt:  # Ctrl-C while building, before the loop's handler is installed
-        fail("interrupted before training started; nothing was written but the config", 128 + signal.SIGINT)
+    except KeyboardInterrupt:  # Ctrl-C while building or loading a resume, before the loop's handler
+        then = (f"continue it with: {continue_with(run_dir, task_overrides())}"
+                if last_checkpoint(Path(run_dir)) is not None else "run it again")
+        fail(f"interrupted before training started (nothing trained); {then}", 128 + signal.SIGINT)
         return None
     if not sweep and summary.get("status") in ("completed", "diverged") and D.detect().is_main:
         figures = figures_command(run_dir)

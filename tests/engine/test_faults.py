@@ -518,7 +518,32 @@ def test_a_ctrl_c_while_train_py_starts_is_one_line(tmp_path):
         # (on a fast machine the last delay may land in the build, which says so in its own line)
         assert "Traceback" not in err and err.strip() in (
             "error: interrupted while starting, before training; run it again",
-            "error: interrupted before training started; nothing was written but the config"), err[-2000:]
+            "error: interrupted before training started (nothing trained); run it again"), err[-2000:]
         assert p.returncode in (-signal.SIGINT, 128 + signal.SIGINT)  # by the signal, as a shell expects of a Ctrl-C
         told += 1
     assert told
+
+
+def test_a_ctrl_c_while_a_resume_loads_names_the_command_that_continues(tmp_path, monkeypatch, capsys):
+    """Before the loop answers signals a Ctrl-C ends the start; where the run has a checkpoint the line
+    said "nothing was written but the config", not how to go on."""
+    import signal
+
+    from stabletrain import run as run_module
+    from stabletrain.engine.loop import Trainer
+    from tests.helpers import make_cfg
+
+    args = [*QUIET, *GPT_LOGGED, "steps=4", "ckpt_every=2"]
+    run_module.main_guarded(make_cfg(*args, "steps=2"), tmp_path)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "maybe_resume", interrupted)
+    monkeypatch.setattr(run_module, "task_overrides", lambda: ["steps=4"])
+    with pytest.raises(SystemExit) as e:
+        run_module.main_guarded(make_cfg(*args, "resume=auto"), tmp_path)
+    assert e.value.code == 128 + signal.SIGINT
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: interrupted before training started (nothing trained); continue it with: ") and \
+        last.endswith(f"train.py steps=4 resume=auto hydra.run.dir={tmp_path}"), last
