@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
-from stabletrain.engine.checkpoint import CheckpointWriteError, last_checkpoint, remove_stale_temps
+from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
                                       figures_command, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
@@ -287,6 +287,9 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
             refuse_point(Path(run_dir), str(e))
             return None
         fail(str(e))
+        return None
+    except RunDirGone as e:
+        fail(str(e), 1)
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
         fail(f"{e}; {_go_on(run_dir, _FIX.get(e.errno, 'fix the disk'))}", 1)

@@ -34,6 +34,19 @@ class CheckpointWriteError(OSError):
         return str(self.strerror)
 
 
+class RunDirGone(RuntimeError):
+    """The run directory was deleted or moved while the run trained (or another took its place):
+    the run stops without writing, so that no other run's directory is written into."""
+
+
+def _identity(d: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(d)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def save_checkpoint(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -283,6 +296,7 @@ class Checkpointer:
         self.equivalent = equivalent or {}
         # stored in each checkpoint: an optimizer's state does not carry over to another optimizer
         self.optim_name = optim_name_of(config_yaml) or type(optimizer).__name__
+        self._identity = _identity(self.run_dir) if info.is_main else None
 
     def changed_keys(self, saved_yaml: str, allowed=RESUME_MAY_CHANGE) -> list[str]:
         """The keys a checkpoint's config sets otherwise than this run's, but those ``allowed`` to change."""
@@ -353,6 +367,11 @@ class Checkpointer:
         """Write last.pt (and with ``ring`` add it to the ring), unless a weight or optimizer
         tensor is not finite (a finite loss does not prove them finite): a finite last.pt is never
         replaced by a non-finite one. Returns whether it was written, the same on every rank."""
+        gone = self.info.is_main and self._identity is not None and _identity(self.run_dir) != self._identity
+        if D.broadcast_object(gone, self.info):  # its records went with it; a new one there is another run's
+            raise RunDirGone(f"the run directory {self.run_dir} was deleted or moved while the run trained (or "
+                             f"another took its place): stopped at step {step} without writing into it; a run "
+                             f"moved elsewhere continues there with resume=auto hydra.run.dir=ITS_NEW_PLACE")
         ok = self._save_sharded(step, survival) if self.sharded else self._save_whole(step, survival)
         if ok and ring and self.info.is_main and self.keep > 0:
             save_to_ring(self.run_dir, step, self.keep, sharded=self.sharded)

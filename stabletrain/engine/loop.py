@@ -34,7 +34,7 @@ from torch import nn
 
 from stabletrain.engine import distributed as D
 from stabletrain.engine import resume as R
-from stabletrain.engine.checkpoint import Checkpointer, load_checkpoint, records_of, ring_checkpoints
+from stabletrain.engine.checkpoint import Checkpointer, RunDirGone, load_checkpoint, records_of, ring_checkpoints
 from stabletrain.engine.divergence import DivergenceWatch, record_spikes
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.progress import Pace, end_line, interval_fields
@@ -726,6 +726,8 @@ class Trainer:
             self._finish("interrupted", reason, {}, quiet=True)
             raise StoppedAtOnce(reason, last) from None
         except Exception as e:
+            if isinstance(e, RunDirGone):  # nowhere to say it but the last line
+                raise
             # a crash (out of memory, a bug, a rank that stopped answering) still leaves a
             # summary.json saying where and why
             self._finish("failed", f"{type(e).__name__}: {first_line(e)}", {}, quiet=True)

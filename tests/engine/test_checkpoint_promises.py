@@ -26,8 +26,8 @@ def _ring(run_dir):
 
 
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one_whole(tmp_path, monkeypatch):
-    """A kill in the middle of torch.save leaves last.pt as it was (only the temp file is torn),
-    and the next run's start removes the torn temp file."""
+    """A second Ctrl-C in the middle of torch.save leaves last.pt as it was and removes its temp
+    file; a kill leaves the torn temp file, which the next run's start removes."""
     from stabletrain.engine import checkpoint as C
 
     path = tmp_path / "checkpoints" / "last.pt"
@@ -45,7 +45,9 @@ def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one_whole(tmp_pat
         C.save_checkpoint(path, {"step": 2, "w": torch.zeros(64)})
     monkeypatch.undo()
     assert path.read_bytes() == before and _load(path)["step"] == 1
-    assert [p.name for p in C.remove_stale_temps(path.parent)] != []
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    (path.parent / ".last.pt.tmp999").write_bytes(b"torn")  # what a kill -9 mid-write leaves
+    assert [p.name for p in C.remove_stale_temps(path.parent)] == [".last.pt.tmp999"]
     assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
 
 

@@ -472,25 +472,6 @@ def test_train_yaml_registers_the_sweep_report():
     assert hydra["callbacks"]["sweep_report"]["_target_"] == "stabletrain.run.SweepReport"
 
 
-def test_a_second_ctrl_c_during_a_checkpoint_write_leaves_no_temp_file(tmp_path, monkeypatch):
-    """The write is stopped at once; its checkpoint-sized temp file was left until the next start."""
-    from stabletrain.engine import checkpoint
-
-    path = tmp_path / "checkpoints/last.pt"
-    checkpoint.save_checkpoint(path, {"step": 1})
-
-    def interrupted(obj, f, *a, **k):
-        f.write(b"x" * 1000)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(checkpoint.torch, "save", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_checkpoint(path, {"step": 2})
-    monkeypatch.undo()
-    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
-    assert torch.load(path, weights_only=True)["step"] == 1
-
-
 def test_a_ctrl_c_while_train_py_starts_is_one_line(tmp_path):
     """Imports and composition take seconds before the run's own handlers: a Ctrl-C there printed
     the traceback of whichever import it landed in. (A library that swallows KeyboardInterrupt in
@@ -547,3 +528,39 @@ def test_a_ctrl_c_while_a_resume_loads_names_the_command_that_continues(tmp_path
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("error: interrupted before training started (nothing trained); continue it with: ") and \
         last.endswith(f"train.py steps=4 resume=auto hydra.run.dir={tmp_path}"), last
+
+
+@pytest.mark.parametrize("how", ["moved", "replaced"])
+def test_a_run_directory_moved_or_replaced_mid_run_stops_the_run_without_writing(tmp_path, monkeypatch, capsys, how):
+    """A run whose directory was deleted trained on into its unlinked metrics.jsonl and wrote its
+    checkpoints into a directory it made again, where a second run could have started (with the lock
+    gone): the two runs' files mixed. It now stops at its next checkpoint and says so."""
+    import shutil
+
+    from stabletrain import run as run_module
+    from stabletrain.engine.loop import Trainer
+    from tests.helpers import make_cfg
+
+    run_dir, moved = tmp_path / "run", tmp_path / "moved"
+    step = Trainer.train_step
+
+    def move_at_step_3(self, *a, **k):
+        if self.step == 3:
+            shutil.move(run_dir, moved)
+            if how == "replaced":
+                (run_dir / "checkpoints").mkdir(parents=True)  # another run in its place
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", move_at_step_3)
+    with pytest.raises(SystemExit) as e:
+        run_module.main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=6", "ckpt_every=2"), run_dir)
+    assert e.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"error: the run directory {run_dir} was deleted or moved while the run trained (or another took "
+                    f"its place): stopped at step 4 without writing into it; a run moved elsewhere continues there "
+                    f"with resume=auto hydra.run.dir=ITS_NEW_PLACE"), last
+    assert sorted(p.name for p in run_dir.rglob("*")) == (["checkpoints"] if how == "replaced" else [])
+    assert torch.load(moved / "checkpoints/last.pt", weights_only=True)["step"] == 2
+    monkeypatch.undo()
+    done = run_module.main_guarded(make_cfg(*QUIET, *GPT_LOGGED, "steps=6", "ckpt_every=2", "resume=auto"), moved)
+    assert done["status"] == "completed" and done["step"] == 6  # as the line says
