@@ -116,23 +116,27 @@ def test_preempted_slurm_job_checkpoints_requeues_and_resumes_identically(sweep,
         assert got[s] == pytest.approx(want[s], rel=1e-6, abs=1e-7), s
 
 
-def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path, monkeypatch):
-    """A job script of one's own (``#SBATCH --signal=USR1@90``, ``srun python train.py ...``)."""
-
+def _preempted_at(monkeypatch, tmp_path, job: str, at: int):
+    """SLURM's stand-ins, and SIGUSR1 during the ``at``-th training step: (scontrol's log, the real step)."""
     log = tmp_path / "scontrol.log"
     monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    args = [*GPT, "steps=8", "batch_size=8"]
-    step = Trainer.train_step
-    calls = []
+    monkeypatch.setenv("SLURM_JOB_ID", job)
+    step, calls = Trainer.train_step, []
 
-    def warned_at_step_5(self, *a, **k):
+    def warned(self, *a, **k):
         calls.append(1)
-        if len(calls) == 5:
+        if len(calls) == at:
             os.kill(os.getpid(), signal.SIGUSR1)
         return step(self, *a, **k)
 
-    monkeypatch.setattr(Trainer, "train_step", warned_at_step_5)
+    monkeypatch.setattr(Trainer, "train_step", warned)
+    return log, step
+
+
+def test_plain_sbatch_preemption_warning_requeues_and_the_rerun_resumes(tmp_path, monkeypatch):
+    """A job script of one's own (``#SBATCH --signal=USR1@90``, ``srun python train.py ...``)."""
+    args = [*GPT, "steps=8", "batch_size=8"]
+    log, step = _preempted_at(monkeypatch, tmp_path, "77", 5)
     s = train(tmp_path / "run", *args)
     assert s["status"] == "interrupted" and "SIGUSR1" in s["reason"] and s["step"] == 5
     assert log.read_text().split() == ["requeue", "77"]
@@ -181,20 +185,8 @@ def test_a_preemption_warning_while_the_run_is_built_still_requeues(tmp_path, mo
 def test_a_preemption_warning_while_a_resume_loads_still_requeues(tmp_path, monkeypatch):
     """Between the build and the loop's own handlers (a checkpoint read from slow storage, wandb's
     start) SIGUSR1 ended the process, without a requeue and with the earlier attempt's summary.json."""
-    log = tmp_path / "scontrol.log"
-    monkeypatch.setenv("PATH", fake_slurm_tools(tmp_path / "bin", log)["PATH"])
-    monkeypatch.setenv("SLURM_JOB_ID", "79")
     args = [*GPT, "steps=8", "batch_size=8", "ckpt_every=2"]
-    step = Trainer.train_step
-    calls = []
-
-    def warned_at_step_3(self, *a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGUSR1)
-        return step(self, *a, **k)
-
-    monkeypatch.setattr(Trainer, "train_step", warned_at_step_3)
+    log, step = _preempted_at(monkeypatch, tmp_path, "79", 3)
     assert train(tmp_path / "run", *args)["step"] == 3
     monkeypatch.setattr(Trainer, "train_step", step)
     real_resume = Trainer.maybe_resume
