@@ -11,16 +11,20 @@ import io
 import sys
 
 
+_STARTED = []  # main() has begun: from there the run's own lines say what a Ctrl-C stopped
+
+
 def _interrupted_while_starting(kind, value, tb) -> None:
-    """A Ctrl-C in the seconds of imports and composition, before the run's own handlers: one line,
-    not the traceback of whichever import it landed in (the process still ends by SIGINT)."""
-    if issubclass(kind, KeyboardInterrupt):
+    """A Ctrl-C in the seconds of imports and composition of a single run, before the run's own
+    handlers: one line, not the traceback of whichever import it landed in (the process still ends
+    by SIGINT). A sweep's (-m) is not said to be at the start: its points may be running."""
+    if issubclass(kind, KeyboardInterrupt) and not _STARTED and not {"-m", "--multirun"} & set(sys.argv):
         print("\nerror: interrupted while starting, before training; run it again", file=sys.stderr)
         return
-    sys.__excepthook__(kind, value, tb)
+    _previous_hook(kind, value, tb)
 
 
-sys.excepthook = _interrupted_while_starting
+_previous_hook, sys.excepthook = sys.excepthook, _interrupted_while_starting
 
 import hydra  # noqa: E402 - after the hook: importing torch takes seconds
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -38,6 +42,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg) -> None:
+    _STARTED.append(True)
     hc = HydraConfig.get()
     main_guarded(cfg, hc.runtime.output_dir, sweep=hc.mode == RunMode.MULTIRUN)
 

@@ -27,7 +27,6 @@ import difflib
 import functools
 import inspect
 import math
-import warnings
 from collections.abc import Collection, Container
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from stabletrain.engine.divergence import DivergenceWatch
 from stabletrain.engine.loop import EVAL_BATCH_CAP, LoopSettings, Trainer, autocast_for
 from stabletrain.engine.memory import check_host_memory
 from stabletrain.engine.rundir import task_overrides
-from stabletrain.errors import ConfigError, ReachedNothing
+from stabletrain.errors import ConfigError
 from stabletrain.layers.attention import ATTENTIONS
 from stabletrain.layers.deescalate import DEESCALATIONS, Deescalate
 from stabletrain.layers.init import INITS
@@ -530,7 +529,6 @@ def load_initial_weights(cfg, model: torch.nn.Module, run_dir: Path) -> str:
 def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:
     """The trainer of ``cfg`` with everything built, on this process's device."""
     info = info or D.DistInfo()
-    warnings.filterwarnings("ignore", category=ReachedNothing)  # the start notes say it (_unreached_weights)
     import_modules(cfg.imports)
     run_dir = Path(run_dir)
     if info.is_main:

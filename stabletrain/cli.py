@@ -451,8 +451,8 @@ def check_overrides(argv: list[str]) -> None:
     try:
         check_keys(overrides)
         check_option_names(overrides)
-        for ov in dict.fromkeys(ov for p in points for ov in p):
-            check_values([ov])
+        for p in points:  # with the point's hydra.searchpath: a group of one's own is a group
+            check_values(p)
     except ConfigError as e:
         _fail(str(e))
     swept = [i for i in range(len(points[0])) if len({p[i] for p in points}) > 1]
@@ -726,7 +726,7 @@ def check_values(overrides: list[str]) -> None:
     (``optim.nesterov=2`` read as true), and several options of one group (``optim=[adamw,sgd]``:
     Hydra merges both yaml files into one optim, the later's keys replacing the earlier's, so SGD
     trained with AdamW's leftovers; ``experiment=[a,b]`` one recipe over another). Only loss terms
-    add up (``regularizer=[zloss,locater]``), each once. ``overrides``: one point's (no sweeps)."""
+    add up (``regularizer=[zloss,locater]``), each once. ``overrides``: one point's (its sweeps' values given)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from stabletrain.config import is_bool_key

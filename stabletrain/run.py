@@ -8,17 +8,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from stabletrain.errors import ConfigError, StoppedAtOnce, fail, first_line
+from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
-                                      figures_command, sweep_dir, task_overrides)
+from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, command, continue_with,
+                                      figures_command, launcher_of_this_job, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -31,6 +32,7 @@ def run(cfg, run_dir: str | Path) -> dict:
     from stabletrain.build import Everything, build_trainer, validate
 
     validate(cfg, swept=Everything() if sweep_dir() is not None else ())  # a sweep was checked before launch
+    warnings.filterwarnings("ignore", category=ReachedNothing)  # train.py's start notes say it (build.py)
     info = D.detect()
     lock = trainer = None
     try:
@@ -262,16 +264,25 @@ def requeue_after(signum: int, info: D.DistInfo) -> None:
         subprocess.run(["scontrol", "requeue", job], check=False, timeout=60)
 
 
-# what frees a run directory that could not be written into, by errno
+# what frees a run directory that could not be written into, by errno (None: it must move)
 _FIX = {errno.ENOSPC: "free space", errno.EDQUOT: "free space", errno.EACCES: "make it writable",
-        errno.EPERM: "make it writable", errno.EROFS: "move it to a writable disk"}
+        errno.EPERM: "make it writable", errno.EROFS: None}
 
 
-def _go_on(run_dir, fix: str) -> str:
+def _go_on(run_dir, fix: str | None) -> str:
     """How a run stopped by its run directory goes on: its resume command, or from the start."""
+    if fix is None:
+        return f"copy it to a writable disk, then continue it there with: {continue_elsewhere()}"
     if last_checkpoint(Path(run_dir)) is None:
         return f"{fix} and run it again (no checkpoint was written)"
     return f"{fix}, then continue it with: {continue_with(run_dir, task_overrides())}"
+
+
+def continue_elsewhere() -> str:
+    """The command that continues this run (or its sweep) from a copy at NEW_PLACE."""
+    if sweep_dir() is not None:
+        return "the sweep's command plus resume=auto hydra.sweep.dir=NEW_PLACE"
+    return command(task_overrides(), "hydra.run.dir", "NEW_PLACE", launcher=launcher_of_this_job())
 
 
 def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
@@ -289,7 +300,7 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         fail(str(e))
         return None
     except RunDirGone as e:
-        fail(str(e), 1)
+        fail(f"{e}; where it was moved, continue it with: {continue_elsewhere()}", 1)
         return None
     except CheckpointWriteError as e:  # a full disk: one line, the previous checkpoint is kept
         fail(f"{e}; {_go_on(run_dir, _FIX.get(e.errno, 'fix the disk'))}", 1)
@@ -328,8 +339,10 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         fail(f"interrupted: {e}; {then}", 128 + signal.SIGINT)
         return None
     except KeyboardInterrupt:  # Ctrl-C while building or loading a resume, before the loop's handler
+        # (a fresh run in a directory of an earlier one has not set that one aside yet: its last.pt is not ours)
+        resumes = cfg.resume is not None or D.may_be_requeued()
         then = (f"continue it with: {continue_with(run_dir, task_overrides())}"
-                if last_checkpoint(Path(run_dir)) is not None else "run it again")
+                if resumes and last_checkpoint(Path(run_dir)) is not None else "run it again")
         fail(f"interrupted before training started (nothing trained); {then}", 128 + signal.SIGINT)
         return None
     if not sweep and summary.get("status") in ("completed", "diverged") and D.detect().is_main:

@@ -189,6 +189,41 @@ def test_a_swin_stage_without_blocks_is_refused():
         validate(make_cfg("model=swin_test", "model.depths=[1,0]"))
 
 
+def test_a_list_of_options_of_ones_own_group_is_refused_too(tmp_path, capsys):
+    """check_values sees a point's hydra.searchpath: a group only there is a group."""
+    from stabletrain.cli import check_overrides
+
+    for option in ("a", "b"):
+        (tmp_path / "mine").mkdir(exist_ok=True)
+        (tmp_path / "mine" / f"{option}.yaml").write_text("# @package _global_\nseed: 1\n")
+    with pytest.raises(SystemExit):
+        check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "+mine=[a,b]"])
+    assert capsys.readouterr().err.startswith("error: +mine=[a,b]: mine takes one option; a list merges the mine "
+                                              "options into one")
+
+
+def test_a_ctrl_c_is_said_to_be_at_the_start_only_before_a_single_run_starts(monkeypatch, capsys):
+    """train.py's hook: after main() began, or in a sweep (whose points may be running on a cluster while
+    the login node waits), the run's own lines say what a Ctrl-C stopped; "run it again" would be wrong."""
+    import sys
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # importing train.py installs its hook: undone after
+    import train
+
+    seen = []
+    monkeypatch.setattr(train, "_previous_hook", lambda *a: seen.append(a[0]))
+    monkeypatch.setattr(sys, "argv", ["train.py", "model=gpt_test"])
+    train._interrupted_while_starting(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert capsys.readouterr().err.strip() == "error: interrupted while starting, before training; run it again"
+    train._interrupted_while_starting(ValueError, ValueError(), None)  # not a Ctrl-C: the usual traceback
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "optim.lr=1,2"])
+    train._interrupted_while_starting(KeyboardInterrupt, KeyboardInterrupt(), None)
+    monkeypatch.setattr(sys, "argv", ["train.py", "model=gpt_test"])
+    monkeypatch.setattr(train, "_STARTED", [True])
+    train._interrupted_while_starting(KeyboardInterrupt, KeyboardInterrupt(), None)
+    assert seen == [ValueError, KeyboardInterrupt, KeyboardInterrupt] and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("args,line", [
     ("experiment=null", "experiment=null: a group takes one of its options (adamw2_gpt2_s, "),
     ("model=null", "model=null: a group takes one of its options ("),

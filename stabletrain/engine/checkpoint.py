@@ -370,8 +370,7 @@ class Checkpointer:
         gone = self.info.is_main and self._identity is not None and _identity(self.run_dir) != self._identity
         if D.broadcast_object(gone, self.info):  # its records went with it; a new one there is another run's
             raise RunDirGone(f"the run directory {self.run_dir} was deleted or moved while the run trained (or "
-                             f"another took its place): stopped at step {step} without writing into it; a run "
-                             f"moved elsewhere continues there with resume=auto hydra.run.dir=ITS_NEW_PLACE")
+                             f"another took its place): stopped at step {step} without writing into it")
         ok = self._save_sharded(step, survival) if self.sharded else self._save_whole(step, survival)
         if ok and ring and self.info.is_main and self.keep > 0:
             save_to_ring(self.run_dir, step, self.keep, sharded=self.sharded)

@@ -665,10 +665,6 @@ class Trainer:
     # --- the run --------------------------------------------------------------------
 
     def _install_signals(self):
-        held = self.held_signal()
-        if held is not None and D.signal_rank(held) >= D.signal_rank(self.stop_signal):
-            self.stop_signal = held
-
         def handler(signum, _frame):
             if signum == signal.SIGINT and self.stop_signal is not None:
                 # a second Ctrl-C, or one after a SIGTERM: a step (or an evaluation) that hangs can still be left
@@ -692,6 +688,9 @@ class Trainer:
                     old[s] = signal.signal(s, handler)
                 except ValueError:  # not the main thread
                     pass
+        held = self.held_signal()  # read once this loop's handlers answer: none falls between the two
+        if held is not None and D.signal_rank(held) >= D.signal_rank(self.stop_signal):
+            self.stop_signal = held
         return old
 
     def fit(self) -> dict:
