@@ -726,7 +726,8 @@ def check_values(overrides: list[str]) -> None:
     (``optim.nesterov=2`` read as true), and several options of one group (``optim=[adamw,sgd]``:
     Hydra merges both yaml files into one optim, the later's keys replacing the earlier's, so SGD
     trained with AdamW's leftovers; ``experiment=[a,b]`` one recipe over another). Only loss terms
-    add up (``regularizer=[zloss,locater]``), each once. ``overrides``: one point's (its sweeps' values given)."""
+    add up (``regularizer=[zloss,locater]``), each once. ``overrides``: one point of a sweep, with its
+    hydra.searchpath (a group of one's own is a group there)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from stabletrain.config import is_bool_key
