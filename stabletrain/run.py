@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, command, continue_with,
-                                      figures_command, launcher_of_this_job, sweep_dir, task_overrides)
+from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
+                                      figures_command, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -280,9 +280,9 @@ def _go_on(run_dir, fix: str | None) -> str:
 
 def continue_elsewhere() -> str:
     """The command that continues this run (or its sweep) from a copy at NEW_PLACE."""
-    if sweep_dir() is not None:
+    if sweep_dir() is not None:  # continue_with names the sweep's own directory
         return "the sweep's command plus resume=auto hydra.sweep.dir=NEW_PLACE"
-    return command(task_overrides(), "hydra.run.dir", "NEW_PLACE", launcher=launcher_of_this_job())
+    return continue_with("NEW_PLACE", task_overrides())
 
 
 def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
