@@ -148,6 +148,20 @@ def refuse_point(run_dir: Path, reason: str) -> None:
 _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was refused
 
 
+class ClaimRunDir(Callback):
+    """A Hydra callback (train.yaml's ``hydra.callbacks``): a single run takes its directory's lock
+    before Hydra writes ``.hydra/`` into it (:meth:`RunDirLock.claim`), so that a second run
+    started into the same directory is refused before it rewrites the first one's record."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        if D.detect().rank > 0 or config.get("dry_run") or config.hydra.output_subdir is None:
+            return
+        try:
+            RunDirLock(Path(str(config.hydra.run.dir)).absolute()).claim()
+        except ConfigError as e:
+            fail(str(e))
+
+
 class SweepReport(Callback):
     """A Hydra callback (train.yaml's ``hydra.callbacks``): a sweep's last lines are a tally of
     its points (completed, diverged, refused with the first refusal's reason, not finished) and

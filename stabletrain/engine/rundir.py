@@ -186,6 +186,9 @@ class KeptHydraRecord:
             (self.record / name).write_bytes(data)
 
 
+_CLAIMED: list[int] = []  # locks taken by RunDirLock.claim, which acquire() in this process takes over
+
+
 class RunDirLock:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / ".lock"
@@ -194,13 +197,37 @@ class RunDirLock:
     def acquire(self) -> "RunDirLock":
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._lock_or_refuse(fd)
+        fd = self._claimed()
+        if fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_or_refuse(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
         return self
+
+    def claim(self) -> None:
+        """Take the lock before Hydra writes the run's ``.hydra/`` (run.ClaimRunDir): a second run
+        started into the same new directory a moment later would otherwise rewrite the first one's
+        record before the first one's :meth:`acquire`, and only then be refused. That acquire, in
+        this process, takes the claimed lock over."""
+        self.acquire()
+        if self.fd is not None:
+            _CLAIMED.append(self.fd)
+            self.fd = None
+
+    def _claimed(self) -> int | None:
+        try:
+            here = os.stat(self.path)
+        except OSError:
+            return None
+        for fd in _CLAIMED:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (here.st_dev, here.st_ino):
+                _CLAIMED.remove(fd)
+                return fd
+        return None
 
     def check_free(self) -> None:
         """Refuse, as :meth:`acquire` would, while another run holds the lock; takes nothing.

@@ -242,6 +242,9 @@ def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False
     Masked entries contribute 0; rows with no allowed key are left out of the mean, which
     runs over queries and examples.
     """
+    if probs.dim() != 4:
+        raise ValueError(f"attention probabilities must be (batch, heads, queries, keys); got shape "
+                         f"{tuple(probs.shape)}: add the missing dims, e.g. probs[None] for one example")
     p = probs.detach()
     keep = _key_mask(p.shape, mask, causal, p.device)
     # p log p in the probabilities' dtype, masked in place, each row summed in it (pairwise

@@ -3,13 +3,16 @@ writes, no non-finite state saved, exact resumes, the ring's size, the run direc
 
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from stabletrain.errors import ConfigError
 from tests.engine.test_loop import _run_until
-from tests.helpers import GPT_LOGGED, QUIET, losses, make_cfg, train
+from tests.helpers import GPT_LOGGED, QUIET, ROOT, losses, make_cfg, train
 
 GPT = [*GPT_LOGGED, "precision=fp32"]
 
@@ -254,6 +257,26 @@ def test_checking_the_lock_leaves_it_free(tmp_path):
     RunDirLock(tmp_path).check_free()
     lock = RunDirLock(tmp_path).acquire()
     lock.release()
+    RunDirLock(tmp_path).acquire().release()
+
+
+def test_a_claimed_lock_is_taken_over_by_the_run_in_the_same_process(tmp_path):
+    """claim (train.py's, before Hydra writes .hydra/) holds the lock against another process's
+    acquire, and this process's acquire takes that same lock over instead of refusing itself."""
+    from stabletrain.engine.rundir import RunDirLock
+
+    RunDirLock(tmp_path).claim()
+    code = "import sys; from stabletrain.engine.rundir import RunDirLock; RunDirLock(sys.argv[1]).acquire()"
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert other.returncode == 1 and f"in use by another run (pid {os.getpid()} holds" in other.stderr
+    lock = RunDirLock(tmp_path).acquire()
+    lock.release()
+    held = RunDirLock(tmp_path).acquire()  # released and taken by a run: a claim now is another run's
+    try:
+        with pytest.raises(ConfigError, match="in use"):
+            RunDirLock(tmp_path).claim()
+    finally:
+        held.release()
     RunDirLock(tmp_path).acquire().release()
 
 

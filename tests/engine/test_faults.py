@@ -295,23 +295,29 @@ def test_a_second_run_in_a_locked_directory_is_refused_naming_the_pid(tmp_path):
     assert (tmp_path / ".lock").read_text() == ""
 
 
-def test_the_lock_of_another_process_refuses_train_py(tmp_path):
-    """Held by a live process, refused with its pid; a dead holder's lock is gone with it."""
+@pytest.mark.parametrize("given", ["literal", "interpolated"])
+def test_the_lock_of_another_process_refuses_train_py(tmp_path, given):
+    """Held by a live process, refused with its pid; a dead holder's lock is gone with it. A
+    directory the command line cannot check (an interpolation, as the default timestamped one)
+    is claimed by the run before Hydra writes its record into it."""
     code = ("import sys, time; from stabletrain.engine.rundir import RunDirLock; "
             "RunDirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "gpt_test"
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         from tests.helpers import cli
 
-        r = cli(*QUIET, *GPT_LOGGED, "steps=1", f"hydra.run.dir={tmp_path}")
+        r = cli(*QUIET, *GPT_LOGGED, "steps=1",
+                f"hydra.run.dir={run_dir if given == 'literal' else str(tmp_path) + '/${name}'}")
         assert r.returncode == 2
-        assert f"error: {tmp_path} is in use by another run (pid {holder.pid} holds" in r.stderr
-        assert not (tmp_path / ".hydra").exists()  # refused before Hydra writes over the running run's
+        assert r.stderr.strip().splitlines()[-1].startswith(f"error: {run_dir} is in use by another run "
+                                                            f"(pid {holder.pid} holds"), r.stderr
+        assert not (run_dir / ".hydra").exists()  # refused before Hydra writes over the running run's
     finally:
         holder.kill()
         holder.wait()
-    assert train(tmp_path, *GPT_LOGGED, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
+    assert train(run_dir, *GPT_LOGGED, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
 
 
 def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):

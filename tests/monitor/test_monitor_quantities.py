@@ -166,6 +166,12 @@ def test_entropy_causal_rows_and_masked_entries():
     assert Q.attention_entropy(junk, mask=mask)["entropy/mean"] == pytest.approx(sum(per_row) / t)
 
 
+@pytest.mark.parametrize("shape", [(7, 7), (3, 7, 7), (1, 2, 3, 7, 7)])
+def test_entropy_of_probabilities_without_batch_and_head_dims_is_refused_in_one_line(shape):
+    with pytest.raises(ValueError, match=r"\(batch, heads, queries, keys\); got shape .*probs\[None\]"):
+        Q.attention_entropy(torch.full(shape, 1.0 / 7))
+
+
 def test_uniform_reference_with_a_mask_per_sample_is_the_mean_over_every_row():
     """The mask broadcasts over heads: its own rows carry the mean of all B x H x T rows."""
     b, h, t = 3, 4, 7
