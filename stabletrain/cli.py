@@ -51,6 +51,9 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
     import math
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    from stabletrain.errors import ConfigError
 
     first, values = [], []
     for o in OverridesParser.create().parse_overrides(overrides):
@@ -60,7 +63,19 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
             continue
         if o.is_sweep_override():
             key = o.get_key_element()
-            vals = [f"{key}={v}" for v in o.sweep_string_iterator()]
+            if o.is_interval_sweep():  # a sampling sweeper's (optuna, nevergrad): it draws the values
+                if not any(x.startswith("hydra/sweeper=") and x != "hydra/sweeper=basic" for x in overrides):
+                    raise ConfigError(f"{o.input_line}: interval() is for a sweeper that samples (hydra/sweeper="
+                                      f"optuna with hydra-optuna-sweeper installed); Hydra's basic sweeper takes "
+                                      f"a list of values ({key}=a,b,c), range() or choice()")
+                continue
+            if isinstance(o.value(), Glob):  # the group's options it picks: Hydra's loader lists them
+                vals = [f"{key}={v}" for v in o.value().filter(group_options(key, overrides))]
+                if not vals:
+                    raise ConfigError(f"{o.input_line} picks none of {key}'s options "
+                                      f"({', '.join(group_options(key, overrides)) or 'it is no group'})")
+            else:
+                vals = [f"{key}={v}" for v in o.sweep_string_iterator()]
             values.append((len(first), vals[1:]))
             first.append(vals[0])
         else:
@@ -378,6 +393,35 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--re
                "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
 
 
+def _without_config_dir(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without Hydra's ``--config-dir DIR`` / ``-cd DIR`` (or ``=DIR``), and that DIR."""
+    rest, found, i = [], None, 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        if flag in ("--config-dir", "-cd"):
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if eq else 2
+            continue
+        rest.append(argv[i])
+        i += 1
+    if found is not None and not Path(found).is_dir():
+        _fail(f"--config-dir {found}: no such folder; give the folder that holds your groups' folders (model/, ...)")
+    return rest, found
+
+
+def _searching(own_dir: str | None, overrides: list[str]) -> list[str]:
+    """``overrides`` with ``own_dir`` (``--config-dir``) in ``hydra.searchpath``, where Hydra looks
+    for it too: the checks then know its options."""
+    if own_dir is None:
+        return overrides
+    entry = f"file://{Path(own_dir).absolute()}"
+    at = next((i for i, o in enumerate(overrides) if o.lstrip("+").startswith("hydra.searchpath=")), None)
+    if at is None:
+        return [*overrides, f"hydra.searchpath=[{entry}]"]
+    given = overrides[at].partition("=")[2].strip().strip("[]")
+    return [*overrides[:at], f"hydra.searchpath=[{given + ',' if given else ''}{entry}]", *overrides[at + 1:]]
+
+
 def _as_override(argv: list[str], i: int) -> tuple[str, str]:
     """``--model vit_b`` or ``--drop-path=0.1`` (timm's, argparse's), and the override it likely
     meant: ``model=vit_b``, ``model.drop_path=0.1``."""
@@ -410,7 +454,9 @@ def epochs_over_steps(argv: list[str]) -> list[str]:
 
 
 def check_overrides(argv: list[str]) -> None:
-    multirun = any(a in ("-m", "--multirun") for a in argv)
+    from stabletrain.engine.rundir import is_multirun
+
+    multirun = is_multirun(argv)
     printing = len(_without_cfg_flag(argv)) < len(argv)
     if multirun and printing:
         _fail("--cfg prints the config of one run, and -m launches a sweep: drop -m to print one point's config")
@@ -426,9 +472,10 @@ def check_overrides(argv: list[str]) -> None:
             print(text)
             raise SystemExit(0)
         argv = [a for a in argv if a not in ("--help", "-h")]  # the overrides' mistake, told below in one line
+    argv, own_dir = _without_config_dir(argv)
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --info, -cn ...: Hydra's own business
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides = _searching(own_dir, [a for a in argv if not a.startswith("-")])
     if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
                                           for a in overrides):
         # Hydra uses a launcher for -m only: a single run trains here, on the login node
@@ -442,6 +489,8 @@ def check_overrides(argv: list[str]) -> None:
 
     try:
         points = _sweep_points(overrides)
+    except ConfigError as e:
+        _fail(str(e))
     except Exception as e:
         _fail(_parse_error(overrides, e))
     if not multirun and (several := _swept(overrides)):
@@ -648,6 +697,23 @@ def help_text(overrides: list[str]) -> str | None:
             f"{OmegaConf.to_yaml(cfg)}\n{help_cfg.footer}")
 
 
+def _adds_freely(name: str, overrides: list[str]) -> bool:
+    """Whether ``+name=...`` may add a key the schema lacks: Hydra's, an own option's argument
+    (``model.kwargs.X``), or a group (``+experiment=...``)."""
+    return (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))
+            or is_group(name.split("/")[0], overrides))
+
+
+def _parsed_value(ov: str):
+    """The value of override ``ov`` as Hydra's grammar reads it (a dict for ``k={a:1}``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        return OverridesParser.create().parse_override(ov).value()
+    except Exception:
+        return {}
+
+
 def _added_key_hint(name: str, ov: str) -> str:
     """What to write instead of ``+name=...``, a key the schema lacks."""
 
@@ -657,7 +723,7 @@ def _added_key_hint(name: str, ov: str) -> str:
         return f"did you mean +{near[0]}.{'.'.join(parts[2:])}?"  # +model.kwarg.depth
     near = _nearest_key(name)
     if near and near.startswith("did you mean"):
-        return f"{near[:-1]} (without the '+')?"
+        return f"{near[:-1]} (without the '{ov[:len(ov) - len(ov.lstrip('+'))]}')?"
     return (f"{ov} adds a key nothing reads; drop the '+' to set an existing key "
             f"(`python train.py --cfg job` prints every key)")
 
@@ -691,17 +757,26 @@ def check_keys(overrides: list[str]) -> None:
         if "." not in group and nulls and is_group(group, overrides) and "~" not in key:
             options = group_options(group, overrides)
             raise ConfigError(f"{ov}: a group takes one of its options ({', '.join(options)})"
-                              + ("; leave it out for no recipe" if group == "experiment" else
-                                 f"; leave it out for the default, or choose {group}=none"
+                              + ("; leave it out for no recipe (~experiment drops one a config of yours chose)"
+                                 if group == "experiment" else f"; leave it out for the default, or choose {group}=none"
                                  if "none" in options else "; leave it out for the default"))
         if key.startswith("~") and not {".", "/"} & set(group) and group != "experiment" and is_group(group, overrides):
             # Hydra drops the group's yaml; the schema's defaults then train, without a word
             raise ConfigError(f"{ov}: removing the {group} group trains with the schema's own {group} settings; "
                               f"choose an option instead: {group}=" + "|".join(group_options(group, overrides)))
+        if group in (f"{g}.kwargs" for g in KWARGS_GROUPS) and value.lstrip().startswith("{"):
+            # the node is an empty struct dict: Hydra refused the dict's keys, the lines said to add a '+'
+            entries = [f"+{group}.{k}={v}" for k, v in _parsed_value(ov).items()] or [f"+{group}.NAME=VALUE"]
+            raise ConfigError(f"{ov}: {group} takes its arguments one by one: {' '.join(entries)}")
+        if key.lstrip("+") == "hydra.job.chdir" and value.strip().lower() == "true":
+            raise ConfigError(f"{ov}: stabletrain reads the paths you give (data, resume, imports) from the "
+                              f"directory you start in and writes into hydra.run.dir itself; drop it")
+        if key.startswith("++") and not _adds_freely(key[2:], overrides) and \
+                _nearest_key(key[2:]) != f"did you mean {key[2:]}?":  # ++ sets a key, or adds one nothing reads
+            raise ConfigError(f"unknown key '{key[2:]}': {_added_key_hint(key[2:], ov)}")
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")
-            if not (name.startswith("hydra") or name.startswith(tuple(f"{g}.kwargs." for g in KWARGS_GROUPS))
-                    or is_group(name.split("/")[0], overrides)):
+            if not _adds_freely(name, overrides):
                 if _nearest_key(name) == f"did you mean {name}?":  # +norm.name=...: there already
                     raise ConfigError(f"{name} is a key of the config already: drop the '+' ({ov.lstrip('+')})")
                 raise ConfigError(f"unknown key '{name}': {_added_key_hint(name, ov)}")

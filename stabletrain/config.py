@@ -393,8 +393,8 @@ def _register_resolvers() -> None:
     without a command-line value fails with one line naming the key. (A ``???`` cannot do
     this in a group file: merging it over an existing value keeps the old value.)
     ``hydra.output_subdir: ${rank_zero_only:.hydra}`` lets only rank 0 of a multi-task
-    submitit job write ``.hydra/``, and the job log's root handlers
-    ``${rank_zero_only:[console,file],[console]}`` let only rank 0 write ``<job>.log``. Hydra
+    submitit job write ``.hydra/``, and the job log's file handler at level
+    ``${rank_zero_only:0,100}`` (above CRITICAL) lets only rank 0 write ``<job>.log``. Hydra
     resolves them inside each task, which imports this module when it unpickles the task
     function, so the resolvers are registered on import.
     """

@@ -2,6 +2,7 @@
 
 import re
 import shutil
+import sys
 
 import pytest
 
@@ -100,6 +101,19 @@ def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are(
     (["drop-path=0.1"], "unknown key 'drop-path': keys are written with '_': did you mean model.drop_path?"),
     (["--wandb_log", "True"], "--wandb_log True: train.py takes overrides key=value, without dashes: "
                               "logger=wandb_online"),
+    # Hydra's grammar beyond key=value: ++ adds a key too, a dict into an empty struct, sweeps the
+    # basic sweeper cannot take, hydra.mode=MULTIRUN as -m, and Hydra's working-directory change
+    (["++optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr (without the '++')?"),
+    (["norm.kwargs={g0:2.5,g1:1}"], "norm.kwargs={g0:2.5,g1:1}: norm.kwargs takes its arguments one by one: "
+                                    "+norm.kwargs.g0=2.5 +norm.kwargs.g1=1"),
+    (["-m", "optim.lr=interval(0.001,0.01)"], "interval() is for a sweeper that samples (hydra/sweeper=optuna"),
+    (["-m", "model=glob(zz*)"], "model=glob(zz*) picks none of model's options (gpt2_l, "),
+    (["hydra.mode=MULTIRUN", "optim.lr=-1,1"], "must be > 0 (e.g. optim.lr=1e-3) (sweep point optim.lr=-1; no point "
+                                               "was launched)"),
+    (["hydra.job.chdir=true"], "hydra.job.chdir=true: stabletrain reads the paths you give (data, resume, imports) "
+                               "from the directory you start in"),
+    (["experiment=null"], "leave it out for no recipe (~experiment drops one a config of yours chose)"),
+    (["-cd", "/nonexistent/stabletrain", "model=mine"], "--config-dir /nonexistent/stabletrain: no such folder"),
 ])
 def test_an_override_hydra_cannot_take_is_one_line_with_the_fix(args, line, capsys):
     from stabletrain.cli import check_overrides
@@ -200,6 +214,55 @@ def test_a_list_of_options_of_ones_own_group_is_refused_too(tmp_path, capsys):
         check_overrides([f"hydra.searchpath=[file://{tmp_path}]", "+mine=[a,b]"])
     assert capsys.readouterr().err.startswith("error: +mine=[a,b]: mine takes one option; a list merges the mine "
                                               "options into one")
+
+
+def test_hydras_sweeps_and_config_dir_flag_are_checked_as_hydra_reads_them(tmp_path, monkeypatch, capsys):
+    """glob() expands over the group's options (it needs Hydra's loader, which the checks lack);
+    hydra.mode=MULTIRUN sweeps as -m does; --config-dir's options are options, its runs checked."""
+    from stabletrain.cli import _sweep_points, check_overrides
+
+    assert _sweep_points(["model=glob(vit_t*)", "seed=1"]) == [["model=vit_test", "seed=1"]]
+    assert _sweep_points(["model=glob([gpt_t*,swin_t*])"]) == [["model=gpt_test"], ["model=swin_t"],
+                                                                 ["model=swin_test"]]
+    check_overrides(["hydra.mode=MULTIRUN", "seed=1,2", "model=vit_test"])  # a sweep: takes several values
+    (tmp_path / "model").mkdir()
+    shutil.copy("configs/model/vit_test.yaml", tmp_path / "model" / "mine.yaml")
+    for flags in (["-cd", str(tmp_path)], [f"--config-dir={tmp_path}"]):
+        check_overrides([*flags, "model=mine"])
+        with pytest.raises(SystemExit):
+            check_overrides([*flags, "model=mine", "optim.lrr=1"])
+        assert capsys.readouterr().err.strip() == "error: unknown key 'optim.lrr': did you mean optim.lr?"
+    with pytest.raises(SystemExit):  # a searchpath given too: both are looked in
+        check_overrides(["-cd", str(tmp_path), "hydra.searchpath=[file://examples/conv_stem/configs]", "model=minee"])
+    err = capsys.readouterr().err
+    assert "choose one of: conv_vit_mini, conv_vit_test, gpt2_l," in err and ", mine, " in err, err
+
+
+def test_a_run_started_with_a_config_dir_is_continued_with_it(monkeypatch):
+    """Hydra keeps --config-dir among its config sources, not the overrides: the continue command
+    names it, or the run's own options would be missing from it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.conf import ConfigSourceInfo
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from stabletrain.engine import rundir as R
+    from tests.helpers import ROOT
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.config_sources = [ConfigSourceInfo(str(ROOT / "configs"), "file", "main"),
+                                            ConfigSourceInfo("/my/configs", "file", "command-line")]
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert R.command(["model=mine"], "hydra.run.dir", "/runs/a").endswith(
+            "train.py --config-dir /my/configs model=mine resume=auto hydra.run.dir=/runs/a")
+    finally:
+        HydraConfig.instance().cfg = None
+    assert R.command(["model=mine"], "hydra.run.dir", "/runs/a").endswith("train.py model=mine resume=auto "
+                                                                          "hydra.run.dir=/runs/a")
 
 
 def test_a_ctrl_c_is_said_to_be_at_the_start_only_before_a_single_run_starts(monkeypatch, capsys):
@@ -396,6 +459,9 @@ def test_the_keys_left_unread_are_those_the_run_notes_when_set():
 def test_printing_a_valid_config_still_prints_it(tmp_path):
     r = cli("--cfg", "job", "optim.lr=0.5", "model=vit_test", env={"PATH": "/usr/bin:/bin"})
     assert r.returncode == 0 and "lr: 0.5" in r.stdout and "error" not in r.stderr, r.stderr[-2000:]
+    # Hydra's node resolved in place too: the job log's handlers were a list a resolver returned
+    r = cli("--cfg", "all", "--resolve", "model=vit_test")
+    assert r.returncode == 0 and "        level: 0\n    root:\n      level: INFO\n" in r.stdout, r.stderr[-2000:]
 
 
 def test_printing_a_config_trained_by_epochs_prints_it():

@@ -78,8 +78,22 @@ def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launc
     of the interpreter; ``resume`` a checkpoint's path in place of auto."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
-    args = [script, *(["-m"] if multirun else []), *kept, f"resume={resume}", f"{dir_key}={dir_value}"]
+    args = [script, *_config_dir_flag(), *(["-m"] if multirun else []), *kept, f"resume={resume}",
+            f"{dir_key}={dir_value}"]
     return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
+
+
+def _config_dir_flag() -> list[str]:
+    """``--config-dir DIR`` where this process was started with it (Hydra lists DIR among its
+    config sources, not among the overrides): a continue command needs the options it holds."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        sources = HydraConfig.get().runtime.config_sources
+    except Exception:  # no Hydra run in this process (a library call, a test)
+        return []
+    given = [str(s.path) for s in sources if s.provider == "command-line" and s.schema == "file"]
+    return ["--config-dir", given[0]] if given else []
 
 
 def figures_command(run_dir: str | Path) -> str | None:
@@ -156,6 +170,12 @@ def own_dir_key() -> str:
     return "hydra.sweep.dir" if sweep_dir() is not None else "hydra.run.dir"
 
 
+def is_multirun(argv: list[str]) -> bool:
+    """Whether these arguments launch a Hydra sweep: ``-m``, ``--multirun`` or ``hydra.mode=MULTIRUN``."""
+    return any(a in ("-m", "--multirun") or a.lstrip("+").replace(" ", "").upper() == "HYDRA.MODE=MULTIRUN"
+               for a in argv)
+
+
 class KeptHydraRecord:
     """Hydra writes ``.hydra/`` (the overrides and config of this attempt) before the run checks
     them; an attempt refused in an existing run directory (a resume that would change the run)
@@ -166,8 +186,7 @@ class KeptHydraRecord:
     def __init__(self, argv: list[str]):
         given = [a.split("=", 1)[1].strip("'\"") for a in argv if a.lstrip("+~").startswith("hydra.run.dir=")]
         record = Path(given[-1]) / ".hydra" if given and "${" not in given[-1] else None
-        multirun = any(a in ("-m", "--multirun") for a in argv)
-        self.record = record if record is not None and record.is_dir() and not multirun else None
+        self.record = record if record is not None and record.is_dir() and not is_multirun(argv) else None
         self.files: dict[str, bytes] = {}
 
     def __enter__(self) -> KeptHydraRecord:

@@ -259,7 +259,7 @@ def test_only_rank_zero_of_a_multi_task_job_writes_hydra_files(monkeypatch, env,
         configure_log(cfg.hydra.job_logging)
         logging.getLogger("stabletrain.test").info("hello")
         files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
-        assert len(files) == (1 if subdir else 0)
+        assert [h.level <= logging.INFO for h in files] == [bool(subdir)]  # the others' takes no record
         for h in files:
             h.close()
     finally:
