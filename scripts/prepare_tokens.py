@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="concatenate documents without end-of-text tokens (WikiText: rows are lines of one text)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
+    if a.block_size < 1:
+        print(f"error: --block-size {a.block_size} must be >= 1: the model's context (model.block_size)",
+              file=sys.stderr)
+        return 2
     if Path(a.out).exists() and not Path(a.out).is_dir():
         print(f"error: --out {a.out} is a file; give a folder for train.bin, val.bin and meta.json", file=sys.stderr)
         return 2

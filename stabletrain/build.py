@@ -283,7 +283,10 @@ def ema_note(ema_cfg, total_steps: int) -> str:
     (``val_ema/*`` would then score mostly the initial weights)."""
     horizon = 1.0 / (1.0 - ema_cfg.decay)  # steps; averaging every k-th step with decay**k keeps it
     line = f"weight average: ema.decay={ema_cfg.decay:g} (over ~{horizon:.0f} steps), scored as val_ema/*"
-    if horizon > total_steps and not ema_cfg.warmup:
+    if ema_cfg.every > total_steps:
+        line = (f"warning: ema.every={ema_cfg.every} is more than the run's {total_steps} steps: the average never "
+                f"takes a step, and val_ema/* scores the initial weights; lower ema.every")
+    elif horizon > total_steps and not ema_cfg.warmup:
         line = (f"warning: ema.decay={ema_cfg.decay:g} averages over ~{horizon:.0f} steps, more than the run's "
                 f"{total_steps}: val_ema/* will mostly score the initial weights (lower it, or set ema.warmup=true)")
     return line

@@ -476,9 +476,13 @@ def validate(cfg: Any) -> None:
     _need(mon.qk_growth > 1, f"monitor.qk_growth={mon.qk_growth} must be > 1 (a growth factor)")
     _need(m.init_std > 0, f"model.init_std={m.init_std} must be > 0")
     _need(m.patch_embed_std is None or m.patch_embed_std > 0, f"model.patch_embed_std={m.patch_embed_std} must be > 0")
-    _need(m.depth >= 1 and m.num_heads >= 1, f"model.depth={m.depth} and model.num_heads={m.num_heads} must be >= 1")
+    _need(m.depth >= 1, f"model.depth={m.depth} must be >= 1")
+    _need(m.num_heads >= 1, f"model.num_heads={m.num_heads} must be >= 1")
     _need(m.embed_dim >= 1, f"model.embed_dim={m.embed_dim} must be >= 1 (e.g. model.embed_dim=384)")
     _need(m.mlp_ratio > 0, f"model.mlp_ratio={m.mlp_ratio} must be > 0 (e.g. 4.0)")
+    _need(m.mlp_hidden is not None or m.embed_dim < 1 or int(m.embed_dim * m.mlp_ratio) >= 1,
+          f"model.mlp_ratio={m.mlp_ratio:g} makes the MLP {int(m.embed_dim * m.mlp_ratio)} wide at model.embed_dim="
+          f"{m.embed_dim}: raise it to 1/{m.embed_dim} or more, or set model.mlp_hidden")
     _need(m.mlp_hidden is None or m.mlp_hidden >= 1, f"model.mlp_hidden={m.mlp_hidden} must be >= 1, or null "
                                                      f"(model.mlp_ratio x model.embed_dim)")
     _need(m.act in ("gelu", "gelu_tanh", "relu"), f"model.act={m.act} is not an option: use gelu, gelu_tanh, relu")
@@ -534,6 +538,10 @@ def validate(cfg: Any) -> None:
     _need(cfg.parallel in ("ddp", "fsdp"), f"parallel={cfg.parallel} is not an option: use ddp or fsdp")
     sc = cfg.schedule
     _need(sc.horizon is None or sc.horizon > 0, f"schedule.horizon={sc.horizon} must be > 0 or null")
+    # the cosine runs from the warmup's end to the horizon: one before it dropped from the peak to 0 in a step
+    if sc.horizon is not None and sc.name == "cosine":
+        _need(sc.horizon > cfg.warmup, f"schedule.horizon={sc.horizon:g} must be longer than warmup={cfg.warmup:g} "
+                                       f"(both in schedule.unit): the cosine starts where the warmup ends")
     _need(sc.min_lr <= o.lr, f"schedule.min_lr={sc.min_lr} must be <= optim.lr={o.lr}")
     _need(0 < sc.gamma <= 1, f"schedule.gamma={sc.gamma} must be in (0, 1] (the factor of each step decay)")
     unit = getattr(sc.unit, "name", sc.unit)

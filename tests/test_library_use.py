@@ -32,6 +32,10 @@ def test_build_model_runs_the_family_check():
                                 num_heads=2), Components(deescalate=DeescConfig(name="deescalate", causal=False)))
     with pytest.raises(ConfigError, match="img_size=18 is not a multiple"):
         build_model(_vit(img_size=18), Components())
+    # int(32 x 0.01) = 0, which timm's Mlp reads as "as wide as the model"
+    with pytest.raises(ValueError, match=r"Block: mlp_ratio=0.01 makes the MLP 0 wide at dim=32"):
+        build_model(_vit(mlp_ratio=0.01), Components())
+    assert build_model(_vit(mlp_ratio=1 / 32), Components()).blocks[0].mlp.fc1.out_features == 1
 
 
 @pytest.mark.parametrize("iters", [0, -1, 1.5, "2", True])

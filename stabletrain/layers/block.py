@@ -66,7 +66,10 @@ class Block(BlockForward, nn.Module):
         self.ls1 = nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = make_norm(c.norm, dim, bias=norm_bias, ln_eps=ln_eps)
-        self.mlp = Mlp(dim, mlp_hidden or int(dim * mlp_ratio), act_layer=act_layer, bias=proj_bias,
+        hidden = mlp_hidden or int(dim * mlp_ratio)
+        if hidden < 1:  # timm's Mlp reads a width of 0 as "none given" and builds one as wide as dim
+            raise ValueError(f"Block: mlp_ratio={mlp_ratio:g} makes the MLP {hidden} wide at dim={dim}")
+        self.mlp = Mlp(dim, hidden, act_layer=act_layer, bias=proj_bias,
                        drop=proj_drop if mlp_drop is None else mlp_drop)
         self.ls2 = nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()

@@ -323,6 +323,9 @@ def test_the_script_says_when_no_document_was_drawn_for_validation(tmp_path, cap
     assert meta["val_documents"] == 0 and meta["val_tokens"] == 361  # a tenth, cut from train's end
     assert ("note: no document was drawn for validation (--val-fraction 0.0005 of 1 documents): val.bin is the "
             "last 361 tokens of the text, cut from the end of train") in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "zero"), "--files", str(text), "--block-size", "0", "--quiet"]) == 2
+    assert capsys.readouterr().err == "error: --block-size 0 must be >= 1: the model's context (model.block_size)\n"
+    assert not (tmp_path / "zero").exists()
 
 
 def test_a_text_file_given_as_token_files_says_how_to_make_them(tmp_path):

@@ -128,11 +128,15 @@ def test_the_start_line_gives_the_averages_horizon_and_warns_when_it_outlasts_th
 
     from stabletrain.build import ema_note
 
-    assert ema_note(SimpleNamespace(decay=0.9, warmup=False), 20) == \
+    assert ema_note(SimpleNamespace(decay=0.9, warmup=False, every=1), 20) == \
         "weight average: ema.decay=0.9 (over ~10 steps), scored as val_ema/*"
-    long = ema_note(SimpleNamespace(decay=0.99996, warmup=False), 20)
+    long = ema_note(SimpleNamespace(decay=0.99996, warmup=False, every=1), 20)
     assert long.startswith("warning: ema.decay=0.99996 averages over ~25000 steps, more than the run's 20")
-    assert not ema_note(SimpleNamespace(decay=0.99996, warmup=True), 20).startswith("warning")  # warmed up
+    assert not ema_note(SimpleNamespace(decay=0.99996, warmup=True, every=1), 20).startswith("warning")  # warmed up
+    # averaging every 30th step in a 20-step run: the average is the initial weights
+    assert ema_note(SimpleNamespace(decay=0.5, warmup=True, every=30), 20) == (
+        "warning: ema.every=30 is more than the run's 20 steps: the average never takes a step, and val_ema/* "
+        "scores the initial weights; lower ema.every")
 
 
 @pytest.mark.parametrize("second,note", [
