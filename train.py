@@ -18,14 +18,15 @@ def _interrupted_while_starting(kind, value, tb) -> None:
     """A Ctrl-C in the seconds of imports and composition of a single run, before the run's own
     handlers: one line, not the traceback of whichever import it landed in (the process still ends
     by SIGINT). A sweep's (-m) is not said to be at the start: its points may be running."""
-    sweep = any(a in ("-m", "--multirun") or a.upper() == "HYDRA.MODE=MULTIRUN" for a in sys.argv)  # as is_multirun
-    if issubclass(kind, KeyboardInterrupt) and not _STARTED and not sweep:
+    if issubclass(kind, KeyboardInterrupt) and not _STARTED and sweep_flag(sys.argv) is None:
         print("\nerror: interrupted while starting, before training; run it again", file=sys.stderr)
         return
     _previous_hook(kind, value, tb)
 
 
 _previous_hook, sys.excepthook = sys.excepthook, _interrupted_while_starting
+
+from stabletrain.topology import sweep_flag  # noqa: E402 - the standard library's only
 
 import hydra  # noqa: E402 - after the hook: importing torch takes seconds
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
@@ -34,7 +35,7 @@ from hydra.types import RunMode  # noqa: E402
 from stabletrain.cli import check_overrides, epochs_over_steps  # noqa: E402
 from stabletrain.config import register  # noqa: E402
 from stabletrain.engine.distributed import detect  # noqa: E402
-from stabletrain.engine.rundir import KeptHydraRecord, is_multirun  # noqa: E402
+from stabletrain.engine.rundir import KeptHydraRecord  # noqa: E402
 from stabletrain.errors import fail  # noqa: E402
 from stabletrain.run import main_guarded  # noqa: E402
 
@@ -65,7 +66,7 @@ if __name__ == "__main__":
     sys.argv[1:] = epochs_over_steps(sorted(sys.argv[1:], key=lambda a: a not in ("-m", "--multirun")))
     args = sys.argv[1:]
     info = detect()
-    if info.enabled and is_multirun(args):
+    if info.enabled and sweep_flag(args) is not None:
         fail("-m under torchrun/srun would run every sweep point on every rank; sweep with "
              "hydra/launcher=slurm (hydra.launcher.tasks_per_node=N) or call torchrun once per point")
     if info.rank > 0:

@@ -70,10 +70,11 @@ def _sweep_points(overrides: list[str]) -> list[list[str]]:
                                       f"a list of values ({key}=a,b,c), range() or choice()")
                 continue
             if isinstance(o.value(), Glob):  # the group's options it picks: Hydra's loader lists them
-                vals = [f"{key}={v}" for v in o.value().filter(group_options(key, overrides))]
+                options = group_options(o.key_or_group, overrides)
+                vals = [f"{key}={v}" for v in o.value().filter(options)]
                 if not vals:
-                    raise ConfigError(f"{o.input_line} picks none of {key}'s options "
-                                      f"({', '.join(group_options(key, overrides)) or 'it is no group'})")
+                    raise ConfigError(f"{o.input_line} picks none of {o.key_or_group}'s options "
+                                      f"({', '.join(options) or 'it is no group'})")
             else:
                 vals = [f"{key}={v}" for v in o.sweep_string_iterator()]
             values.append((len(first), vals[1:]))
@@ -454,12 +455,14 @@ def epochs_over_steps(argv: list[str]) -> list[str]:
 
 
 def check_overrides(argv: list[str]) -> None:
-    from stabletrain.engine.rundir import is_multirun
+    from stabletrain.topology import sweep_flag
 
-    multirun = is_multirun(argv)
+    multirun = sweep_flag(argv) is not None
     printing = len(_without_cfg_flag(argv)) < len(argv)
     if multirun and printing:
-        _fail("--cfg prints the config of one run, and -m launches a sweep: drop -m to print one point's config")
+        given = sweep_flag(argv)
+        _fail(f"--cfg prints the config of one run, and {given} launches a sweep: drop {given} to print one point's "
+              f"config")
     argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
     foreign = next((i for i, a in enumerate(argv) if a.startswith("--") and a.split("=")[0] not in HYDRA_FLAGS), None)
     if foreign is not None:  # argparse's usage block named the flag's value among the "unrecognized arguments"
@@ -704,6 +707,19 @@ def _adds_freely(name: str, overrides: list[str]) -> bool:
             or is_group(name.split("/")[0], overrides))
 
 
+def _composes_with(key: str, overrides: list[str]) -> bool:
+    """Whether the config of ``overrides`` has ``key`` (a loss term's parameter too, which only
+    its yaml declares); True where they do not compose, which the other checks then say."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = compose_config(overrides)
+    except Exception:
+        return True
+    absent = object()
+    return OmegaConf.select(cfg, key, default=absent, throw_on_missing=False) is not absent
+
+
 def _parsed_value(ov: str):
     """The value of override ``ov`` as Hydra's grammar reads it (a dict for ``k={a:1}``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -764,15 +780,12 @@ def check_keys(overrides: list[str]) -> None:
             # Hydra drops the group's yaml; the schema's defaults then train, without a word
             raise ConfigError(f"{ov}: removing the {group} group trains with the schema's own {group} settings; "
                               f"choose an option instead: {group}=" + "|".join(group_options(group, overrides)))
-        if group in (f"{g}.kwargs" for g in KWARGS_GROUPS) and value.lstrip().startswith("{"):
+        if group in (f"{g}.kwargs" for g in KWARGS_GROUPS) and value.lstrip().startswith("{") and \
+                (entries := [f"+{group}.{k}={v}" for k, v in _parsed_value(ov).items()]):
             # the node is an empty struct dict: Hydra refused the dict's keys, the lines said to add a '+'
-            entries = [f"+{group}.{k}={v}" for k, v in _parsed_value(ov).items()] or [f"+{group}.NAME=VALUE"]
             raise ConfigError(f"{ov}: {group} takes its arguments one by one: {' '.join(entries)}")
-        if key.lstrip("+") == "hydra.job.chdir" and value.strip().lower() == "true":
-            raise ConfigError(f"{ov}: stabletrain reads the paths you give (data, resume, imports) from the "
-                              f"directory you start in and writes into hydra.run.dir itself; drop it")
         if key.startswith("++") and not _adds_freely(key[2:], overrides) and \
-                _nearest_key(key[2:]) != f"did you mean {key[2:]}?":  # ++ sets a key, or adds one nothing reads
+                not _composes_with(key[2:], [o for o in overrides if o != ov]):  # ++ sets a key, or adds one
             raise ConfigError(f"unknown key '{key[2:]}': {_added_key_hint(key[2:], ov)}")
         if key.startswith("+") and not key.startswith("++"):
             name = key.lstrip("+")

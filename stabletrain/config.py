@@ -9,6 +9,7 @@ the fix. Option names follow docs/methods.md; each decision there is a documente
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -480,9 +481,10 @@ def validate(cfg: Any) -> None:
     _need(m.num_heads >= 1, f"model.num_heads={m.num_heads} must be >= 1")
     _need(m.embed_dim >= 1, f"model.embed_dim={m.embed_dim} must be >= 1 (e.g. model.embed_dim=384)")
     _need(m.mlp_ratio > 0, f"model.mlp_ratio={m.mlp_ratio} must be > 0 (e.g. 4.0)")
-    _need(m.mlp_hidden is not None or m.embed_dim < 1 or int(m.embed_dim * m.mlp_ratio) >= 1,
-          f"model.mlp_ratio={m.mlp_ratio:g} makes the MLP {int(m.embed_dim * m.mlp_ratio)} wide at model.embed_dim="
-          f"{m.embed_dim}: raise it to 1/{m.embed_dim} or more, or set model.mlp_hidden")
+    if m.mlp_hidden is None and m.embed_dim >= 1 and int(m.embed_dim * m.mlp_ratio) < 1:
+        least = next(r / 1e4 for r in itertools.count(math.ceil(1e4 / m.embed_dim)) if int(m.embed_dim * r / 1e4))
+        _need(False, f"model.mlp_ratio={m.mlp_ratio:g} makes the MLP 0 wide at model.embed_dim={m.embed_dim}: "
+                     f"raise it to {least:g} or more, or set model.mlp_hidden")
     _need(m.mlp_hidden is None or m.mlp_hidden >= 1, f"model.mlp_hidden={m.mlp_hidden} must be >= 1, or null "
                                                      f"(model.mlp_ratio x model.embed_dim)")
     _need(m.act in ("gelu", "gelu_tanh", "relu"), f"model.act={m.act} is not an option: use gelu, gelu_tanh, relu")

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
+from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with, release_claim,
                                       figures_command, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
@@ -151,15 +151,27 @@ _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was
 class ClaimRunDir(Callback):
     """A Hydra callback (train.yaml's ``hydra.callbacks``): a single run takes its directory's lock
     before Hydra writes ``.hydra/`` into it (:meth:`RunDirLock.claim`), so that a second run
-    started into the same directory is refused before it rewrites the first one's record."""
+    started into the same directory is refused before it rewrites the first one's record. A run
+    or sweep that would change its working directory (``hydra.job.chdir``, from the command line
+    or a config file) is refused before Hydra changes it."""
 
     def on_run_start(self, config, **kwargs) -> None:
+        _refuse_chdir(config)
         if D.detect().rank > 0 or config.get("dry_run") or config.hydra.output_subdir is None:
             return
         try:
             RunDirLock(Path(str(config.hydra.run.dir)).absolute()).claim()
         except ConfigError as e:
             fail(str(e))
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        _refuse_chdir(config)
+
+
+def _refuse_chdir(config) -> None:
+    if config.hydra.job.chdir:
+        fail("hydra.job.chdir=true: stabletrain reads the paths you give (data, resume, imports) from the directory "
+             "you start in and writes into the run directory itself; drop it (or hydra.job.chdir=false)")
 
 
 class SweepReport(Callback):
@@ -311,6 +323,7 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         if sweep:
             refuse_point(Path(run_dir), str(e))
             return None
+        release_claim(run_dir)  # refused before the run took its lock over: a new directory goes with it
         fail(str(e))
         return None
     except RunDirGone as e:

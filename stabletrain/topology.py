@@ -37,3 +37,14 @@ def detect() -> DistInfo:
     if tasks > 1 and "SLURM_PROCID" in env:
         return DistInfo(int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", 0)))
     return DistInfo()
+
+
+def sweep_flag(argv: list[str]) -> str | None:
+    """What in these arguments launches a Hydra sweep, as given: ``-m``, ``--multirun`` or
+    ``hydra.mode=MULTIRUN`` (or ``RunMode.MULTIRUN``, which Hydra takes too); None for one run."""
+    for a in argv:
+        key, _, value = a.lstrip("+").partition("=")
+        if a in ("-m", "--multirun") or (key.strip() == "hydra.mode" and value.strip() in ("MULTIRUN",
+                                                                                        "RunMode.MULTIRUN")):
+            return a
+    return None

@@ -110,8 +110,7 @@ def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are(
     (["-m", "model=glob(zz*)"], "model=glob(zz*) picks none of model's options (gpt2_l, "),
     (["hydra.mode=MULTIRUN", "optim.lr=-1,1"], "must be > 0 (e.g. optim.lr=1e-3) (sweep point optim.lr=-1; no point "
                                                "was launched)"),
-    (["hydra.job.chdir=true"], "hydra.job.chdir=true: stabletrain reads the paths you give (data, resume, imports) "
-                               "from the directory you start in"),
+    (["hydra.mode=MULTIRUN", "--cfg", "job"], "and hydra.mode=MULTIRUN launches a sweep: drop hydra.mode=MULTIRUN"),
     (["experiment=null"], "leave it out for no recipe (~experiment drops one a config of yours chose)"),
     (["-cd", "/nonexistent/stabletrain", "model=mine"], "--config-dir /nonexistent/stabletrain: no such folder"),
 ])
@@ -224,7 +223,12 @@ def test_hydras_sweeps_and_config_dir_flag_are_checked_as_hydra_reads_them(tmp_p
     assert _sweep_points(["model=glob(vit_t*)", "seed=1"]) == [["model=vit_test", "seed=1"]]
     assert _sweep_points(["model=glob([gpt_t*,swin_t*])"]) == [["model=gpt_test"], ["model=swin_t"],
                                                                  ["model=swin_test"]]
+    assert _sweep_points(["+experiment=glob(stable_vit*)"]) == [["+experiment=stable_vit_l"],
+                                                                ["+experiment=stable_vit_s_cifar100"]]
     check_overrides(["hydra.mode=MULTIRUN", "seed=1,2", "model=vit_test"])  # a sweep: takes several values
+    # ++ sets a key the yaml of a loss term declares; an empty dict into kwargs changes nothing
+    check_overrides(["regularizer=zloss", "++regularizer.zloss.coef=1e-4", "model=gpt_test"])
+    check_overrides(["model.kwargs={}"])
     (tmp_path / "model").mkdir()
     shutil.copy("configs/model/vit_test.yaml", tmp_path / "model" / "mine.yaml")
     for flags in (["-cd", str(tmp_path)], [f"--config-dir={tmp_path}"]):
@@ -238,13 +242,26 @@ def test_hydras_sweeps_and_config_dir_flag_are_checked_as_hydra_reads_them(tmp_p
     assert "choose one of: conv_vit_mini, conv_vit_test, gpt2_l," in err and ", mine, " in err, err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (["-m"], "-m"), (["--multirun"], "--multirun"), (["hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN"),
+    (["+hydra.mode=RunMode.MULTIRUN"], "+hydra.mode=RunMode.MULTIRUN"),  # Hydra takes the enum's name
+    (["hydra.mode=multirun"], None),  # Hydra refuses it: no sweep, its own error
+    (["hydra.mode=RUN", "seed=1"], None), (["model=vit_test"], None),
+])
+def test_a_sweep_is_told_by_the_flags_and_the_mode_hydra_takes(argv, flag):
+    from stabletrain.topology import sweep_flag
+
+    assert sweep_flag(argv) == flag
+
+
 def test_a_run_started_with_a_config_dir_is_continued_with_it(monkeypatch):
-    """Hydra keeps --config-dir among its config sources, not the overrides: the continue command
-    names it, or the run's own options would be missing from it."""
+    """Hydra keeps --config-dir, --config-path and --config-name among its config sources and
+    job, not the overrides: the continue command names them, or the run's own config and options
+    would be missing from it."""
     from hydra import compose, initialize_config_dir
     from hydra.conf import ConfigSourceInfo
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from stabletrain.engine import rundir as R
     from tests.helpers import ROOT
@@ -259,6 +276,13 @@ def test_a_run_started_with_a_config_dir_is_continued_with_it(monkeypatch):
     try:
         assert R.command(["model=mine"], "hydra.run.dir", "/runs/a").endswith(
             "train.py --config-dir /my/configs model=mine resume=auto hydra.run.dir=/runs/a")
+        OmegaConf.set_readonly(cfg.hydra, False)
+        cfg.hydra.runtime.config_sources[0].path = "/their/configs"
+        cfg.hydra.job.config_name = "mine"
+        HydraConfig.instance().set_config(cfg)
+        assert R.command([], "hydra.run.dir", "/runs/a").endswith(
+            "train.py --config-path /their/configs --config-name mine --config-dir /my/configs resume=auto "
+            "hydra.run.dir=/runs/a")
     finally:
         HydraConfig.instance().cfg = None
     assert R.command(["model=mine"], "hydra.run.dir", "/runs/a").endswith("train.py model=mine resume=auto "

@@ -41,7 +41,7 @@ from tests.helpers import make_cfg
     (["model.num_heads=0"], "model.num_heads=0 must be >= 1"),
     # int(32 x 0.03) = 0: timm's Mlp then built one as wide as the model, a larger MLP than 0.04's
     (["model=vit_test", "model.mlp_ratio=0.03"], "model.mlp_ratio=0.03 makes the MLP 0 wide at model.embed_dim=32: "
-                                                  "raise it to 1/32 or more, or set model.mlp_hidden"),
+                                                  "raise it to 0.0313 or more, or set model.mlp_hidden"),
     # a cosine ending before the warmup did: one step at the peak, then lr 0
     (["warmup=4", "schedule.horizon=2"], "schedule.horizon=2 must be longer than warmup=4 (both in schedule.unit)"),
     (["model.act=swish"], "model.act=swish is not an option"),

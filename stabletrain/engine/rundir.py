@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from stabletrain.errors import ConfigError
+from stabletrain.topology import sweep_flag
 
 try:
     import fcntl
@@ -78,22 +79,31 @@ def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launc
     of the interpreter; ``resume`` a checkpoint's path in place of auto."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
-    args = [script, *_config_dir_flag(), *(["-m"] if multirun else []), *kept, f"resume={resume}",
+    args = [script, *_config_flags(), *(["-m"] if multirun else []), *kept, f"resume={resume}",
             f"{dir_key}={dir_value}"]
     return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
 
 
-def _config_dir_flag() -> list[str]:
-    """``--config-dir DIR`` where this process was started with it (Hydra lists DIR among its
-    config sources, not among the overrides): a continue command needs the options it holds."""
+def _config_flags() -> list[str]:
+    """``--config-path``, ``--config-name`` and ``--config-dir`` where this process was started
+    with them (Hydra keeps them among its config sources and job, not among the overrides): a
+    continue command needs the config they chose and the options they hold."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        sources = HydraConfig.get().runtime.config_sources
+        hc = HydraConfig.get()
+        sources, name = hc.runtime.config_sources, hc.job.config_name
     except Exception:  # no Hydra run in this process (a library call, a test)
         return []
+    flags = []
+    own = Path(__file__).resolve().parents[2] / "configs"
+    main = [str(s.path) for s in sources if s.provider == "main" and s.schema == "file"]
+    if main and Path(main[0]).resolve() != own:
+        flags += ["--config-path", main[0]]
+    if name and name != "train":
+        flags += ["--config-name", str(name)]
     given = [str(s.path) for s in sources if s.provider == "command-line" and s.schema == "file"]
-    return ["--config-dir", given[0]] if given else []
+    return flags + (["--config-dir", given[0]] if given else [])
 
 
 def figures_command(run_dir: str | Path) -> str | None:
@@ -170,12 +180,6 @@ def own_dir_key() -> str:
     return "hydra.sweep.dir" if sweep_dir() is not None else "hydra.run.dir"
 
 
-def is_multirun(argv: list[str]) -> bool:
-    """Whether these arguments launch a Hydra sweep: ``-m``, ``--multirun`` or ``hydra.mode=MULTIRUN``."""
-    return any(a in ("-m", "--multirun") or a.lstrip("+").replace(" ", "").upper() == "HYDRA.MODE=MULTIRUN"
-               for a in argv)
-
-
 class KeptHydraRecord:
     """Hydra writes ``.hydra/`` (the overrides and config of this attempt) before the run checks
     them; an attempt refused in an existing run directory (a resume that would change the run)
@@ -186,7 +190,7 @@ class KeptHydraRecord:
     def __init__(self, argv: list[str]):
         given = [a.split("=", 1)[1].strip("'\"") for a in argv if a.lstrip("+~").startswith("hydra.run.dir=")]
         record = Path(given[-1]) / ".hydra" if given and "${" not in given[-1] else None
-        self.record = record if record is not None and record.is_dir() and not is_multirun(argv) else None
+        self.record = record if record is not None and record.is_dir() and sweep_flag(argv) is None else None
         self.files: dict[str, bytes] = {}
 
     def __enter__(self) -> KeptHydraRecord:
@@ -235,6 +239,13 @@ class RunDirLock:
         if self.fd is not None:
             _CLAIMED.append(self.fd)
             self.fd = None
+
+    def release_claim(self) -> None:
+        """Release a claim no run took over (one refused before it trained), removing the run
+        directory where :meth:`unused`."""
+        self.fd = self._claimed()
+        if self.fd is not None:
+            self.release_and_remove_unused()
 
     def _claimed(self) -> int | None:
         try:
@@ -287,3 +298,8 @@ class RunDirLock:
         self.release()
         if unused:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def release_claim(run_dir: str | Path) -> None:
+    """:meth:`RunDirLock.release_claim` of ``run_dir``."""
+    RunDirLock(run_dir).release_claim()

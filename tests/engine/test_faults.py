@@ -320,6 +320,34 @@ def test_the_lock_of_another_process_refuses_train_py(tmp_path, given):
     assert train(run_dir, *GPT_LOGGED, "steps=1")["status"] == "completed"  # the kernel released the dead one's lock
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device=cuda must be refused: no GPU")
+def test_a_run_refused_after_it_claimed_its_new_directory_leaves_none(tmp_path):
+    """The directory's lock is claimed before Hydra writes .hydra/; a refusal before the run takes
+    it over (no such device here) removes the directory it made, lock and record."""
+    from tests.helpers import cli
+
+    r = cli(*QUIET, *GPT_LOGGED, "steps=1", "device=cuda", f"hydra.run.dir={tmp_path / 'new'}")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: device=cuda"), r.stderr
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_a_working_directory_change_is_refused_before_hydra_makes_it(tmp_path, where):
+    """hydra.job.chdir=true (given, or set by an option of one's own) sent relative paths to the
+    run directory after the checks had read them from the starting one."""
+    from tests.helpers import cli
+
+    (tmp_path / "own" / "experiment").mkdir(parents=True)
+    (tmp_path / "own" / "experiment" / "cd.yaml").write_text("# @package _global_\nhydra:\n  job:\n    chdir: true\n")
+    given = (["hydra.job.chdir=true"] if where == "command line" else
+             [f"hydra.searchpath=[file://{tmp_path / 'own'}]", "experiment=cd"])
+    r = cli(*QUIET, *GPT_LOGGED, "steps=1", *given, f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "error: hydra.job.chdir=true: stabletrain reads the paths you give (data, resume, imports) from the directory "
+        "you start in and writes into the run directory itself; drop it (or hydra.job.chdir=false)"), r.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_crash_leaves_a_summary_saying_where_and_why(tmp_path):
     """An exception in the loop (here an out-of-memory error at step 3) ends the run with its
     traceback, and summary.json records status failed, the steps done and the error's first line."""
