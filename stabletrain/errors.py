@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,8 @@ def fail(msg: str, code: int = 2, every_rank: bool = False) -> None:
 
     info = detect()
     if every_rank or info.rank == 0:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" and sys.exc_info()[0] is not None:
+            traceback.print_exc()  # Hydra's switch for the whole story: where the one line came from
         line = f"error: {f'rank {info.rank}: ' if every_rank and info.enabled else ''}{msg}"
         print(line, file=sys.stderr)
         _tell_torchrun(line)

@@ -414,6 +414,22 @@ def test_under_torchrun_the_error_line_is_the_root_cause_torchrun_reports(tmp_pa
     assert report.message == "error: optim.lr=-1.0 must be > 0"
 
 
+def test_hydras_full_error_switch_shows_where_a_refusal_came_from(monkeypatch, capsys):
+    """HYDRA_FULL_ERROR=1, Hydra's switch for tracebacks: the refusal's traceback, then its line."""
+    from stabletrain.cli import check_overrides
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(SystemExit):
+        check_overrides(["optim.lr=-1"])
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and "stabletrain.errors.ConfigError: " in err
+    assert err.endswith("\nerror: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)\n"), err
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    with pytest.raises(SystemExit):
+        check_overrides(["optim.lr=-1"])
+    assert capsys.readouterr().err == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)\n"
+
+
 def test_help_opens_with_examples_that_run():
     """``python train.py --help``: the project's own header, each example a valid command."""
     import yaml
