@@ -457,11 +457,11 @@ def epochs_over_steps(argv: list[str]) -> list[str]:
 def check_overrides(argv: list[str]) -> None:
     from stabletrain.topology import sweep_flag
 
-    multirun = sweep_flag(argv) is not None
+    sweep = sweep_flag(argv)
+    multirun = sweep is not None
     printing = len(_without_cfg_flag(argv)) < len(argv)
     if multirun and printing:
-        given = sweep_flag(argv)
-        _fail(f"--cfg prints the config of one run, and {given} launches a sweep: drop {given} to print one point's "
+        _fail(f"--cfg prints the config of one run, and {sweep} launches a sweep: drop {sweep} to print one point's "
               f"config")
     argv = _without_cfg_flag(argv)  # `--cfg job` prints the config these checks pass
     foreign = next((i for i, a in enumerate(argv) if a.startswith("--") and a.split("=")[0] not in HYDRA_FLAGS), None)

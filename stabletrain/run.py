@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail, first_line
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
-from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with, release_claim,
+from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
                                       figures_command, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
@@ -323,7 +323,7 @@ def main_guarded(cfg, run_dir, sweep: bool = False) -> dict | None:
         if sweep:
             refuse_point(Path(run_dir), str(e))
             return None
-        release_claim(run_dir)  # refused before the run took its lock over: a new directory goes with it
+        RunDirLock(run_dir).release_claim()  # refused before the run took its lock over: a new directory goes with it
         fail(str(e))
         return None
     except RunDirGone as e:

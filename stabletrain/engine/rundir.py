@@ -298,8 +298,3 @@ class RunDirLock:
         self.release()
         if unused:
             shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def release_claim(run_dir: str | Path) -> None:
-    """:meth:`RunDirLock.release_claim` of ``run_dir``."""
-    RunDirLock(run_dir).release_claim()
