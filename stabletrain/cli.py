@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import difflib
 import re
+from contextvars import ContextVar
 from math import prod
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# the primary config Hydra composes: train.py's configs/train.yaml, or the one --config-path /
+# --config-name name on the command line (check_overrides sets it while it checks)
+PRIMARY: ContextVar[tuple[Path, str]] = ContextVar("primary", default=(CONFIG_DIR, "train"))
 _PASSTHROUGH_FLAGS = {"-m", "--multirun"}
 # the groups whose options of one's own take arguments of their own in ``<group>.kwargs``
 KWARGS_GROUPS = ("model", "norm", "attention", "init", "reparam", "deescalate", "optim", "schedule")
@@ -20,7 +24,7 @@ KWARGS_GROUPS = ("model", "norm", "attention", "init", "reparam", "deescalate", 
 
 def config_dirs(overrides: list[str] = ()) -> list[Path]:
     """``configs/`` and the folders of the user's own options, ``hydra.searchpath=[file://DIR,...]``."""
-    dirs = [CONFIG_DIR]
+    dirs = [PRIMARY.get()[0]]
     for ov in overrides:
         key, _, value = ov.lstrip("+").partition("=")
         if key == "hydra.searchpath":
@@ -168,7 +172,7 @@ def explain(err: Exception, overrides: list[str]) -> str:
         hint = _nearest_key(bad.lstrip("+~")) if bad else None
         if hint:
             return f"unknown key '{bad}': {hint}"
-        top = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+        top = sorted(p.name for p in PRIMARY.get()[0].iterdir() if p.is_dir())
         return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")
     if key and "is not a ListConfig" in first:
@@ -347,9 +351,10 @@ def compose_config(overrides: list[str], with_hydra: bool = False):
 
     register()
     GlobalHydra.instance().clear()
+    config_dir, config_name = PRIMARY.get()
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose("train", overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return compose(config_name, overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
     finally:
         GlobalHydra.instance().clear()
 
@@ -394,20 +399,48 @@ HYDRA_FLAGS = {"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--re
                "--config-dir", "-cd", "--experimental-rerun", "--shell-completion", "-sc"}
 
 
-def _without_config_dir(argv: list[str]) -> tuple[list[str], str | None]:
-    """``argv`` without Hydra's ``--config-dir DIR`` / ``-cd DIR`` (or ``=DIR``), and that DIR."""
+def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str | None]:
+    """``argv`` without Hydra's flag ``names`` and its value (``--config-dir DIR``, ``-cd=DIR``), and that value."""
     rest, found, i = [], None, 0
     while i < len(argv):
         flag, eq, value = argv[i].partition("=")
-        if flag in ("--config-dir", "-cd"):
+        if flag in names:
             found = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 1 if eq else 2
             continue
         rest.append(argv[i])
         i += 1
-    if found is not None and not Path(found).is_dir():
-        _fail(f"--config-dir {found}: no such folder; give the folder that holds your groups' folders (model/, ...)")
     return rest, found
+
+
+def _config_flags(argv: list[str]) -> tuple[list[str], str | None, tuple[Path, str] | None]:
+    """``argv`` without ``--config-dir``, ``--config-path`` and ``--config-name``; the folder
+    ``--config-dir`` adds to the search path; and the primary config (folder, name) the others
+    choose, read as Hydra reads them (a relative path from train.py's folder). None for a
+    package's (``pkg://``), which the checks leave to Hydra."""
+    argv, own_dir = _take_flag(argv, ("--config-dir", "-cd"))
+    if own_dir is not None and not Path(own_dir).is_dir():
+        _fail(f"--config-dir {own_dir}: no such folder; give the folder that holds your groups' folders (model/, ...)")
+    argv, path = _take_flag(argv, ("--config-path", "-cp"))
+    argv, name = _take_flag(argv, ("--config-name", "-cn"))
+    config_dir, config_name = PRIMARY.get()
+    if path is not None and path.startswith("pkg://"):
+        return argv, own_dir, None
+    if path is not None:
+        config_dir = Path(path) if Path(path).is_absolute() else (CONFIG_DIR.parent / path).resolve()
+        if not config_dir.is_dir():
+            _fail(f"--config-path {path}: no such folder ({config_dir}; a relative path is read from train.py's "
+                  f"folder, {CONFIG_DIR.parent}); give the folder that holds your primary config")
+    if name is not None:
+        config_name = name.removesuffix(".yaml")
+        if not (config_dir / f"{config_name}.yaml").is_file():
+            options = sorted(p.stem for p in config_dir.glob("*.yaml"))
+            _fail(f"--config-name {name}: no {config_name}.yaml in {config_dir}"
+                  + (f"; its configs: {', '.join(options)}" if options else ""))
+    elif path is not None and not (config_dir / f"{config_name}.yaml").is_file():
+        _fail(f"--config-path {path}: {config_dir} holds no {config_name}.yaml; add one (copy configs/train.yaml) "
+              f"or name yours with --config-name")
+    return argv, own_dir, (config_dir, config_name)
 
 
 def _searching(own_dir: str | None, overrides: list[str]) -> list[str]:
@@ -468,16 +501,27 @@ def check_overrides(argv: list[str]) -> None:
     if foreign is not None:  # argparse's usage block named the flag's value among the "unrecognized arguments"
         given, meant = _as_override(argv, foreign)
         _fail(f"{given}: train.py takes overrides key=value, without dashes: {meant}")
+    argv, own_dir, primary = _config_flags(argv)
+    if primary is None:
+        return  # a package's primary config: Hydra's own business
+    token = PRIMARY.set(primary)
+    try:
+        _check_overrides(argv, own_dir, multirun, printing)
+    finally:
+        PRIMARY.reset(token)
+
+
+def _check_overrides(argv: list[str], own_dir: str | None, multirun: bool, printing: bool) -> None:
+    """check_overrides' work, once the flags that choose the config are read."""
     if "--help" in argv or "-h" in argv:
-        given = [a for a in argv if not a.startswith("-")]
+        given = _searching(own_dir, [a for a in argv if not a.startswith("-")])
         print_own_options(given)
         if (text := help_text(given)) is not None:
             print(text)
             raise SystemExit(0)
         argv = [a for a in argv if a not in ("--help", "-h")]  # the overrides' mistake, told below in one line
-    argv, own_dir = _without_config_dir(argv)
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
-        return  # --info, -cn ...: Hydra's own business
+        return  # --info, --package ...: Hydra's own business
     overrides = _searching(own_dir, [a for a in argv if not a.startswith("-")])
     if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
                                           for a in overrides):

@@ -242,6 +242,39 @@ def test_hydras_sweeps_and_config_dir_flag_are_checked_as_hydra_reads_them(tmp_p
     assert "choose one of: conv_vit_mini, conv_vit_test, gpt2_l," in err and ", mine, " in err, err
 
 
+def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, capsys):
+    """--config-path / --config-name choose the config Hydra composes (a relative path from
+    train.py's folder): the checks compose the same one, and say in one line what is missing."""
+    from stabletrain.cli import PRIMARY, CONFIG_DIR, check_overrides, compose_config
+
+    shutil.copytree("configs", tmp_path, dirs_exist_ok=True)
+    shutil.copy("configs/model/vit_test.yaml", tmp_path / "model" / "mine.yaml")
+    (tmp_path / "short.yaml").write_text((tmp_path / "train.yaml").read_text().replace("steps: 600", "steps: -5"))
+
+    def error(argv):
+        with pytest.raises(SystemExit):
+            check_overrides(argv)
+        return capsys.readouterr().err.strip()
+
+    check_overrides(["-cp", str(tmp_path), "model=mine"])  # its own folder's options are options
+    assert error(["model=mine"]).startswith("error: model=mine is not an option of 'model'")
+    assert error([f"--config-path={tmp_path}", "model=mine", "optim.lrr=1"]) == (
+        "error: unknown key 'optim.lrr': did you mean optim.lr?")
+    for flags in (["-cp", str(tmp_path), "-cn", "short"], [f"--config-path={tmp_path}", "--config-name=short.yaml"]):
+        assert error([*flags, "model=vit_test"]) == "error: steps=-5 must be > 0"
+    check_overrides(["-cp", str(tmp_path), "-cn", "short", "steps=5"])
+    check_overrides(["--config-path", "configs", "--config-name", "train"])  # the default, named
+    assert error(["-cn", "shorts"]) == (
+        f"error: --config-name shorts: no shorts.yaml in {CONFIG_DIR}; its configs: train")
+    nope = tmp_path / "nope"
+    assert error(["-cp", str(nope)]).startswith(f"error: --config-path {nope}: no such folder")
+    (tmp_path / "empty").mkdir()
+    assert error(["-cp", str(tmp_path / "empty")]) == (
+        f"error: --config-path {tmp_path / 'empty'}: {tmp_path / 'empty'} holds no train.yaml; add one (copy "
+        f"configs/train.yaml) or name yours with --config-name")
+    assert PRIMARY.get() == (CONFIG_DIR, "train") and compose_config(["model=vit_test"]).steps == 600
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["-m"], "-m"), (["--multirun"], "--multirun"), (["hydra.mode=MULTIRUN"], "hydra.mode=MULTIRUN"),
     (["+hydra.mode=RunMode.MULTIRUN"], "+hydra.mode=RunMode.MULTIRUN"),  # Hydra takes the enum's name
