@@ -549,7 +549,8 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
     data = data_from_config(cfg)
     given = C.given_keys(task_overrides())  # a sweep's point at a key's default is noted as the others are
     notes = (fit_model_to_data(cfg, data) + C.unread_keys(cfg, own_groups(cfg), given) + unread_data_notes(cfg, given)
-             + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given))
+             + unread_kwargs_notes(cfg) + unread_model_keys(cfg.model, given)
+             + MODELS.entry(cfg.model.family).info.get("notes", lambda m: [])(cfg.model))
     if not info.enabled and ("dist_timeout" in given or C.differs(cfg.dist_timeout, C.schema_default("dist_timeout"))):
         notes.append(f"note: dist_timeout={cfg.dist_timeout:g} changes nothing: this run is one process (it bounds "
                      f"how long a torchrun/srun job's collective waits for the other ranks)")

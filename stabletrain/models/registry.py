@@ -22,13 +22,16 @@ from stabletrain.registry import Registry
 #   instead   ``{key: its own key}`` for a ``model.*`` key another family reads that this one sets
 #             under another name (swin: depth -> depths, num_heads -> stage_heads): the note and
 #             the type error of the other key name its counterpart
+#   notes     ``model_cfg -> [start notes]`` on settings built otherwise than they read (swin: a
+#             window larger than a stage's grid); none registered: no notes
 #   tau       AdamW²'s bound where ``optim.tau`` is null (none registered: DEFAULT_TAU)
 #   weights   ``(state, settings, model_cfg, model) -> (state, settings, [how read])`` reading a
 #             checkpoint for ``init_weights``: another code base's names as the family's, its model
 #             settings as ``model.*`` keys (gpt: nanoGPT's and Hugging Face's GPT-2), tensors of
 #             another size resampled (vit, swin: timm's own filters); none: names as they are
 MODELS = Registry("model.family", "stabletrain.models", package=True,
-                  declares=("kind", "data", "check", "flops", "no_decay", "keys", "instead", "tau", "weights"),
+                  declares=("kind", "data", "check", "notes", "flops", "no_decay", "keys", "instead", "tau",
+                            "weights"),
                   call="(model_cfg, components)",
                   returns=(lambda m: isinstance(m, nn.Module), "the model, an nn.Module"))
 DEFAULT_TAU = 0.004  # 000 Table 2's ViT and Swin value

@@ -90,6 +90,17 @@ def _untiled(img_size: int, patch: int, window: int, stages: int) -> str | None:
     return None
 
 
+def window_notes(m) -> list[str]:
+    """A window larger than a stage's token grid is that grid, unshifted (timm's blocks shrink it):
+    the stage attends globally, which the window size did not say."""
+    grids = [m.img_size // m.patch_size // 2**stage for stage in range(len(m.depths))]
+    small = [f"{stage} ({grid}x{grid})" for stage, grid in enumerate(grids) if grid < m.window_size]
+    if not small:
+        return []
+    return [f"note: model.window_size={m.window_size} is larger than the token grid of stage{'s' * (len(small) > 1)} "
+            f"{', '.join(small)}: each such block attends over its whole grid as one window, unshifted (timm's Swin)"]
+
+
 def swin_flops(model: nn.Module, m) -> float:
     """Training FLOPs of one image: ``6 x params x tokens`` of every block at its stage's
     resolution, plus ``12 d T W`` for attention within windows of ``W`` tokens; the patch
@@ -104,7 +115,7 @@ def swin_flops(model: nn.Module, m) -> float:
     return total + 6 * sum(p.numel() for p in model.parameters() if id(p) not in counted) * tokens
 
 
-@MODELS.register("swin", kind="vision", data="digits", check=check_swin, flops=swin_flops,
+@MODELS.register("swin", kind="vision", data="digits", check=check_swin, notes=window_notes, flops=swin_flops,
                  no_decay=("absolute_pos_embed", "relative_position_bias_table"),  # timm's Swin recipe
                  keys=FAMILY_KEYS["swin"],
                  instead={"depth": "depths", "num_heads": "stage_heads"},  # one per stage

@@ -1,5 +1,7 @@
 """Default models are the references: timm's own ViT/Swin, GPT-2's parameter count."""
 
+import re
+
 import pytest
 import timm
 import torch
@@ -133,6 +135,24 @@ def test_swin_sizes_are_refused_exactly_where_timm_would_pad_or_drop(img, window
                                             for r, w in zip(b.input_resolution, b.window_size))
     exact &= [b.input_resolution[0] for b in blocks] == [img // m.patch_size // 2 ** i for i in range(len(blocks))]
     assert exact == tiles
+
+
+@pytest.mark.parametrize("img,window", [(16, 4), (16, 8), (16, 16), (32, 4), (8, 8)])
+def test_a_swin_window_larger_than_a_stage_grid_is_noted_where_timm_shrinks_it(img, window):
+    """The note names exactly the stages whose blocks timm builds with a smaller window than asked."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    from stabletrain.models.swin import window_notes
+
+    m = make_cfg("model=swin_test", f"model.img_size={img}", f"model.window_size={window}").model
+    net = model_of(make_cfg("model=swin_test", f"model.img_size={img}", f"model.window_size={window}"))
+    shrunk = sorted({stage for stage, layer in enumerate(net.layers) for b in layer.modules()
+                     if isinstance(b, SwinTransformerBlock) and b.window_size[0] < window})
+    notes = window_notes(m)
+    named = [int(x) for x in re.findall(r"(\d+) \(\d+x\d+\)", notes[0])] if notes else []
+    assert named == shrunk and (notes == []) == (not shrunk)
+    if shrunk:
+        assert notes[0].startswith(f"note: model.window_size={window} is larger than the token grid of stage")
 
 
 @pytest.mark.parametrize("overrides", [("model.embed_dim=32", "model.stage_heads=[3,6]"),
