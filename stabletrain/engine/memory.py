@@ -2,12 +2,15 @@
 
 A GPU out of memory raises an error the run reports; a CPU process out of memory is killed
 by the kernel with no message, after it has spent minutes allocating. So on a CPU the run
-first measures what forwards of one and two samples keep for the backward (every tensor saved
-for the backward, each storage once, parameters aside), scales that to a micro-batch and
-refuses a run whose activations cannot fit in the memory the machine has free, with the model
-already built. Gradients, optimizer state and temporaries come on top: the figure is a lower
-bound, so a refusal is certain, and a run that passes may still be tight. A compiled model is
-only warned: inductor may save less than the eager forward measured here.
+first measures what a forward of a micro-batch keeps for the backward (every tensor saved for
+the backward, each storage once, parameters aside) and refuses a run whose activations cannot
+fit in the memory the machine has free, with the model already built. The forward runs on fake
+tensors (shapes, no data): it takes a moment and no memory whatever the size. A model whose
+forward fake tensors cannot run (it reads a value, ``.item()``) is measured by real forwards of
+one and two samples instead, scaled to the micro-batch. Gradients, optimizer state and
+temporaries come on top: the figure is a lower bound, so a refusal is certain, and a run that
+passes may still be tight. A compiled model is only warned: inductor may save less than the
+eager forward measured here.
 """
 from __future__ import annotations
 
@@ -26,6 +29,33 @@ from stabletrain.errors import ConfigError
 def size(nbytes: float) -> str:
     """``120.9 GB``, ``8.2 MB``."""
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def traced_bytes(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable) -> int:
+    """:func:`saved_bytes` of ``micro`` copies of ``x``'s first sample, traced on fake tensors:
+    no data is computed or allocated, and the model's parameters and buffers are left as they are."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kept: dict[int, int] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        state = {n: mode.from_tensor(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        params = {state[n].untyped_storage()._cdata for n, _ in model.named_parameters()}
+        batch = mode.from_tensor(x[:1].clone()).expand(micro, *x.shape[1:]).contiguous()  # x's storage, not x's
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                kept[storage._cdata] = storage.nbytes()
+            return t
+
+        was_training = model.training
+        model.train()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+                out = torch.func.functional_call(model, state, (batch,))
+        finally:
+            model.train(was_training)
+    return sum(kept.values()) + sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)) * 4
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
@@ -59,9 +89,14 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
 
 
 def activation_bytes(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable) -> int:
-    """What a forward of ``micro`` samples keeps for the backward, from forwards of one and two
-    samples of ``x``: the difference is what each sample adds, the rest is kept once whatever
-    the batch (sigmaReparam's ``W / sigma``, autocast's bf16 copies of the weights)."""
+    """What a forward of ``micro`` samples keeps for the backward: traced on fake tensors, or
+    where the model's forward cannot be, from real forwards of one and two samples of ``x``: the
+    difference is what each sample adds, the rest is kept once whatever the batch (sigmaReparam's
+    ``W / sigma``, autocast's bf16 copies of the weights)."""
+    try:
+        return traced_bytes(model, x, micro, autocast)
+    except Exception:  # an operator without a fake kernel, a value read (.item()): measured for real
+        pass
     one = saved_bytes(model, x[:1], autocast)
     if len(x) < 2:
         return one * micro

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from stabletrain.engine.memory import activation_bytes, check_host_memory, saved_bytes
+from stabletrain.engine.memory import activation_bytes, check_host_memory, saved_bytes, traced_bytes
 from stabletrain.engine.sharding import apply_activation_checkpointing
 from stabletrain.errors import ConfigError
 from stabletrain.models.registry import transformer_blocks
@@ -58,6 +58,73 @@ def test_the_measure_leaves_the_model_and_the_random_stream_as_they_were():
     saved_bytes(model, x, NO_AUTOCAST)
     assert torch.equal(torch.rand(3), expected) and not model.training
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+def _batch(cfg, n: int) -> torch.Tensor:
+    m = cfg.model
+    if m.family == "gpt":
+        return torch.randint(0, m.vocab_size, (n, m.block_size))
+    return torch.randn(n, m.in_chans, m.img_size, m.img_size)
+
+
+@pytest.mark.parametrize("overrides,checkpointed,bf16", [
+    (["model=gpt_test"], False, False), (["model=gpt_test"], True, False), (["model=gpt_test"], False, True),
+    (["model=vit_test", "reparam=sigma"], False, False), (["model=swin_test"], False, True),
+    (["model=gpt_test", "attention=stable", "norm=stablenorm", "deescalate=block"], False, False),
+    (["model=vit_test", "attention=qknorm", "init=stable"], True, False),
+])
+def test_the_fake_trace_counts_what_a_real_forward_of_the_micro_batch_keeps(overrides, checkpointed, bf16):
+    """Shapes alone give the bytes: the traced figure for 3 samples is the real forward's."""
+    cfg = make_cfg(*overrides)
+    model = model_of(cfg)
+    if checkpointed:
+        apply_activation_checkpointing(transformer_blocks(model))
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else NO_AUTOCAST
+    x = _batch(cfg, 3)
+    for micro in (1, 3):
+        real = saved_bytes(model, x[:micro], autocast)
+        if bf16:  # fake LayerNorm statistics under autocast are bf16, the CPU kernel's fp32: 2 bytes a token each
+            assert abs(traced_bytes(model, x, micro, autocast) / real - 1) < 0.01
+        else:
+            assert traced_bytes(model, x, micro, autocast) == real
+
+
+def test_the_trace_allocates_nothing_and_leaves_the_model_as_it_was():
+    """100000 samples of gpt_test would keep ~24 GB: traced, that is a number, and the model's
+    buffers (sigmaReparam's power-iteration vectors) and the random stream are untouched."""
+    cfg = make_cfg("model=gpt_test", "reparam=sigma", "model.dropout=0.1")
+    model = model_of(cfg).eval()
+    before = [b.clone() for b in model.buffers()]
+    x = _batch(cfg, 3)
+    two, three = saved_bytes(model, x[:2], NO_AUTOCAST), saved_bytes(model, x, NO_AUTOCAST)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert traced_bytes(model, x, 100_000, NO_AUTOCAST) == two + 99_998 * (three - two)
+    assert torch.equal(torch.rand(3), expected) and not model.training
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+
+
+class ReadsAValue(nn.Module):
+    """A forward that reads a tensor's value, which fake tensors do not have."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fc(x) * (1.0 if x.sum().item() > 0 else -1.0)
+
+
+def test_a_forward_fake_tensors_cannot_run_is_measured_for_real():
+    d = 8
+    model = ReadsAValue(d)
+    x = torch.randn(2, d)
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    with pytest.raises(DataDependentOutputException):
+        traced_bytes(model, x, 5, NO_AUTOCAST)
+    assert activation_bytes(model, x, 5, NO_AUTOCAST) == 5 * 4 * (d + d)  # fc's input, the output
 
 
 def test_activation_checkpointing_shrinks_the_estimate():
