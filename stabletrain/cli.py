@@ -490,9 +490,17 @@ def epochs_over_steps(argv: list[str]) -> list[str]:
 def check_overrides(argv: list[str]) -> None:
     from stabletrain.topology import sweep_flag
 
+    _, shown = _take_flag(argv, ("--cfg", "-c"))
+    if "--resolve" in argv and shown is None and not {"--help", "-h"} & set(argv):
+        _fail("--resolve goes with --cfg: --cfg job --resolve prints the run's config with every ${...} resolved")
+    if shown == "hydra" and "--resolve" in argv and not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        # Hydra drops the job's keys before it resolves its own node
+        _fail("--cfg hydra --resolve: Hydra resolves its node without the run's keys, and hydra.run.dir reads ${name}; "
+              "give hydra.run.dir=DIR, print it unresolved (--cfg hydra), or resolve it within the whole config "
+              "(--cfg all --resolve)")
     sweep = sweep_flag(argv)
     multirun = sweep is not None
-    printing = len(_without_cfg_flag(argv)) < len(argv)
+    printing = shown is not None
     if multirun and printing:
         _fail(f"--cfg prints the config of one run, and {sweep} launches a sweep: drop {sweep} to print one point's "
               f"config")
@@ -789,14 +797,15 @@ def _added_key_hint(name: str, ov: str) -> str:
 
 
 def _without_cfg_flag(argv: list[str]) -> list[str]:
-    """``argv`` without Hydra's ``--cfg job`` / ``-c all`` / ``--cfg=job`` (flag and value)."""
+    """``argv`` without Hydra's ``--cfg job`` / ``-c all`` / ``--cfg=job`` (flag and value) and
+    the ``--resolve`` that goes with it."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
         elif a in ("--cfg", "-c"):
             skip = True
-        elif not a.startswith("--cfg="):
+        elif not a.startswith("--cfg=") and a != "--resolve":
             out.append(a)
     return out
 

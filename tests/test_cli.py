@@ -537,6 +537,26 @@ def test_printing_a_valid_config_still_prints_it(tmp_path):
     assert r.returncode == 0 and "        level: 0\n    root:\n      level: INFO\n" in r.stdout, r.stderr[-2000:]
 
 
+def test_resolve_is_checked_with_the_config_it_prints(tmp_path, capsys):
+    """--resolve is a printing flag: the config it prints is checked as --cfg job's is; Hydra
+    resolves --cfg hydra without the run's keys (run.dir reads ${name}): told unless run.dir is
+    given; --resolve alone was Hydra's ValueError traceback."""
+    from stabletrain.cli import check_overrides
+
+    def error(*argv):
+        with pytest.raises(SystemExit):
+            check_overrides(list(argv))
+        return capsys.readouterr().err.strip()
+
+    assert error("--cfg", "job", "--resolve", "optim.lr=-1") == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)"
+    assert error("--cfg=hydra", "--resolve").startswith("error: --cfg hydra --resolve: Hydra resolves its node without")
+    assert error("--resolve", "seed=1") == ("error: --resolve goes with --cfg: --cfg job --resolve prints the run's "
+                                            "config with every ${...} resolved")
+    check_overrides(["-c", "hydra", "--resolve", f"hydra.run.dir={tmp_path}"])
+    r = cli("--cfg", "hydra", "--resolve", f"hydra.run.dir={tmp_path}/run", "model=vit_test")
+    assert r.returncode == 0 and f"    dir: {tmp_path}/run\n" in r.stdout, r.stderr[-2000:]
+
+
 def test_printing_a_config_trained_by_epochs_prints_it():
     """The steps=null that epochs=E brings went after --cfg job, where Hydra's argparse refused it
     as an argument the user never typed."""
