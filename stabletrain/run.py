@@ -19,7 +19,7 @@ from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail,
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
-                                      figures_command, sweep_dir, task_overrides)
+                                      figures_command, first_missing, remove_made, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -44,7 +44,7 @@ def run(cfg, run_dir: str | Path) -> dict:
             if info.is_main:
                 print(dry_run_report(trainer, found), file=sys.stderr)
                 if run_dir.is_dir() and not any(run_dir.iterdir()):  # made for the run it did not start
-                    run_dir.rmdir()
+                    remove_made(run_dir, _NEW_DIRS.pop() if _NEW_DIRS else run_dir)
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
             # one run per directory; its lock also makes the temp files of earlier, killed writes stale
@@ -148,6 +148,9 @@ def refuse_point(run_dir: Path, reason: str) -> None:
 _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was refused
 
 
+_NEW_DIRS: list[Path | None] = []  # what a single dry run's directory made new (rundir.first_missing)
+
+
 class ClaimRunDir(Callback):
     """A Hydra callback (train.yaml's ``hydra.callbacks``): a single run takes its directory's lock
     before Hydra writes ``.hydra/`` into it (:meth:`RunDirLock.claim`), so that a second run
@@ -157,6 +160,8 @@ class ClaimRunDir(Callback):
 
     def on_run_start(self, config, **kwargs) -> None:
         _refuse_chdir(config)
+        if config.get("dry_run"):  # takes no lock; the folders Hydra is about to make go again at its end
+            _NEW_DIRS.append(first_missing(str(config.hydra.run.dir)))
         if D.detect().rank > 0 or config.get("dry_run") or config.hydra.output_subdir is None:
             return
         try:
@@ -191,6 +196,7 @@ class SweepReport(Callback):
         if D.detect().rank > 0:
             return
         root = Path(str(config.hydra.sweep.dir))
+        self.made = first_missing(root) if config.get("dry_run") else None
         if not root.is_dir():
             return
         if (root / "multirun.yaml").is_file():
@@ -230,6 +236,14 @@ class SweepReport(Callback):
                 mark.unlink()
         for kept in root.glob(f"*/{KEPT_HYDRA}"):
             shutil.rmtree(kept, ignore_errors=True)
+        if config.get("dry_run"):  # its points wrote nothing: neither does the sweep
+            if (root / KEPT_MULTIRUN).is_file():
+                (root / KEPT_MULTIRUN).replace(root / "multirun.yaml")
+            elif getattr(self, "made", None) is not None:  # a new sweep directory: it goes
+                (root / "multirun.yaml").unlink(missing_ok=True)
+                remove_made(root, self.made)
+            say(f"dry run of a sweep of {len(runs)} point{'s' * (len(runs) != 1)}: nothing trained, nothing written")
+            return
         if (root / KEPT_MULTIRUN).is_file():  # no point took this command: the sweep's is the earlier one
             started = [r for r in runs if r.summary.get("status") != "not started"]
             if started and all(r.path in refused_now for r in started):

@@ -171,6 +171,24 @@ def test_dry_run_prints_the_parameter_table_and_writes_nothing(tmp_path):
     assert not run.exists()  # nor an empty directory
 
 
+def test_a_dry_run_and_a_dry_sweep_leave_no_folders_behind(tmp_path):
+    """The folders a dry run's directory made new (outputs/<date>/...) go with it, those that were
+    there stay; a dry sweep's multirun.yaml goes with its new directory, and in a sweep's own
+    directory the earlier multirun.yaml is left as it was."""
+    (tmp_path / "here").mkdir()
+    base = ("model=vit_test", "dry_run=true", "logger=none")
+    r = cli(*base, f"hydra.run.dir={tmp_path}/here/day/run")
+    assert r.returncode == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["here"], r.stderr[-2000:]
+    r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/day/sweep")
+    assert r.returncode == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["here"], r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == "dry run of a sweep of 2 points: nothing trained, nothing written"
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "multirun.yaml").write_text("earlier\n")
+    r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/sweep")
+    assert r.returncode == 0 and (tmp_path / "sweep" / "multirun.yaml").read_text() == "earlier\n", r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["multirun.yaml"]
+
+
 def test_gpt_refuses_non_causal_deescalation():
     with pytest.raises(ConfigError, match="deescalate.causal=false would mix later tokens"):
         validate(make_cfg("model=gpt_test", "deescalate=block", "deescalate.causal=false"))

@@ -145,6 +145,32 @@ def launcher_of_this_job() -> str | None:
 KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW = ".hydra.kept", ".multirun.kept.yaml", ".refused_now"
 
 
+def first_missing(path: str | Path) -> Path | None:
+    """The outermost folder of ``path`` that does not exist yet (what making ``path`` creates:
+    ``outputs/<date>`` for the day's first run); None where ``path`` exists."""
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
+
+
+def remove_made(path: str | Path, made: Path | None) -> None:
+    """Remove ``path`` and its parents up to ``made`` (:func:`first_missing`'s answer before they
+    were made), each only while empty: a dry run leaves no empty dated folders behind."""
+    path = Path(path).absolute()
+    if made is None or not path.is_relative_to(made):
+        return
+    for folder in [path, *path.parents]:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (another run's), or gone
+            return
+        if folder == made:
+            return
+
+
 def _sweep_overrides(sweep: Path, earlier: bool = False) -> list[str] | None:
     """The sweep's own command-line overrides (comma lists and all), from its multirun.yaml
     (``earlier``: the one this invocation found, where it kept it)."""
