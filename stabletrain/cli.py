@@ -23,14 +23,29 @@ KWARGS_GROUPS = ("model", "norm", "attention", "init", "reparam", "deescalate", 
 
 
 def config_dirs(overrides: list[str] = ()) -> list[Path]:
-    """``configs/`` and the folders of the user's own options, ``hydra.searchpath=[file://DIR,...]``."""
-    dirs = [PRIMARY.get()[0]]
+    """``configs/`` (or the primary config's folder) and the folders of the user's own options:
+    ``hydra.searchpath=[file://DIR,...]`` on the command line, else in the primary config."""
+    given = None
     for ov in overrides:
         key, _, value = ov.lstrip("+").partition("=")
         if key == "hydra.searchpath":
-            items = (v.strip().strip("'\"") for v in value.strip().strip("[]").split(","))
-            dirs += [Path(v[len("file://"):]) for v in items if v.startswith("file://")]
-    return dirs
+            given = [v.strip().strip("'\"") for v in value.strip().strip("[]").split(",")]
+    given = _primary_searchpath() if given is None else given
+    return [PRIMARY.get()[0], *(Path(v[len("file://"):]) for v in given if v.startswith("file://"))]
+
+
+def _primary_searchpath() -> list[str]:
+    """The ``hydra.searchpath`` a primary config of one's own sets in its yaml (train.yaml sets none)."""
+    import yaml
+
+    primary_dir, name = PRIMARY.get()
+    if (primary_dir, name) == (CONFIG_DIR, "train"):
+        return []
+    try:
+        found = (yaml.safe_load((primary_dir / f"{name}.yaml").read_text()) or {}).get("hydra", {}).get("searchpath")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []
+    return [str(v) for v in found] if isinstance(found, list) else []
 
 
 def is_group(name: str, overrides: list[str] = ()) -> bool:
@@ -169,11 +184,13 @@ def explain(err: Exception, overrides: list[str]) -> str:
             if (refused := _own_kwarg_refused(rest, group, term[2])) is not None:
                 return refused  # the '+' would only meet this refusal
             return f"{bad} is a new argument in {group}.kwargs: add it with a '+', +{bad}=VALUE"
-        hint = _nearest_key(bad.lstrip("+~")) if bad else None
+        if bad is None:  # a yaml's own (a defaults list overriding a group the primary config lacks)
+            return first
+        hint = _nearest_key(bad.lstrip("+~"))
         if hint:
             return f"unknown key '{bad}': {hint}"
         top = sorted(p.name for p in PRIMARY.get()[0].iterdir() if p.is_dir())
-        return (f"unknown key '{bad or first}': not in the config schema (groups: {', '.join(top)}; "
+        return (f"unknown key '{bad}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")
     if key and "is not a ListConfig" in first:
         return f"{key} takes a list: write it in brackets, {key}=[x,y,...]"
@@ -414,10 +431,11 @@ def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str 
 
 
 def _config_flags(argv: list[str]) -> tuple[list[str], str | None, tuple[Path, str] | None]:
-    """``argv`` without ``--config-dir``, ``--config-path`` and ``--config-name``; the folder
-    ``--config-dir`` adds to the search path; and the primary config (folder, name) the others
-    choose, read as Hydra reads them (a relative path from train.py's folder). None for a
-    package's (``pkg://``), which the checks leave to Hydra."""
+    """``argv`` without ``--config-dir``, ``--config-path`` and ``--config-name``; the folder to
+    add to the search path (``--config-dir``'s); and the primary config (folder, name) they
+    choose, found as Hydra finds it: a relative path from train.py's folder, a name in that folder
+    or in ``--config-dir``'s (then ``configs/`` is the one searched). None for a package's
+    (``pkg://``), which the checks leave to Hydra."""
     argv, own_dir = _take_flag(argv, ("--config-dir", "-cd"))
     if own_dir is not None and not Path(own_dir).is_dir():
         _fail(f"--config-dir {own_dir}: no such folder; give the folder that holds your groups' folders (model/, ...)")
@@ -431,27 +449,36 @@ def _config_flags(argv: list[str]) -> tuple[list[str], str | None, tuple[Path, s
         if not config_dir.is_dir():
             _fail(f"--config-path {path}: no such folder ({config_dir}; a relative path is read from train.py's "
                   f"folder, {CONFIG_DIR.parent}); give the folder that holds your primary config")
-    if name is not None:
-        config_name = name.removesuffix(".yaml")
-        if not (config_dir / f"{config_name}.yaml").is_file():
-            options = sorted(p.stem for p in config_dir.glob("*.yaml"))
-            _fail(f"--config-name {name}: no {config_name}.yaml in {config_dir}"
-                  + (f"; its configs: {', '.join(options)}" if options else ""))
-    elif path is not None and not (config_dir / f"{config_name}.yaml").is_file():
-        _fail(f"--config-path {path}: {config_dir} holds no {config_name}.yaml; add one (copy configs/train.yaml) "
-              f"or name yours with --config-name")
+    if name is None:
+        if path is not None and not (config_dir / f"{config_name}.yaml").is_file():
+            _fail(f"--config-path {path}: {config_dir} holds no {config_name}.yaml; add one (copy configs/train.yaml) "
+                  f"or name yours with --config-name")
+        return argv, own_dir, (config_dir, config_name)
+    config_name = name.removesuffix(".yaml")
+    group, _, option = config_name.rpartition("/")
+    if group and (CONFIG_DIR / group).is_dir():
+        _fail(f"--config-name {name}: {group}/ holds the options of a group, chosen with {group}={option} (the primary "
+              f"config is a whole run's, like configs/train.yaml)")
+    found = [d for d in (config_dir, own_dir) if d is not None and (Path(d) / f"{config_name}.yaml").is_file()]
+    if not found:
+        where = [config_dir, *([Path(own_dir)] if own_dir else [])]
+        options = sorted({p.stem for d in where for p in Path(d).glob("*.yaml")})
+        _fail(f"--config-name {name}: no {config_name}.yaml in {' or '.join(map(str, where))}"
+              + (f"; the configs there: {', '.join(options)}" if options else ""))
+    if Path(found[0]) != config_dir:  # the name is --config-dir's: the primary folder is searched for groups
+        return argv, str(config_dir), (Path(own_dir).absolute(), config_name)
     return argv, own_dir, (config_dir, config_name)
 
 
 def _searching(own_dir: str | None, overrides: list[str]) -> list[str]:
     """``overrides`` with ``own_dir`` (``--config-dir``) in ``hydra.searchpath``, where Hydra looks
-    for it too: the checks then know its options."""
+    for it too (beside a primary config's own searchpath): the checks then know its options."""
     if own_dir is None:
         return overrides
     entry = f"file://{Path(own_dir).absolute()}"
     at = next((i for i, o in enumerate(overrides) if o.lstrip("+").startswith("hydra.searchpath=")), None)
     if at is None:
-        return [*overrides, f"hydra.searchpath=[{entry}]"]
+        return [*overrides, f"hydra.searchpath=[{','.join([*_primary_searchpath(), entry])}]"]
     given = overrides[at].partition("=")[2].strip().strip("[]")
     return [*overrides[:at], f"hydra.searchpath=[{given + ',' if given else ''}{entry}]", *overrides[at + 1:]]
 
@@ -491,13 +518,9 @@ def check_overrides(argv: list[str]) -> None:
     from stabletrain.topology import sweep_flag
 
     _, shown = _take_flag(argv, ("--cfg", "-c"))
-    if "--resolve" in argv and shown is None and not {"--help", "-h"} & set(argv):
+    resolving = "--resolve" in argv
+    if resolving and shown is None and not {"--help", "-h"} & set(argv):
         _fail("--resolve goes with --cfg: --cfg job --resolve prints the run's config with every ${...} resolved")
-    if shown == "hydra" and "--resolve" in argv and not any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
-        # Hydra drops the job's keys before it resolves its own node
-        _fail("--cfg hydra --resolve: Hydra resolves its node without the run's keys, and hydra.run.dir reads ${name}; "
-              "give hydra.run.dir=DIR, print it unresolved (--cfg hydra), or resolve it within the whole config "
-              "(--cfg all --resolve)")
     sweep = sweep_flag(argv)
     multirun = sweep is not None
     printing = shown is not None
@@ -512,11 +535,39 @@ def check_overrides(argv: list[str]) -> None:
     argv, own_dir, primary = _config_flags(argv)
     if primary is None:
         return  # a package's primary config: Hydra's own business
+    import yaml
+
     token = PRIMARY.set(primary)
     try:
         _check_overrides(argv, own_dir, multirun, printing)
+        if shown == "hydra" and resolving:
+            _check_hydra_resolves(_searching(own_dir, [a for a in argv if not a.startswith("-")]))
+    except yaml.YAMLError as e:  # a yaml of one's own (Hydra's loader refuses duplicate keys too)
+        mark = getattr(e, "problem_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem += f" at line {mark.line + 1}" if mark else ""
+        _fail(f"a config file does not parse: {problem}; look in {primary[0] / primary[1]}.yaml and the yaml files of "
+              f"the options chosen")
     finally:
         PRIMARY.reset(token)
+
+
+def _check_hydra_resolves(overrides: list[str]) -> None:
+    """``--cfg hydra --resolve`` resolves Hydra's node with the run's keys dropped (Hydra's way):
+    a run directory that reads one (train.yaml's ``${name}``) fails there with a traceback."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationKeyError
+
+    try:
+        node = OmegaConf.create({"hydra": OmegaConf.to_container(compose_config(overrides, with_hydra=True).hydra)})
+        OmegaConf.resolve(node)
+    except InterpolationKeyError as e:
+        key = re.search(r"'([\w.]+)'", str(e))
+        _fail(f"--cfg hydra --resolve: Hydra resolves its node without the run's keys, and it reads "
+              f"{'${' + key.group(1) + '}' if key else 'one'} (hydra.run.dir does, in train.yaml); give hydra.run.dir="
+              f"DIR, print it unresolved (--cfg hydra), or resolved within the whole config (--cfg all --resolve)")
+    except Exception:  # any other problem: Hydra's to tell
+        return
 
 
 def _check_overrides(argv: list[str], own_dir: str | None, multirun: bool, printing: bool) -> None:

@@ -45,6 +45,7 @@ def run(cfg, run_dir: str | Path) -> dict:
                 print(dry_run_report(trainer, found), file=sys.stderr)
                 if run_dir.is_dir() and not any(run_dir.iterdir()):  # made for the run it did not start
                     remove_made(run_dir, _NEW_DIRS.pop() if _NEW_DIRS else run_dir)
+            _DRY_POINTS[0] += sweep_dir() is not None
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
             # one run per directory; its lock also makes the temp files of earlier, killed writes stale
@@ -149,6 +150,7 @@ _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was
 
 
 _NEW_DIRS: list[Path | None] = []  # what a single dry run's directory made new (rundir.first_missing)
+_DRY_POINTS = [0]  # the points of a dry sweep built in this process
 
 
 class ClaimRunDir(Callback):
@@ -239,10 +241,11 @@ class SweepReport(Callback):
         if config.get("dry_run"):  # its points wrote nothing: neither does the sweep
             if (root / KEPT_MULTIRUN).is_file():
                 (root / KEPT_MULTIRUN).replace(root / "multirun.yaml")
-            elif getattr(self, "made", None) is not None:  # a new sweep directory: it goes
+            else:
                 (root / "multirun.yaml").unlink(missing_ok=True)
-                remove_made(root, self.made)
-            say(f"dry run of a sweep of {len(runs)} point{'s' * (len(runs) != 1)}: nothing trained, nothing written")
+                remove_made(root, getattr(self, "made", None))  # a new sweep directory goes too
+            n = _DRY_POINTS[0]  # built in this process (a launcher's jobs are counted where they ran)
+            say(f"dry run of a sweep{f' of {n} point' + 's' * (n != 1) if n else ''}: nothing trained, nothing written")
             return
         if (root / KEPT_MULTIRUN).is_file():  # no point took this command: the sweep's is the earlier one
             started = [r for r in runs if r.summary.get("status") != "not started"]

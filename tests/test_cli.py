@@ -182,6 +182,10 @@ def test_a_dry_run_and_a_dry_sweep_leave_no_folders_behind(tmp_path):
     r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/day/sweep")
     assert r.returncode == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["here"], r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == "dry run of a sweep of 2 points: nothing trained, nothing written"
+    r = cli(*base, f"hydra.run.dir={tmp_path}/here/../there/run")  # Hydra's directory is there/run
+    assert r.returncode == 0 and not (tmp_path / "there").exists(), r.stderr[-2000:]
+    r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/here")  # a folder that was there stays, empty
+    assert r.returncode == 0 and not any((tmp_path / "here").iterdir()), r.stderr[-2000:]
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "multirun.yaml").write_text("earlier\n")
     r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/sweep")
@@ -283,7 +287,7 @@ def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, 
     check_overrides(["-cp", str(tmp_path), "-cn", "short", "steps=5"])
     check_overrides(["--config-path", "configs", "--config-name", "train"])  # the default, named
     assert error(["-cn", "shorts"]) == (
-        f"error: --config-name shorts: no shorts.yaml in {CONFIG_DIR}; its configs: train")
+        f"error: --config-name shorts: no shorts.yaml in {CONFIG_DIR}; the configs there: train")
     nope = tmp_path / "nope"
     assert error(["-cp", str(nope)]).startswith(f"error: --config-path {nope}: no such folder")
     (tmp_path / "empty").mkdir()
@@ -291,6 +295,29 @@ def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, 
         f"error: --config-path {tmp_path / 'empty'}: {tmp_path / 'empty'} holds no train.yaml; add one (copy "
         f"configs/train.yaml) or name yours with --config-name")
     assert PRIMARY.get() == (CONFIG_DIR, "train") and compose_config(["model=vit_test"]).steps == 600
+    # --config-dir DIR --config-name NAME: the name found in DIR (Hydra searches it for the primary
+    # config too), configs/ still searched for the groups
+    own = tmp_path / "own"
+    own.mkdir()
+    shutil.copy(tmp_path / "short.yaml", own / "mine.yaml")
+    assert error(["-cd", str(own), "-cn", "mine", "model=vit_test"]) == "error: steps=-5 must be > 0"
+    check_overrides(["-cd", str(own), "-cn", "mine", "steps=5", "model=vit_test"])
+    assert error(["-cd", str(own), "-cn", "mine", "steps=5", "model=vit_tst"]).startswith(
+        "error: model=vit_tst is not an option of 'model'; choose one of: gpt2_l,")
+    # a primary config elsewhere that names configs/ in its own hydra.searchpath: its groups' options are known
+    (own / "far.yaml").write_text((tmp_path / "train.yaml").read_text().replace(
+        "hydra:\n", f"hydra:\n  searchpath: [file://{CONFIG_DIR}]\n", 1)
+        .replace("    dir: outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}_${name}", f"    dir: {tmp_path}/fixed"))
+    assert error(["-cp", str(own), "-cn", "far", "model=vit_tst"]).startswith(
+        "error: model=vit_tst is not an option of 'model'; choose one of: gpt2_l,")
+    check_overrides(["-cp", str(own), "-cn", "far", "--cfg", "hydra", "--resolve"])  # its run dir reads no ${name}
+    assert error(["-cn", "experiment/adamw_vit_b"]) == (
+        "error: --config-name experiment/adamw_vit_b: experiment/ holds the options of a group, chosen with "
+        "experiment=adamw_vit_b (the primary config is a whole run's, like configs/train.yaml)")
+    (own / "twice.yaml").write_text((tmp_path / "train.yaml").read_text() + "\nseed: 1\nseed: 2\n")
+    assert re.fullmatch(rf"error: a config file does not parse: found duplicate key seed at line \d+; look in "
+                        rf"{own}/twice.yaml and the yaml files of the options chosen", error(["-cd", str(own), "-cn",
+                                                                                               "twice"]))
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -567,7 +594,10 @@ def test_resolve_is_checked_with_the_config_it_prints(tmp_path, capsys):
         return capsys.readouterr().err.strip()
 
     assert error("--cfg", "job", "--resolve", "optim.lr=-1") == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)"
-    assert error("--cfg=hydra", "--resolve").startswith("error: --cfg hydra --resolve: Hydra resolves its node without")
+    assert error("--cfg=hydra", "--resolve") == (
+        "error: --cfg hydra --resolve: Hydra resolves its node without the run's keys, and it reads ${name} "
+        "(hydra.run.dir does, in train.yaml); give hydra.run.dir=DIR, print it unresolved (--cfg hydra), or resolved "
+        "within the whole config (--cfg all --resolve)")
     assert error("--resolve", "seed=1") == ("error: --resolve goes with --cfg: --cfg job --resolve prints the run's "
                                             "config with every ${...} resolved")
     check_overrides(["-c", "hydra", "--resolve", f"hydra.run.dir={tmp_path}"])

@@ -148,7 +148,7 @@ KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW = ".hydra.kept", ".multirun.kept.yaml", "
 def first_missing(path: str | Path) -> Path | None:
     """The outermost folder of ``path`` that does not exist yet (what making ``path`` creates:
     ``outputs/<date>`` for the day's first run); None where ``path`` exists."""
-    path = Path(path).absolute()
+    path = Path(os.path.abspath(path))  # Hydra's run directory is abspath'd: a/../b is b
     if path.exists():
         return None
     while not path.parent.exists():
@@ -159,7 +159,7 @@ def first_missing(path: str | Path) -> Path | None:
 def remove_made(path: str | Path, made: Path | None) -> None:
     """Remove ``path`` and its parents up to ``made`` (:func:`first_missing`'s answer before they
     were made), each only while empty: a dry run leaves no empty dated folders behind."""
-    path = Path(path).absolute()
+    path = Path(os.path.abspath(path))
     if made is None or not path.is_relative_to(made):
         return
     for folder in [path, *path.parents]:
