@@ -538,36 +538,92 @@ def check_overrides(argv: list[str]) -> None:
     import yaml
 
     token = PRIMARY.set(primary)
+    overrides = _searching(own_dir, [a for a in argv if not a.startswith("-")])
     try:
+        if primary != (CONFIG_DIR, "train"):
+            _check_primary(primary, [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")])
         _check_overrides(argv, own_dir, multirun, printing)
         if shown == "hydra" and resolving:
-            _check_hydra_resolves(_searching(own_dir, [a for a in argv if not a.startswith("-")]))
+            _check_hydra_resolves(overrides)
     except yaml.YAMLError as e:  # a yaml of one's own (Hydra's loader refuses duplicate keys too)
-        mark = getattr(e, "problem_mark", None)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        problem += f" at line {mark.line + 1}" if mark else ""
-        _fail(f"a config file does not parse: {problem}; look in {primary[0] / primary[1]}.yaml and the yaml files of "
-              f"the options chosen")
+        _fail(_unparsable(primary, overrides, e))
     finally:
         PRIMARY.reset(token)
+
+
+def _check_primary(primary: tuple[Path, str], searchpath: list[str]) -> None:
+    """A primary config of one's own composes into the schema: without ``train_schema`` first in its
+    defaults list, every key would be "not in struct" and the run fail on the first it reads."""
+    import yaml
+
+    try:
+        cfg = compose_config(searchpath)
+    except yaml.YAMLError:
+        raise
+    except Exception:  # noqa: BLE001 - its mistakes are told by the checks that follow
+        return
+    if "imports" not in cfg:
+        _fail(f"{primary[0] / primary[1]}.yaml is not a run's config: its defaults list lacks train_schema (the first "
+              f"entry of configs/train.yaml's, which types every key)")
+
+
+def _unparsable(primary: tuple[Path, str], overrides: list[str], err) -> str:
+    """One line for a yaml Hydra's loader refused, naming the file: the primary config, or the
+    option of a group an override chose."""
+    import yaml
+    from omegaconf._utils import get_yaml_loader
+
+    files = [primary[0] / f"{primary[1]}.yaml"]
+    for ov in overrides:
+        key, _, value = ov.lstrip("+~").partition("=")
+        if "." not in key and is_group(key, overrides):
+            files += [f for v in value.strip("[]").split(",") if (f := option_yaml(key, v.strip(), overrides))]
+    for f in files:
+        try:
+            yaml.load(f.read_text(), Loader=get_yaml_loader())
+        except yaml.YAMLError as e:
+            err = e
+            break
+        except OSError:
+            continue
+    else:
+        f = None
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"{f}" if f is not None else f"{files[0]} or a yaml file of the options chosen"
+    return f"{where} does not parse: {problem}" + (f" at line {mark.line + 1}" if mark else "")
 
 
 def _check_hydra_resolves(overrides: list[str]) -> None:
     """``--cfg hydra --resolve`` resolves Hydra's node with the run's keys dropped (Hydra's way):
     a run directory that reads one (train.yaml's ``${name}``) fails there with a traceback."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import InterpolationKeyError
 
     try:
         node = OmegaConf.create({"hydra": OmegaConf.to_container(compose_config(overrides, with_hydra=True).hydra)})
+    except Exception:  # noqa: BLE001 - a composition problem: told by the checks before this one
+        return
+    def unresolvable(node, at: str) -> str | None:
+        for k in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+            try:
+                value = node[k]
+            except InterpolationKeyError:
+                return f"{at}{k}"
+            if isinstance(value, (DictConfig, ListConfig)) and (found := unresolvable(value, f"{at}{k}.")):
+                return found
+        return None
+
+    try:
         OmegaConf.resolve(node)
     except InterpolationKeyError as e:
-        key = re.search(r"'([\w.]+)'", str(e))
-        _fail(f"--cfg hydra --resolve: Hydra resolves its node without the run's keys, and it reads "
-              f"{'${' + key.group(1) + '}' if key else 'one'} (hydra.run.dir does, in train.yaml); give hydra.run.dir="
-              f"DIR, print it unresolved (--cfg hydra), or resolved within the whole config (--cfg all --resolve)")
-    except Exception:  # any other problem: Hydra's to tell
-        return
+        missing = re.search(r"'([\w.]+)'", str(e))
+        key = unresolvable(node, "") or "a key"
+        _fail(f"--cfg hydra --resolve: Hydra resolves its node without the run's keys, and {key} reads "
+              f"{'${' + missing.group(1) + '}' if missing else 'one'}; set {key} on the command line, print it "
+              f"unresolved (--cfg hydra), or resolved within the whole config (--cfg all --resolve)")
+    except Exception as e:  # noqa: BLE001 - an ${oc.env:...} that is not set, ...
+        _fail(f"--cfg hydra --resolve: {str(e).strip().splitlines()[0]}")
 
 
 def _check_overrides(argv: list[str], own_dir: str | None, multirun: bool, printing: bool) -> None:
@@ -790,7 +846,10 @@ def help_text(overrides: list[str]) -> str | None:
         return None
     del cfg["hydra"]
     chosen = OmegaConf.create(cfg)
-    left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]
+    try:
+        left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]
+    except Exception:  # noqa: BLE001 - a config of one's own the checks refuse in one line: its page is whole
+        left_out = []
     for key in left_out:
         group, _, leaf = key.partition(".")
         (cfg[group] if leaf else cfg).pop(leaf or group, None)

@@ -315,9 +315,18 @@ def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, 
         "error: --config-name experiment/adamw_vit_b: experiment/ holds the options of a group, chosen with "
         "experiment=adamw_vit_b (the primary config is a whole run's, like configs/train.yaml)")
     (own / "twice.yaml").write_text((tmp_path / "train.yaml").read_text() + "\nseed: 1\nseed: 2\n")
-    assert re.fullmatch(rf"error: a config file does not parse: found duplicate key seed at line \d+; look in "
-                        rf"{own}/twice.yaml and the yaml files of the options chosen", error(["-cd", str(own), "-cn",
-                                                                                               "twice"]))
+    assert re.fullmatch(rf"error: {own}/twice.yaml does not parse: found duplicate key seed at line \d+",
+                        error(["-cd", str(own), "-cn", "twice"]))
+    (own / "model").mkdir()
+    (own / "model" / "broken.yaml").write_text("name: broken\nfamily: [vit\n")
+    for flags in (["model=broken"], ["-m", "model=vit_test,broken"]):  # the option's file is named, not train.yaml
+        assert error(["-cd", str(own), *flags]) == (f"error: {own}/model/broken.yaml does not parse: expected ',' or "
+                                                    f"']', but got '<stream end>' at line 3")
+    (own / "bare.yaml").write_text((tmp_path / "train.yaml").read_text().replace("  - train_schema\n", ""))
+    for flags in ([], ["--help"]):  # every key would be "not in struct"; --help's page was a traceback
+        assert error(["-cd", str(own), "-cn", "bare", *flags]) == (
+            f"error: {own}/bare.yaml is not a run's config: its defaults list lacks train_schema (the first entry of "
+            f"configs/train.yaml's, which types every key)")
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -595,9 +604,16 @@ def test_resolve_is_checked_with_the_config_it_prints(tmp_path, capsys):
 
     assert error("--cfg", "job", "--resolve", "optim.lr=-1") == "error: optim.lr=-1.0 must be > 0 (e.g. optim.lr=1e-3)"
     assert error("--cfg=hydra", "--resolve") == (
-        "error: --cfg hydra --resolve: Hydra resolves its node without the run's keys, and it reads ${name} "
-        "(hydra.run.dir does, in train.yaml); give hydra.run.dir=DIR, print it unresolved (--cfg hydra), or resolved "
-        "within the whole config (--cfg all --resolve)")
+        "error: --cfg hydra --resolve: Hydra resolves its node without the run's keys, and hydra.run.dir reads "
+        "${name}; set hydra.run.dir on the command line, print it unresolved (--cfg hydra), or resolved within the "
+        "whole config (--cfg all --resolve)")
+    subdir = "hydra.sweep.subdir=${model.name}"
+    assert error("-c", "hydra", "--resolve", f"hydra.run.dir={tmp_path}", subdir).startswith(
+        "error: --cfg hydra --resolve: Hydra resolves its node without the run's keys, and hydra.sweep.subdir reads "
+        "${model.name}; set hydra.sweep.subdir on the command line")
+    assert error("-c", "hydra", "--resolve", "hydra.run.dir=/x/${oc.env:STABLETRAIN_NOPE}") == (
+        "error: --cfg hydra --resolve: KeyError raised while resolving interpolation: \"Environment variable "
+        "'STABLETRAIN_NOPE' not found\"")
     assert error("--resolve", "seed=1") == ("error: --resolve goes with --cfg: --cfg job --resolve prints the run's "
                                             "config with every ${...} resolved")
     check_overrides(["-c", "hydra", "--resolve", f"hydra.run.dir={tmp_path}"])
