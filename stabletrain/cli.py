@@ -8,15 +8,28 @@ validated, and any problem is printed as ``error: <what> <fix>`` with exit code 
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from contextvars import ContextVar
 from math import prod
 from pathlib import Path
+from typing import NamedTuple
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-# the primary config Hydra composes: train.py's configs/train.yaml, or the one --config-path /
-# --config-name name on the command line (check_overrides sets it while it checks)
-PRIMARY: ContextVar[tuple[Path, str]] = ContextVar("primary", default=(CONFIG_DIR, "train"))
+
+
+class Primary(NamedTuple):
+    """The config Hydra composes: the main folder (configs/, or --config-path's), the primary
+    config's name in it (or in ``extra``) and ``extra``, --config-dir's folder, searched after the
+    main one for the primary config and the groups' options alike."""
+
+    dir: Path
+    name: str
+    extra: Path | None = None
+
+
+DEFAULT = Primary(CONFIG_DIR, "train")
+PRIMARY: ContextVar[Primary] = ContextVar("primary", default=DEFAULT)  # check_overrides sets it while it checks
 _PASSTHROUGH_FLAGS = {"-m", "--multirun"}
 # the groups whose options of one's own take arguments of their own in ``<group>.kwargs``
 KWARGS_GROUPS = ("model", "norm", "attention", "init", "reparam", "deescalate", "optim", "schedule")
@@ -31,18 +44,25 @@ def config_dirs(overrides: list[str] = ()) -> list[Path]:
         if key == "hydra.searchpath":
             given = [v.strip().strip("'\"") for v in value.strip().strip("[]").split(",")]
     given = _primary_searchpath() if given is None else given
-    return [PRIMARY.get()[0], *(Path(v[len("file://"):]) for v in given if v.startswith("file://"))]
+    primary = PRIMARY.get()
+    return [primary.dir, *([primary.extra] if primary.extra else []),
+            *(Path(v[len("file://"):]) for v in given if v.startswith("file://"))]
+
+
+def _primary_file(primary: Primary) -> Path:
+    here = primary.dir / f"{primary.name}.yaml"
+    return here if here.is_file() or primary.extra is None else primary.extra / f"{primary.name}.yaml"
 
 
 def _primary_searchpath() -> list[str]:
     """The ``hydra.searchpath`` a primary config of one's own sets in its yaml (train.yaml sets none)."""
     import yaml
 
-    primary_dir, name = PRIMARY.get()
-    if (primary_dir, name) == (CONFIG_DIR, "train"):
+    primary = PRIMARY.get()
+    if primary == DEFAULT:
         return []
     try:
-        found = (yaml.safe_load((primary_dir / f"{name}.yaml").read_text()) or {}).get("hydra", {}).get("searchpath")
+        found = (yaml.safe_load(_primary_file(primary).read_text()) or {}).get("hydra", {}).get("searchpath")
     except (OSError, yaml.YAMLError, AttributeError):
         return []
     return [str(v) for v in found] if isinstance(found, list) else []
@@ -189,7 +209,7 @@ def explain(err: Exception, overrides: list[str]) -> str:
         hint = _nearest_key(bad.lstrip("+~"))
         if hint:
             return f"unknown key '{bad}': {hint}"
-        top = sorted(p.name for p in PRIMARY.get()[0].iterdir() if p.is_dir())
+        top = sorted(p.name for p in PRIMARY.get().dir.iterdir() if p.is_dir())
         return (f"unknown key '{bad}': not in the config schema (groups: {', '.join(top)}; "
                 f"`python train.py --cfg job` prints every key)")
     if key and "is not a ListConfig" in first:
@@ -360,18 +380,27 @@ def _nearest_key(bad: str) -> str | None:
 
 def compose_config(overrides: list[str], with_hydra: bool = False):
     """The config ``python train.py OVERRIDES`` would run, composed without starting Hydra
-    (``with_hydra``: its ``hydra`` node too: the help page's text)."""
-    from hydra import compose, initialize_config_dir
+    (``with_hydra``: its ``hydra`` node too: the help page's text). The search path is the one
+    Hydra builds from train.py's flags: the main folder, then --config-dir's, then the schema."""
+    from hydra import compose, version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
     from stabletrain.config import register
 
     register()
+    primary = PRIMARY.get()
+    search = create_config_search_path(str(primary.dir))
+    if primary.extra is not None:
+        search.prepend(provider="command-line", path=f"file://{primary.extra}",
+                       anchor=SearchPathQuery(provider="schema"))
     GlobalHydra.instance().clear()
-    config_dir, config_name = PRIMARY.get()
+    version.setbase("1.3")
     try:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            return compose(config_name, overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
+        Hydra.create_main_hydra2(task_name="app", config_search_path=search)
+        return compose(primary.name, overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
     finally:
         GlobalHydra.instance().clear()
 
@@ -430,20 +459,19 @@ def _take_flag(argv: list[str], names: tuple[str, ...]) -> tuple[list[str], str 
     return rest, found
 
 
-def _config_flags(argv: list[str]) -> tuple[list[str], str | None, tuple[Path, str] | None]:
-    """``argv`` without ``--config-dir``, ``--config-path`` and ``--config-name``; the folder to
-    add to the search path (``--config-dir``'s); and the primary config (folder, name) they
-    choose, found as Hydra finds it: a relative path from train.py's folder, a name in that folder
-    or in ``--config-dir``'s (then ``configs/`` is the one searched). None for a package's
-    (``pkg://``), which the checks leave to Hydra."""
+def _config_flags(argv: list[str]) -> tuple[list[str], Primary | None]:
+    """``argv`` without ``--config-dir``, ``--config-path`` and ``--config-name``, and the config
+    they choose, found as Hydra finds it: a relative path from train.py's folder, the name in that
+    folder or else in --config-dir's. None for a package's (``pkg://``), left to Hydra."""
     argv, own_dir = _take_flag(argv, ("--config-dir", "-cd"))
     if own_dir is not None and not Path(own_dir).is_dir():
         _fail(f"--config-dir {own_dir}: no such folder; give the folder that holds your groups' folders (model/, ...)")
     argv, path = _take_flag(argv, ("--config-path", "-cp"))
     argv, name = _take_flag(argv, ("--config-name", "-cn"))
-    config_dir, config_name = PRIMARY.get()
+    config_dir, config_name, extra = PRIMARY.get()
+    extra = Path(os.path.abspath(own_dir)) if own_dir is not None else extra
     if path is not None and path.startswith("pkg://"):
-        return argv, own_dir, None
+        return argv, None
     if path is not None:
         config_dir = Path(path) if Path(path).is_absolute() else (CONFIG_DIR.parent / path).resolve()
         if not config_dir.is_dir():
@@ -453,34 +481,18 @@ def _config_flags(argv: list[str]) -> tuple[list[str], str | None, tuple[Path, s
         if path is not None and not (config_dir / f"{config_name}.yaml").is_file():
             _fail(f"--config-path {path}: {config_dir} holds no {config_name}.yaml; add one (copy configs/train.yaml) "
                   f"or name yours with --config-name")
-        return argv, own_dir, (config_dir, config_name)
+        return argv, Primary(config_dir, config_name, extra)
     config_name = name.removesuffix(".yaml")
     group, _, option = config_name.rpartition("/")
     if group and (CONFIG_DIR / group).is_dir():
         _fail(f"--config-name {name}: {group}/ holds the options of a group, chosen with {group}={option} (the primary "
               f"config is a whole run's, like configs/train.yaml)")
-    found = [d for d in (config_dir, own_dir) if d is not None and (Path(d) / f"{config_name}.yaml").is_file()]
-    if not found:
-        where = [config_dir, *([Path(own_dir)] if own_dir else [])]
-        options = sorted({p.stem for d in where for p in Path(d).glob("*.yaml")})
+    where = [config_dir, *([extra] if extra else [])]
+    if not any((d / f"{config_name}.yaml").is_file() for d in where):
+        options = sorted({p.stem for d in where for p in d.glob("*.yaml")})
         _fail(f"--config-name {name}: no {config_name}.yaml in {' or '.join(map(str, where))}"
               + (f"; the configs there: {', '.join(options)}" if options else ""))
-    if Path(found[0]) != config_dir:  # the name is --config-dir's: the primary folder is searched for groups
-        return argv, str(config_dir), (Path(own_dir).absolute(), config_name)
-    return argv, own_dir, (config_dir, config_name)
-
-
-def _searching(own_dir: str | None, overrides: list[str]) -> list[str]:
-    """``overrides`` with ``own_dir`` (``--config-dir``) in ``hydra.searchpath``, where Hydra looks
-    for it too (beside a primary config's own searchpath): the checks then know its options."""
-    if own_dir is None:
-        return overrides
-    entry = f"file://{Path(own_dir).absolute()}"
-    at = next((i for i, o in enumerate(overrides) if o.lstrip("+").startswith("hydra.searchpath=")), None)
-    if at is None:
-        return [*overrides, f"hydra.searchpath=[{','.join([*_primary_searchpath(), entry])}]"]
-    given = overrides[at].partition("=")[2].strip().strip("[]")
-    return [*overrides[:at], f"hydra.searchpath=[{given + ',' if given else ''}{entry}]", *overrides[at + 1:]]
+    return argv, Primary(config_dir, config_name, extra)
 
 
 def _as_override(argv: list[str], i: int) -> tuple[str, str]:
@@ -532,17 +544,17 @@ def check_overrides(argv: list[str]) -> None:
     if foreign is not None:  # argparse's usage block named the flag's value among the "unrecognized arguments"
         given, meant = _as_override(argv, foreign)
         _fail(f"{given}: train.py takes overrides key=value, without dashes: {meant}")
-    argv, own_dir, primary = _config_flags(argv)
+    argv, primary = _config_flags(argv)
     if primary is None:
         return  # a package's primary config: Hydra's own business
     import yaml
 
     token = PRIMARY.set(primary)
-    overrides = _searching(own_dir, [a for a in argv if not a.startswith("-")])
+    overrides = [a for a in argv if not a.startswith("-")]
     try:
-        if primary != (CONFIG_DIR, "train"):
+        if primary != DEFAULT:
             _check_primary(primary, [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")])
-        _check_overrides(argv, own_dir, multirun, printing)
+        _check_overrides(argv, multirun, printing)
         if shown == "hydra" and resolving:
             _check_hydra_resolves(overrides)
     except yaml.YAMLError as e:  # a yaml of one's own (Hydra's loader refuses duplicate keys too)
@@ -551,7 +563,7 @@ def check_overrides(argv: list[str]) -> None:
         PRIMARY.reset(token)
 
 
-def _check_primary(primary: tuple[Path, str], searchpath: list[str]) -> None:
+def _check_primary(primary: Primary, searchpath: list[str]) -> None:
     """A primary config of one's own composes into the schema: without ``train_schema`` first in its
     defaults list, every key would be "not in struct" and the run fail on the first it reads."""
     import yaml
@@ -563,17 +575,17 @@ def _check_primary(primary: tuple[Path, str], searchpath: list[str]) -> None:
     except Exception:  # noqa: BLE001 - its mistakes are told by the checks that follow
         return
     if "imports" not in cfg:
-        _fail(f"{primary[0] / primary[1]}.yaml is not a run's config: its defaults list lacks train_schema (the first "
+        _fail(f"{_primary_file(primary)} is not a run's config: its defaults list lacks train_schema (the first "
               f"entry of configs/train.yaml's, which types every key)")
 
 
-def _unparsable(primary: tuple[Path, str], overrides: list[str], err) -> str:
+def _unparsable(primary: Primary, overrides: list[str], err) -> str:
     """One line for a yaml Hydra's loader refused, naming the file: the primary config, or the
     option of a group an override chose."""
     import yaml
     from omegaconf._utils import get_yaml_loader
 
-    files = [primary[0] / f"{primary[1]}.yaml"]
+    files = [_primary_file(primary)]
     for ov in overrides:
         key, _, value = ov.lstrip("+~").partition("=")
         if "." not in key and is_group(key, overrides):
@@ -626,10 +638,10 @@ def _check_hydra_resolves(overrides: list[str]) -> None:
         _fail(f"--cfg hydra --resolve: {str(e).strip().splitlines()[0]}")
 
 
-def _check_overrides(argv: list[str], own_dir: str | None, multirun: bool, printing: bool) -> None:
+def _check_overrides(argv: list[str], multirun: bool, printing: bool) -> None:
     """check_overrides' work, once the flags that choose the config are read."""
     if "--help" in argv or "-h" in argv:
-        given = _searching(own_dir, [a for a in argv if not a.startswith("-")])
+        given = [a for a in argv if not a.startswith("-")]
         print_own_options(given)
         if (text := help_text(given)) is not None:
             print(text)
@@ -637,7 +649,7 @@ def _check_overrides(argv: list[str], own_dir: str | None, multirun: bool, print
         argv = [a for a in argv if a not in ("--help", "-h")]  # the overrides' mistake, told below in one line
     if any(a.startswith("-") and a not in _PASSTHROUGH_FLAGS for a in argv):
         return  # --info, --package ...: Hydra's own business
-    overrides = _searching(own_dir, [a for a in argv if not a.startswith("-")])
+    overrides = [a for a in argv if not a.startswith("-")]
     if not (multirun or printing) and any(a.startswith("hydra/launcher=") and a != "hydra/launcher=basic"
                                           for a in overrides):
         # Hydra uses a launcher for -m only: a single run trains here, on the login node
@@ -822,7 +834,7 @@ def print_own_options(overrides: list[str]) -> None:
     found = {g.name: sorted(p.stem for p in g.glob("*.yaml")) for d in own if d.is_dir()
              for g in sorted(d.iterdir()) if g.is_dir()}
     if found:
-        print(f"Options of your own (hydra.searchpath: {', '.join(map(str, own))}), beside the groups' below:")
+        print(f"Options of your own (in {', '.join(map(str, own))}), beside the groups' below:")
         for group, names in found.items():
             print(f"  {group}: {', '.join(names)}")
         print()

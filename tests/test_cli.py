@@ -294,13 +294,16 @@ def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, 
     assert error(["-cp", str(tmp_path / "empty")]) == (
         f"error: --config-path {tmp_path / 'empty'}: {tmp_path / 'empty'} holds no train.yaml; add one (copy "
         f"configs/train.yaml) or name yours with --config-name")
-    assert PRIMARY.get() == (CONFIG_DIR, "train") and compose_config(["model=vit_test"]).steps == 600
+    assert PRIMARY.get() == (CONFIG_DIR, "train", None) and compose_config(["model=vit_test"]).steps == 600
     # --config-dir DIR --config-name NAME: the name found in DIR (Hydra searches it for the primary
     # config too), configs/ still searched for the groups
     own = tmp_path / "own"
     own.mkdir()
     shutil.copy(tmp_path / "short.yaml", own / "mine.yaml")
     assert error(["-cd", str(own), "-cn", "mine", "model=vit_test"]) == "error: steps=-5 must be > 0"
+    check_overrides(["-cd", str(own), "-cn", "mine", "steps=5", "model=vit_test"])
+    (own / "model").mkdir()  # configs/ is searched first, as Hydra does: its vit_test is the one composed
+    (own / "model" / "vit_test.yaml").write_text("name: vit_test\nfamily: vit\nembed_dim: lots\n")
     check_overrides(["-cd", str(own), "-cn", "mine", "steps=5", "model=vit_test"])
     assert error(["-cd", str(own), "-cn", "mine", "steps=5", "model=vit_tst"]).startswith(
         "error: model=vit_tst is not an option of 'model'; choose one of: gpt2_l,")
@@ -317,7 +320,6 @@ def test_a_primary_config_of_ones_own_is_checked_as_hydra_composes_it(tmp_path, 
     (own / "twice.yaml").write_text((tmp_path / "train.yaml").read_text() + "\nseed: 1\nseed: 2\n")
     assert re.fullmatch(rf"error: {own}/twice.yaml does not parse: found duplicate key seed at line \d+",
                         error(["-cd", str(own), "-cn", "twice"]))
-    (own / "model").mkdir()
     (own / "model" / "broken.yaml").write_text("name: broken\nfamily: [vit\n")
     for flags in (["model=broken"], ["-m", "model=vit_test,broken"]):  # the option's file is named, not train.yaml
         assert error(["-cd", str(own), *flags]) == (f"error: {own}/model/broken.yaml does not parse: expected ',' or "
@@ -536,7 +538,7 @@ def test_help_opens_with_examples_that_run():
 def test_help_names_the_options_of_the_searchpath_which_hydras_list_leaves_out():
     r = cli("hydra.searchpath=[file://examples/conv_stem/configs]", "--help")
     assert r.returncode == 0 and r.stdout.startswith(
-        "Options of your own (hydra.searchpath: examples/conv_stem/configs), beside the groups' below:\n"
+        "Options of your own (in examples/conv_stem/configs), beside the groups' below:\n"
         "  model: conv_vit_mini, conv_vit_test\n"), r.stdout[:500]
     assert "stabletrain: train a ViT, Swin or GPT" in r.stdout
 
