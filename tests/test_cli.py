@@ -352,9 +352,11 @@ def test_a_run_started_with_a_config_dir_is_continued_with_it(monkeypatch):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf, open_dict
 
+    from stabletrain.config import register
     from stabletrain.engine import rundir as R
     from tests.helpers import ROOT
 
+    register()  # the schema train.yaml's defaults list names, whichever test ran before
     monkeypatch.setattr(sys, "argv", ["train.py"])
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = compose("train", return_hydra_config=True)

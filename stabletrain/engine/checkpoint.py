@@ -13,7 +13,8 @@ import torch
 
 from stabletrain.config import RESUME_MAY_CHANGE, changed_keys, leaf_values, may_change, optim_name_of
 from stabletrain.engine import distributed as D
-from stabletrain.engine.rundir import command, continue_with, launcher_of_this_job, own_dir_key, sweep_dir
+from stabletrain.engine.rundir import (command, config_flags, continue_with, launcher_of_this_job, own_dir_key,
+                                      sweep_dir)
 from stabletrain.errors import ConfigError, first_line
 from stabletrain.metrics import read_json
 
@@ -329,7 +330,9 @@ class Checkpointer:
                 where = Path(path).parent.parent
             else:
                 resume = str(path)
-        return command(theirs, "hydra.run.dir", where, launcher=ck.get("launcher"), resume=resume)
+        # the flags that chose its config (--config-name ...), saved beside its overrides
+        return command(theirs, "hydra.run.dir", where, launcher=ck.get("launcher"), resume=resume,
+                       flags=ck.get("config_flags"))
 
     def _changes_refused(self, path: Path, ck: dict, changed: list[str]) -> str:
         """Why resume=auto refuses ``changed`` keys, with their values there and here, and what to
@@ -359,6 +362,7 @@ class Checkpointer:
         return {"step": step, "rng": rng_state(), "divergence": self.divergence.state_dict(),
                 "config": self.config_yaml, "overrides": self.overrides, "optim_name": self.optim_name,
                 "launcher": launcher_of_this_job(),  # how the command that continues it starts
+                "config_flags": config_flags(),
                 "world": self.info.world,
                 "survival": survival,
                 "monitor": self.monitor.state_dict() if self.monitor is not None else {}}

@@ -73,18 +73,19 @@ def interpreter() -> str:
 
 
 def command(overrides, dir_key: str, dir_value, *, multirun: bool = False, launcher: str | None = None,
-            resume: str = "auto") -> str:
+            resume: str = "auto", flags: list[str] | None = None) -> str:
     """``python train.py OVERRIDES resume=auto DIR_KEY=DIR``, quoted for a POSIX shell: this
     interpreter, and train.py as the user named it; ``launcher`` (``torchrun ...``) in place
-    of the interpreter; ``resume`` a checkpoint's path in place of auto."""
+    of the interpreter; ``resume`` a checkpoint's path in place of auto; ``flags`` the run's
+    :func:`config_flags` (None: this process's)."""
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("train.py") else "train.py"
     kept = [o for o in overrides if not o.lstrip("+~").startswith(_NOT_THE_RUN)]
-    args = [script, *_config_flags(), *(["-m"] if multirun else []), *kept, f"resume={resume}",
-            f"{dir_key}={dir_value}"]
+    flags = config_flags() if flags is None else flags
+    args = [script, *flags, *(["-m"] if multirun else []), *kept, f"resume={resume}", f"{dir_key}={dir_value}"]
     return " ".join([launcher or shlex.quote(interpreter()), *(shlex.quote(a) for a in args)])
 
 
-def _config_flags() -> list[str]:
+def config_flags() -> list[str]:
     """``--config-path``, ``--config-name`` and ``--config-dir`` where this process was started
     with them (Hydra keeps them among its config sources and job, not among the overrides): a
     continue command needs the config they chose and the options they hold."""

@@ -402,6 +402,11 @@ def test_the_command_that_continues_another_runs_checkpoint_goes_where_it_lies(t
         f"steps=8 resume={tmp_path / 'kept.pt'} hydra.run.dir={tmp_path / 'new'}")
     assert t.ckpt.command_of(ck, tmp_path / "new" / "checkpoints" / "step_000002.pt").endswith(
         f"steps=8 resume=auto hydra.run.dir={tmp_path / 'new'}")
+    # a run started with --config-dir / --config-name is continued with them, whatever this command gave
+    ck["config_flags"] = ["--config-name", "mine", "--config-dir", "/my/configs"]
+    assert t.ckpt.command_of(ck, old / "checkpoints" / "last.pt").endswith(
+        f"train.py --config-name mine --config-dir /my/configs model=gpt_test steps=8 resume=auto hydra.run.dir={old}")
+    assert "config_flags" in t.ckpt._payload(0, {}) and t.ckpt._payload(0, {})["config_flags"] == []
 
 
 def _with_overrides(ck_path, overrides):
