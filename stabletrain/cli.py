@@ -921,15 +921,7 @@ def _added_key_hint(name: str, ov: str) -> str:
 def _without_cfg_flag(argv: list[str]) -> list[str]:
     """``argv`` without Hydra's ``--cfg job`` / ``-c all`` / ``--cfg=job`` (flag and value) and
     the ``--resolve`` that goes with it."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--cfg", "-c"):
-            skip = True
-        elif not a.startswith("--cfg=") and a != "--resolve":
-            out.append(a)
-    return out
+    return [a for a in _take_flag(argv, ("--cfg", "-c"))[0] if a != "--resolve"]
 
 
 def check_keys(overrides: list[str]) -> None:

@@ -31,58 +31,58 @@ def size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
+def _kept_bytes(model: nn.Module, params, forward: Callable) -> int:
+    """Bytes ``forward()`` keeps for the backward, each storage once and ``params`` aside, plus
+    its output in fp32, which the cross-entropy keeps as its log-probabilities. In training mode
+    (activation checkpointing acts only there), the model's own mode put back after."""
+    skip = {p.untyped_storage()._cdata for p in params}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in skip:
+            kept[storage._cdata] = storage.nbytes()
+        return t
+
+    was_training = model.training
+    model.train()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward()
+    finally:
+        model.train(was_training)
+    # a model returning more than its logits is refused at the first step, in one line (loop.py)
+    return sum(kept.values()) + sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)) * 4
+
+
 def traced_bytes(model: nn.Module, x: torch.Tensor, micro: int, autocast: Callable) -> int:
     """:func:`saved_bytes` of ``micro`` copies of ``x``'s first sample, traced on fake tensors:
     no data is computed or allocated, and the model's parameters and buffers are left as they are."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    kept: dict[int, int] = {}
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         state = {n: mode.from_tensor(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        params = {state[n].untyped_storage()._cdata for n, _ in model.named_parameters()}
         batch = mode.from_tensor(x[:1].clone()).expand(micro, *x.shape[1:]).contiguous()  # x's storage, not x's
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage._cdata not in params:
-                kept[storage._cdata] = storage.nbytes()
-            return t
+        def forward():
+            with autocast():
+                return torch.func.functional_call(model, state, (batch,))
 
-        was_training = model.training
-        model.train()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-                out = torch.func.functional_call(model, state, (batch,))
-        finally:
-            model.train(was_training)
-    return sum(kept.values()) + sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)) * 4
+        return _kept_bytes(model, [state[n] for n, _ in model.named_parameters()], forward)
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor, autocast: Callable) -> int:
-    """Bytes the forward of ``x`` keeps for the backward, plus its output in fp32, which the
-    cross-entropy keeps as its log-probabilities. In training mode (activation checkpointing
-    acts only there), on a forked RNG and with the buffers put back, so that neither the model
-    nor the run's random stream changes."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
+    """:func:`_kept_bytes` of a real forward of ``x``, on a forked RNG and with the buffers put
+    back, so that neither the model nor the run's random stream changes."""
     buffers = [(b, b.clone()) for b in model.buffers()]
-    was_training = model.training
-    model.train()
+
+    def forward():
+        with torch.random.fork_rng(devices=[]), autocast():
+            return model(x.clone())
+
     try:
-        with torch.random.fork_rng(devices=[]), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                autocast():
-            out = model(x.clone())
-        # a model returning more than its logits is refused at the first step, in one line (loop.py)
-        return sum(kept.values()) + sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)) * 4
+        return _kept_bytes(model, model.parameters(), forward)
     finally:
-        model.train(was_training)
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
