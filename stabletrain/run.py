@@ -44,7 +44,7 @@ def run(cfg, run_dir: str | Path) -> dict:
             if info.is_main:
                 print(dry_run_report(trainer, found), file=sys.stderr)
                 if run_dir.is_dir() and not any(run_dir.iterdir()):  # made for the run it did not start
-                    remove_made(run_dir, _NEW_DIRS.pop() if _NEW_DIRS else run_dir)
+                    remove_made(_NEW_DIRS.pop() if _NEW_DIRS else [run_dir])
             _DRY_POINTS[0] += sweep_dir() is not None
             return {"status": "dry_run", "params": sum(p.numel() for p in trainer.model.parameters())}
         if info.is_main:
@@ -149,7 +149,7 @@ def refuse_point(run_dir: Path, reason: str) -> None:
 _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was refused
 
 
-_NEW_DIRS: list[Path | None] = []  # what a single dry run's directory made new (rundir.first_missing)
+_NEW_DIRS: list[list[Path]] = []  # what a single dry run's directory made new (rundir.first_missing)
 _DRY_POINTS = [0]  # the points of a dry sweep built in this process
 
 
@@ -198,7 +198,7 @@ class SweepReport(Callback):
         if D.detect().rank > 0:
             return
         root = Path(str(config.hydra.sweep.dir))
-        self.made = first_missing(root) if config.get("dry_run") else None
+        self.made = first_missing(root) if config.get("dry_run") else []
         if not root.is_dir():
             return
         if (root / "multirun.yaml").is_file():
@@ -243,7 +243,7 @@ class SweepReport(Callback):
                 (root / KEPT_MULTIRUN).replace(root / "multirun.yaml")
             else:
                 (root / "multirun.yaml").unlink(missing_ok=True)
-                remove_made(root, getattr(self, "made", None))  # a new sweep directory goes too
+                remove_made(getattr(self, "made", []))  # a new sweep directory goes too
             n = _DRY_POINTS[0]  # built in this process (a launcher's jobs are counted where they ran)
             say(f"dry run of a sweep{f' of {n} point' + 's' * (n != 1) if n else ''}: nothing trained, nothing written")
             return

@@ -184,6 +184,11 @@ def test_a_dry_run_and_a_dry_sweep_leave_no_folders_behind(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == "dry run of a sweep of 2 points: nothing trained, nothing written"
     r = cli(*base, f"hydra.run.dir={tmp_path}/here/../there/run")  # Hydra's directory is there/run
     assert r.returncode == 0 and not (tmp_path / "there").exists(), r.stderr[-2000:]
+    # a folder named on the way that was not there: Hydra makes it as well as the run's (a/../b makes a and b)
+    r = cli(*base, f"hydra.run.dir={tmp_path}/gone/../there/run")
+    assert r.returncode == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["here"], r.stderr[-2000:]
+    r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/gone/../there")
+    assert r.returncode == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["here"], r.stderr[-2000:]
     r = cli("-m", *base, "seed=1,2", f"hydra.sweep.dir={tmp_path}/here")  # a folder that was there stays, empty
     assert r.returncode == 0 and not any((tmp_path / "here").iterdir()), r.stderr[-2000:]
     (tmp_path / "sweep").mkdir()

@@ -146,30 +146,27 @@ def launcher_of_this_job() -> str | None:
 KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW = ".hydra.kept", ".multirun.kept.yaml", ".refused_now"
 
 
-def first_missing(path: str | Path) -> Path | None:
-    """The outermost folder of ``path`` that does not exist yet (what making ``path`` creates:
-    ``outputs/<date>`` for the day's first run); None where ``path`` exists."""
-    path = Path(os.path.abspath(path))  # Hydra's run directory is abspath'd: a/../b is b
-    if path.exists():
-        return None
-    while not path.parent.exists():
-        path = path.parent
-    return path
+def first_missing(path: str | Path) -> list[Path]:
+    """The folders that making ``path`` creates, outermost first (``outputs/<date>`` and its run
+    folder for the day's first run); empty where ``path`` exists. Each prefix of the path as
+    written counts, since Hydra's makedirs walks ``a/../b`` through ``a`` as well as making ``b``."""
+    made, prefix = [], Path()
+    for part in Path(path).parts:
+        prefix = prefix / part
+        folder = Path(os.path.abspath(prefix))
+        if not folder.exists() and folder not in made:
+            made.append(folder)
+    return made
 
 
-def remove_made(path: str | Path, made: Path | None) -> None:
-    """Remove ``path`` and its parents up to ``made`` (:func:`first_missing`'s answer before they
-    were made), each only while empty: a dry run leaves no empty dated folders behind."""
-    path = Path(os.path.abspath(path))
-    if made is None or not path.is_relative_to(made):
-        return
-    for folder in [path, *path.parents]:
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders :func:`first_missing` found missing before they were made, deepest
+    first, each only while empty: a dry run leaves no empty dated folders behind."""
+    for folder in reversed(made):
         try:
             folder.rmdir()
         except OSError:  # not empty (another run's), or gone
-            return
-        if folder == made:
-            return
+            pass
 
 
 def _sweep_overrides(sweep: Path, earlier: bool = False) -> list[str] | None:
