@@ -529,6 +529,25 @@ def load_initial_weights(cfg, model: torch.nn.Module, run_dir: Path) -> str:
     return load_weights(model, cfg.init_weights, cfg.model)
 
 
+
+def spike_note(cfg) -> str:
+    """What the divergence watch makes of debug.spike_at_step's spike, as configured."""
+    dv, at = cfg.divergence, cfg.debug.spike_at_step
+    head = f"debug.spike_at_step={at}: that step's loss is multiplied by {cfg.debug.spike_factor:g}; "
+    if not dv.enabled:
+        return head + "no loss spike is watched (divergence.enabled=false)"
+    if at == 1:
+        return head + "the first loss has none before it to be compared with: it is no spike to the divergence watch"
+    if at <= dv.warmup_steps:
+        return head + (f"in the first divergence.warmup_steps={dv.warmup_steps} steps a spike is named on the progress "
+                       f"line, not counted")
+    if dv.window <= 1:
+        return head + (f"a spike of one step is a divergence (divergence.window={dv.window}): the run "
+                       + ("rolls back" if dv.action == "rollback" else "stops"))
+    return head + (f"a spike of one step is watched, not acted on (a divergence is {dv.window} steps in a row above "
+                   f"{dv.spike_factor:g}x the running mean, divergence.window)")
+
+
 def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> Trainer:
     """The trainer of ``cfg`` with everything built, on this process's device."""
     info = info or D.DistInfo()
@@ -604,10 +623,7 @@ def build_trainer(cfg, run_dir: str | Path, info: D.DistInfo | None = None) -> T
                      f"{cfg.monitor.probe_every}: a rollback may restore a state long before the alert, or step 0; "
                      f"set ckpt_every={cfg.monitor.probe_every} or less")
     if cfg.debug.spike_at_step is not None:
-        dv = cfg.divergence
-        notes.append(f"debug.spike_at_step={cfg.debug.spike_at_step}: that step's loss is multiplied by "
-                     f"{cfg.debug.spike_factor:g}; a spike of one step is watched, not acted on (a divergence is "
-                     f"{dv.window} steps in a row above {dv.spike_factor:g}x the running mean, divergence.window)")
+        notes.append(spike_note(cfg))
     if ema is not None:
         notes.append(ema_note(cfg.ema, total))
     schedule = OptimizerSchedule(lr_at, cfg.optim.weight_decay, cfg.optim.weight_decay_end)

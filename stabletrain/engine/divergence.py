@@ -9,8 +9,11 @@ and ``max_skips`` consecutive skipped steps count as a divergence."""
 from __future__ import annotations
 
 import math
+import statistics
 
 from stabletrain.config import DivergenceConfig
+
+SEED_LOSSES = 5  # the running mean starts as the median of this many healthy losses, not as the first one
 
 
 class DivergenceWatch:
@@ -22,6 +25,7 @@ class DivergenceWatch:
         self.action, self.skip_window = str(cfg.action), int(cfg.skip_window)
         self.max_rollbacks, self.lr_scale_on_rollback = int(cfg.max_rollbacks), float(cfg.lr_scale_on_rollback)
         self.ema: float | None = None
+        self.first: list[float] = []  # the first SEED_LOSSES healthy losses, while the mean is seeded
         self.seen = 0
         self.over = 0
         self.above = False  # the last loss was above factor x the running mean, in the warmup too
@@ -64,9 +68,15 @@ class DivergenceWatch:
         if not spiking:  # the running level tracks healthy steps only
             # in the warmup a spike is not counted, but it must not poison the level it is counted
             # against later either (one loss of 1e5 would hide every spike for hundreds of steps):
-            # it enters at factor x the level, which still lets a genuine rise lift it
-            level = loss if self.ema is None else min(loss, self.factor * self.ema)
-            self.ema = level if self.ema is None else self.decay * self.ema + (1 - self.decay) * level
+            # the level starts as the median of the first losses, so a first batch far off cannot set
+            # it, and after them a loss enters at most at factor x the level, which still lets a
+            # genuine rise lift it
+            if self.seen < SEED_LOSSES:
+                self.first.append(loss)
+                self.ema = statistics.median_low(self.first)
+            else:
+                self.ema = self.decay * self.ema + (1 - self.decay) * min(loss, self.factor * self.ema)
+                self.first = []
             self.seen += 1
         return None
 
@@ -87,7 +97,7 @@ class DivergenceWatch:
 
     def state_dict(self) -> dict:
         return {"ema": self.ema, "seen": self.seen, "over": self.over, "skips": self.skips, "above": self.above,
-                "spike_from": self.spike_from}
+                "spike_from": self.spike_from, "first": list(self.first)}
 
     def load_state_dict(self, s: dict, step: int | None = None) -> None:
         """``step``: the step the state was saved at. A checkpoint written before ``spike_from`` was
@@ -98,6 +108,8 @@ class DivergenceWatch:
         restores, the data it skips) one step later. Keys older code kept and this reads no more
         (``level``, ``above_at``) are passed over."""
         self.ema, self.seen, self.over = s["ema"], s["seen"], s["over"]
+        # older code's state has no seed losses: its mean stands for those it had seen
+        self.first = list(s.get("first", [self.ema] * min(self.seen, SEED_LOSSES) if self.ema is not None else []))
         self.skips = s.get("skips", 0)
         self.above = bool(s.get("above", self.over))
         self.spike_from = s.get("spike_from")
@@ -135,3 +147,16 @@ def spike_began(spikes: list[dict], first: int) -> int:
     last in ``spikes`` when the counted one goes on from it, ``first`` otherwise."""
     last = spikes[-1] if spikes else {}
     return last["step"] if last.get("warmup") and last["step"] + last["steps"] == first else first
+
+
+def with_open_spike(spikes: list[dict], watch: DivergenceWatch, step: int) -> list[dict]:
+    """summary.json's ``spikes`` for a run that stopped at ``step`` (completed, interrupted) while a
+    spike was under watch: those on record, then that one, marked ``"open": true`` (it neither
+    passed nor lasted the window; its updates were applied all the same). The run's own record is
+    left as it is, for a resume goes on watching the spike."""
+    if not watch.over:
+        return spikes
+    first = watch.spike_start(step - watch.skips)
+    began = spike_began(spikes, first)
+    kept = spikes[:-1] if began != first else spikes
+    return [*kept, {"step": began, "steps": first + watch.over - began, "open": True}]

@@ -35,7 +35,7 @@ from torch import nn
 from stabletrain.engine import distributed as D
 from stabletrain.engine import resume as R
 from stabletrain.engine.checkpoint import Checkpointer, RunDirGone, load_checkpoint, records_of, ring_checkpoints
-from stabletrain.engine.divergence import DivergenceWatch, record_spikes
+from stabletrain.engine.divergence import DivergenceWatch, record_spikes, with_open_spike
 from stabletrain.engine.guard import StepGuard
 from stabletrain.engine.progress import Pace, end_line, interval_fields
 from stabletrain.engine.rundir import continue_with
@@ -282,6 +282,8 @@ class Trainer:
         if guard is not None:
             guard.begin()
         fault = self._fault_due()
+        # a skipped step's loss terms count no more than its loss does (the interval's healthy steps' mean)
+        terms_before = self.term_sums.clone() if guard is not None and len(self.loss_terms) else None
         losses = []
         n = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
@@ -324,6 +326,8 @@ class Trainer:
             finite = torch.isfinite(grad_norm)  # the same on every rank: the grads are all-reduced
             guard.step(finite, update)
             skipped = (~finite).float()
+            if terms_before is not None:
+                self.term_sums = torch.where(finite, self.term_sums, terms_before)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(total, grad_norm, skipped, lr)
 
@@ -473,10 +477,11 @@ class Trainer:
         if self.guard is not None:
             rec[N.SKIPPED_STEPS] = sum(got.skipped)
             self.skipped_steps += sum(got.skipped)
-        if k:
-            rec[N.LOSS_PENALTY] = self.last_penalty = sum(got.terms) / n
+        if k:  # summed over the healthy steps alone (train_step)
+            m = len(healthy) or float("nan")
+            rec[N.LOSS_PENALTY] = self.last_penalty = sum(got.terms) / m
         if k > 1:
-            rec.update({N.loss_term(t.name): v / n for t, v in zip(self.loss_terms, got.terms)})
+            rec.update({N.loss_term(t.name): v / m for t, v in zip(self.loss_terms, got.terms)})
         samples = n * self.settings.batch_size
         rec[self._throughput] = samples * (self.data.seq_len or 1) / dt
         mfu = self._mfu(samples / dt)
@@ -606,8 +611,9 @@ class Trainer:
         all-reduce of :meth:`_log_interval`); rank 0 picks the checkpoint. metrics.jsonl keeps one
         consistent history: the records after the restored step are dropped, as on a resume."""
         w = self.divergence
-        # a refused save: the state went non-finite after the last checkpoint, which is finite
-        onset, kind = (self.step, "divergence") if refused_save else self.trigger or (self.step, "divergence")
+        if refused_save:  # the state went non-finite after the last checkpoint, which is finite
+            self.trigger = (self.step, "divergence")  # what the run's last lines say goes past it
+        onset, kind = self.trigger or (self.step, "divergence")
         if w.action != "rollback" or (kind == "alert" and not self.settings.rollback_on_alert):
             return reason
         if len(self.rollbacks) >= w.max_rollbacks:
@@ -895,8 +901,9 @@ class Trainer:
             summary["diverged_at"] = self.diverged_at or self.step  # may precede the step it was seen at
         if status == "interrupted":
             summary["signal"] = int(self.stop_signal)
-        if self.spikes:
-            summary["spikes"] = self.spikes
+        spikes = self.spikes if status == "diverged" else with_open_spike(self.spikes, self.divergence, self.step)
+        if spikes:
+            summary["spikes"] = spikes
         if self.divergence.action == "rollback":
             summary["rollbacks"] = self.rollbacks
             summary["lr_scale"] = self.lr_scale  # divergence.lr_scale_on_rollback, compounded

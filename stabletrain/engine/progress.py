@@ -85,12 +85,15 @@ def end_line(summary: dict, *, alerts: list[dict], last_vals: dict, eval_step: i
     line = f"{status} {where}" + (f": {reason}" if reason else "")
     if summary.get("skipped_steps"):
         line += f" | {summary['skipped_steps']} non-finite step(s) skipped"
-    spikes = summary.get("spikes")
+    spikes = [sp for sp in summary.get("spikes") or [] if not sp.get("open")]
     if spikes:  # their updates were applied: a final loss may carry them
         early = sum(1 for sp in spikes if sp.get("warmup"))
         line += (f" | {len(spikes)} loss spike(s) passed"
                  + (f" ({early} in the divergence warmup, not counted)" if early else "")
                  + f", the last at step {spikes[-1]['step']} ({spikes[-1]['steps']} step(s))")
+    if summary.get("spikes") and summary["spikes"][-1].get("open"):  # so may the final loss, more so
+        sp = summary["spikes"][-1]
+        line += f" | a loss spike since step {sp['step']} ({sp['steps']} step(s)) had not passed"
     rollbacks = summary.get("rollbacks")
     if rollbacks:
         last, lr_scale = rollbacks[-1], summary.get("lr_scale", 1.0)

@@ -421,17 +421,22 @@ def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, s
 
 def test_a_spike_in_the_divergence_warmup_does_not_hide_later_ones():
     """A loss of 1e5 inside the warmup entered the running mean whole (mean ~2000 from losses of 1):
-    every spike for hundreds of steps after the warmup went unseen. It enters capped at
-    spike_factor x the mean, and a sustained spike after the warmup still ends the run."""
+    every spike for hundreds of steps after the warmup went unseen. Among the first five losses it
+    leaves their median, the mean's start, as it is; after them it enters capped at spike_factor x
+    the mean; and a sustained spike after the warmup still ends the run."""
     from omegaconf import OmegaConf
 
     from stabletrain.config import DivergenceConfig
     from stabletrain.engine.divergence import DivergenceWatch
 
-    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0, ema=0.9)))
+    w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=10, spike_factor=2.0, ema=0.9)))
     assert w.update(1, 1.0) is None and w.update(2, 1e5) is None and w.above and w.over == 0
-    assert w.ema == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # capped at 2x the mean, not 1e4
-    for s in range(3, 30):
+    assert w.ema == 1.0  # the mean starts as the median of the first five losses
+    for s in range(3, 8):
+        assert w.update(s, 1.0) is None and not w.above
+    assert w.update(8, 1e5) is None and w.above and w.over == 0
+    assert w.ema == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # then a spike enters capped at 2x the mean, not 1e5
+    for s in range(9, 30):
         assert w.update(s, 1.0) is None and not w.above
     assert [w.update(s, 5.0) for s in (30, 31)] == [None, None]
     assert w.update(32, 5.0).startswith("loss 5 stayed above 2x its running mean 1")
@@ -448,11 +453,11 @@ def test_the_watch_keeps_the_last_warmup_spike_for_its_line_and_a_restored_watch
 
     w = DivergenceWatch(OmegaConf.structured(DivergenceConfig(window=3, warmup_steps=5, spike_factor=2.0, ema=0.5)))
     saved = (w.update(1, 1.0), w.state_dict())[1]
-    assert w.update(2, 3.0) is None and w.update(3, 1.0) is None and w.uncounted == (2, 1.0)
-    assert w.update(4, 9.0) is None and w.uncounted == (4, 1.25)  # the last one, against its own mean
+    assert w.update(2, 3.0) is None and w.update(3, 1.5) is None and w.uncounted == (2, 1.0)
+    assert w.update(4, 9.0) is None and w.uncounted == (4, 1.5)  # the last one, against its own mean
     for s in range(5, 12):
         w.update(s, 1.0)
-    assert w.update(12, 9.0) is None and w.over == 1 and w.uncounted == (4, 1.25)  # counted: no warmup's
+    assert w.update(12, 9.0) is None and w.over == 1 and w.uncounted == (4, 1.5)  # counted: no warmup's
     w.load_state_dict(saved)
     assert w.uncounted is None
 

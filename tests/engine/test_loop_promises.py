@@ -130,6 +130,52 @@ def test_a_log_line_gives_the_lr_of_its_own_step(tmp_path):
     assert threes == {3: pytest.approx(every[3]), 6: pytest.approx(every[6])}
 
 
+def test_a_first_loss_far_off_does_not_set_the_running_mean():
+    """The running mean starts as the median of the first five healthy losses: a first loss 1e4x
+    the rest (a broken first batch) does not lift it, so a 100x spike after the warmup is counted
+    (seeded with that first loss, the mean stays above 100x the loss for some 300 steps). A resume
+    in the middle of the seeding goes on as the run that was not stopped."""
+    w = _watch()
+    losses = [5e4, *[5.0 + 0.01 * s for s in range(2, 40)]]
+    for s, loss in enumerate(losses, 1):
+        assert w.update(s, loss) is None
+        if s == 3:
+            saved = w.state_dict()
+    again = _watch()
+    again.load_state_dict(saved)
+    for s, loss in enumerate(losses[3:], 4):
+        again.update(s, loss)
+    assert again.state_dict() == w.state_dict()
+    assert w.ema == pytest.approx(5.0, rel=0.1)
+    assert w.update(40, 500.0) is None and w.over == 1 and w.spike_from == 40
+
+
+def test_a_spike_under_watch_where_the_run_ends_is_on_record_as_open(tmp_path):
+    """A counted spike at the run's last step neither passed nor lasted the window: summary.json
+    keeps it, marked open (its update was applied, the final loss carries it). The checkpoint's
+    record does not: a resume goes on watching it and records it once, as passed."""
+    args = [*GPT, "divergence.warmup_steps=2", "debug.spike_at_step=8"]
+    s = train(tmp_path, *args, "steps=8")
+    assert s["status"] == "completed" and s["spikes"] == [{"step": 8, "steps": 1, "open": True}]
+    s = train(tmp_path, *args, "steps=10", "resume=auto")
+    assert s["status"] == "completed" and s["spikes"] == [{"step": 8, "steps": 1}]
+
+
+def test_a_skipped_steps_loss_terms_count_no_more_than_its_loss(tmp_path):
+    """z-loss, logged every 3 steps, step 3 non-finite and skipped: the interval's loss/penalty is
+    the mean of steps 1 and 2's (those whose loss the interval's loss averages), and the task
+    loss in summary.json is that loss less that penalty."""
+    args = [*GPT, "steps=3", "regularizer=zloss", "regularizer.zloss.coef=1.0", "debug.nan_at_step=3"]
+    train(tmp_path / "every", *args)
+    s = train(tmp_path / "threes", *args, "logger.log_every=3")
+    every = [r for r in _records(tmp_path / "every") if "loss" in r]
+    (rec,) = [r for r in _records(tmp_path / "threes") if "loss" in r]
+    assert rec["train/skipped_steps"] == 1 and math.isnan(float(every[2]["loss"]))
+    assert rec["loss"] == pytest.approx((every[0]["loss"] + every[1]["loss"]) / 2, rel=1e-5)
+    assert rec["loss/penalty"] == pytest.approx((every[0]["loss/penalty"] + every[1]["loss/penalty"]) / 2, rel=1e-5)
+    assert s["final"]["task_loss"] == pytest.approx(rec["loss"] - rec["loss/penalty"])
+
+
 def test_an_intervals_penalty_is_the_mean_of_its_steps_and_the_task_loss_the_rest(tmp_path):
     """Logged every 3 steps, loss/penalty at step 3 is the mean of the three steps' penalties (as
     the run logged every step records them), not their sum; summary.json's task_loss is the

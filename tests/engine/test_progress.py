@@ -288,6 +288,11 @@ def test_end_line_says_where_and_why_a_run_stopped_and_what_it_survived():
     assert end_line(early, alerts=[], last_vals={}, eval_step=None) == (
         "completed at step 8 | 2 loss spike(s) passed (1 in the divergence warmup, not counted), the last at step "
         "6 (1 step(s))")
+    # a spike still under watch where the run ended (summary.json marks it open) is not said to have passed
+    open_ = {**done, "spikes": [{"step": 2, "steps": 1}, {"step": 7, "steps": 2, "open": True}]}
+    assert end_line(open_, alerts=[], last_vals={}, eval_step=None) == (
+        "completed at step 8 | 1 loss spike(s) passed, the last at step 2 (1 step(s)) | a loss spike since step 7 "
+        "(2 step(s)) had not passed")
     gone = [{"layer": "blocks.0.attn", "step": 3, "rolled_back": True}]
     assert end_line(done, alerts=gone, last_vals={}, eval_step=None) == (
         "completed at step 8 | 1 health alert(s), 1 in the histories rollbacks abandoned")

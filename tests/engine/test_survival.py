@@ -674,6 +674,40 @@ def test_the_hint_after_a_spike_names_the_spikes_first_step_where_a_rollback_goe
     assert "divergence.action=rollback (back to a checkpoint before step 22, " in capsys.readouterr().err
 
 
+def test_a_run_ended_by_a_refused_save_says_how_to_go_past_it(tmp_path, capsys):
+    """Adam's moments overflow under a finite loss (a 3e37 spike at step 9): the save at step 12 is
+    refused and the run diverges there; its last line names the rollback that goes past it, back to
+    a checkpoint before step 12 (it named none: the trouble had no trigger step)."""
+    s = train(tmp_path, *GPT, "optim=adamw", "steps=12", "ckpt_every=4", "divergence.skip_nonfinite=false",
+              "debug.spike_at_step=9", "debug.spike_factor=3e37", quiet=False)
+    assert s["status"] == "diverged" and "non-finite weights or optimizer state at step 12" in s["reason"]
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("to go past it: ") and "divergence.action=rollback (back to a checkpoint before step 12" \
+        in last, last
+
+
+def test_the_start_note_of_an_injected_spike_says_what_the_watch_makes_of_it():
+    """debug.spike_at_step's note follows the divergence settings: a one-step window makes the spike a
+    divergence, the warmup names it without counting it, the first step has nothing to compare with,
+    and with the watch off nothing watches it."""
+    from stabletrain.build import spike_note
+
+    def note(*o):
+        return spike_note(make_cfg("model=gpt_test", *o)).split("; ", 1)[1]
+
+    assert note("debug.spike_at_step=30").startswith("a spike of one step is watched, not acted on (a divergence is "
+                                                     "20 steps in a row above 4x the running mean")
+    assert note("debug.spike_at_step=30", "divergence.window=1") == \
+        "a spike of one step is a divergence (divergence.window=1): the run stops"
+    assert note("debug.spike_at_step=30", "divergence.window=1", "divergence.action=rollback").endswith("rolls back")
+    assert note("debug.spike_at_step=20") == ("in the first divergence.warmup_steps=20 steps a spike is named on the "
+                                              "progress line, not counted")
+    assert note("debug.spike_at_step=21").startswith("a spike of one step is watched")
+    assert note("debug.spike_at_step=1").startswith("the first loss has none before it")
+    assert note("debug.spike_at_step=30", "divergence.enabled=false") == \
+        "no loss spike is watched (divergence.enabled=false)"
+
+
 def test_a_diverged_run_says_how_to_go_past_it_and_resumes_with_rollback(tmp_path, capsys):
     """resume=auto refused divergence.action=rollback (and dropping the injected fault) as a change
     of the run, and the command the refusal offered diverged again at the same step."""
