@@ -287,7 +287,7 @@ class AdamW2(Optimizer):
                 raise ValueError(f"AdamW2: param group {index}: unknown key {key!r}: did you mean {near!r}?")
             # torch AdamW's switches: a group asking for what AdamW2 does not do would be ignored (a group
             # copied from torch.optim.AdamW carries them off, which is what AdamW2 does)
-            if key in _NOT_TAKEN and value not in (None, False):
+            if key in _NOT_TAKEN and value is not None and (value is not False or key == "foreach"):
                 raise ValueError(f"AdamW2: param group {index}: {key}={value!r}: {_NOT_TAKEN[key]}")
         for key in ("names", "param_names"):
             names = param_group.get(key)
@@ -694,6 +694,7 @@ _NOT_TAKEN = {
     "capturable": "AdamW2 takes no capturable mode",
     "differentiable": "AdamW2's step is not differentiable",
     "fused": "fused is the optimizer's, not a group's: AdamW2(..., fused=...)",
+    "foreach": "AdamW2 always steps through torch's foreach (or fused) kernels: drop it",
 }
 
 

@@ -196,26 +196,29 @@ def test_weyl_bound_holds_every_step():
     assert opt.bound_stats()["bound_fraction"] == 1.0  # lr 0.5 is far above the bound
 
 
-def _worst_growth(power_iters: int, seed: int, tau: float = 0.01, steps: int = 60) -> float:
+def _worst_growth(power_iters: int, seed: int, tau: float = 0.01, steps: int = 60, starts: int | None = None) -> float:
     """The largest one-step growth of sigma1(W), in units of tau, on the slowest case for power
-    iteration: a 64 x 64 float64 matrix whose top 8 singular values are equal, pushed along its
-    top singular direction (plus noise) at a rate far above the bound. ``seed`` also draws the
-    power iteration's start vectors, from the global generator: left to whatever the tests before
-    had drawn, they made the figure depend on which tests ran first (alone, the test failed)."""
-    torch.manual_seed(seed)
+    iteration: a 64 x 64 float64 matrix whose top 8 singular values are equal, pushed along one of
+    its top singular directions (plus noise) at a rate far above the bound. ``starts`` (else
+    ``seed``) draws the power iteration's start vectors, from the global generator: left to whatever
+    the tests before had drawn, they made the figure depend on which tests ran first. The direction
+    is the one W was built with: an SVD's choice among 8 equal singular values depends on the LAPACK
+    build and its thread count, and so did the figure (1.15 tau or 0.98 tau on one machine)."""
+    torch.manual_seed(seed if starts is None else starts)
     g = torch.Generator().manual_seed(seed)
     n = 64
     q, p = (torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0] for _ in range(2))
     s = torch.linspace(1.0, 0.1, n, dtype=torch.float64)
     s[:8] = 1.0
     w = nn.Parameter(q @ torch.diag(s) @ p.T)
+    top = q[:, :1] @ p[:, :1].T
     opt = AdamW2([{"params": [w], "bound": True}], lr=1.0, weight_decay=0.0, tau=tau, power_iters=power_iters)
     worst = 0.0
     for _ in range(steps):
-        u, sv, vh = torch.linalg.svd(w.detach())
-        w.grad = -(u[:, :1] @ vh[:1]) + 0.3 * torch.randn(n, n, generator=g, dtype=torch.float64) / n ** 0.5
+        before = sigma1_exact(w.detach()).item()
+        w.grad = -top + 0.3 * torch.randn(n, n, generator=g, dtype=torch.float64) / n ** 0.5
         opt.step()
-        worst = max(worst, sigma1_exact(w.detach()).item() / sv[0].item() - 1)
+        worst = max(worst, sigma1_exact(w.detach()).item() / before - 1)
     return worst / tau
 
 
@@ -223,10 +226,12 @@ def _worst_growth(power_iters: int, seed: int, tau: float = 0.01, steps: int = 6
 def test_three_warm_started_iterations_keep_the_bound_near_tau(seed):
     """Power iteration underestimates sigma1, so the bound holds up to its error (docs/methods.md
     §1 quotes these figures): with the default 3 warm-started iterations and these start vectors
-    the worst step grows sigma1 by at most 1.1 tau, where one iteration lets it reach 1.37 tau
-    (other start vectors: up to 1.33 tau with 3, 2.25 tau with 1); converged, at most tau."""
+    the worst step grows sigma1 by at most 1.1 tau (0.99 tau), where one iteration lets it reach
+    1.32 tau (other start vectors: up to 1.45 tau with 3, 2.40 tau with 1); converged, at most tau."""
     assert _worst_growth(3, seed) <= 1.1
     assert _worst_growth(30, seed) <= 1.0
+    if seed == 0:  # the case is hard enough to tell: one iteration goes past the bound
+        assert _worst_growth(1, seed) > 1.2
 
 
 def test_zero_initialised_tensor_learns_at_full_rate():
@@ -354,12 +359,13 @@ def test_a_misspelt_group_key_is_refused_and_other_keys_are_kept():
 
 @pytest.mark.parametrize("key,value,says", [("maximize", True, "negate the loss"), ("amsgrad", True, "no max"),
                                              ("fused", True, "AdamW2(..., fused=...)"),
-                                             ("differentiable", True, "not differentiable")])
+                                             ("differentiable", True, "not differentiable"),
+                                             ("foreach", True, "drop it"), ("foreach", False, "drop it")])
 def test_a_group_asking_for_a_torch_adamw_switch_is_refused(key, value, says):
     """{"maximize": True} in a group minimised, silently; a group copied from torch.optim.AdamW, with
-    those switches off, is taken."""
+    those switches off (foreach unset), is taken."""
     lin = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match=rf"^AdamW2: param group 0: {key}=True: .*{re.escape(says)}"):
+    with pytest.raises(ValueError, match=rf"^AdamW2: param group 0: {key}={value}: .*{re.escape(says)}"):
         AdamW2([{"params": [lin.weight], key: value}])
     copied = torch.optim.AdamW(lin.parameters(), lr=0.01).param_groups
     assert AdamW2(copied).param_groups[0]["lr"] == 0.01
