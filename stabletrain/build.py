@@ -744,15 +744,20 @@ def _shard(cfg, info: D.DistInfo) -> Shard:
         # the nearest batch sizes that split evenly, as a fix to copy
         unit = cfg.micro_batch_size * world if cfg.micro_batch_size else world
         lower, upper = cfg.batch_size // unit * unit, -(-cfg.batch_size // unit) * unit
-        sizes = " or ".join(f"batch_size={b}" for b in dict.fromkeys((lower, upper)) if b > 0)
+        fixes = [" or ".join(f"batch_size={b}" for b in dict.fromkeys((lower, upper)) if b > 0)]
         split = (f"micro_batch_size={micro}" if cfg.micro_batch_size else
                  f"its {world} rank(s)")
-        # a resumed run cannot change its batch: the process counts that divide it, nearest first
+        per_rank = cfg.batch_size // world
+        if cfg.micro_batch_size and cfg.batch_size % world == 0:
+            # a resumed run cannot change its batch, but may its micro-batch: first the largest that divides
+            fits = max(m for m in range(1, min(micro, per_rank) + 1) if per_rank % m == 0)
+            fixes.insert(0, f"micro_batch_size={fits}")
+        # nor its batch: the process counts that divide it, nearest first
         procs = sorted((n for n in range(1, 129) if n != world and cfg.batch_size % (n * (cfg.micro_batch_size or 1))
                         == 0), key=lambda n: (abs(n - world), n))[:2]
-        launch = f", or launch {' or '.join(map(str, sorted(procs)))} process(es)" if procs else ""
+        fixes += [f"launch {' or '.join(map(str, sorted(procs)))} process(es)"] if procs else []
         raise ConfigError(f"batch_size={cfg.batch_size} does not split evenly over {split}"
-                          + (f" x {world} rank(s)" if cfg.micro_batch_size else "") + f": use {sizes}{launch}")
+                          + (f" x {world} rank(s)" if cfg.micro_batch_size else "") + f": use {', or '.join(fixes)}")
     if (cfg.data.mixup > 0 or cfg.data.cutmix > 0) and micro % 2:
         raise ConfigError(f"mixup/cutmix pair the samples of a micro-batch: micro-batch {micro} must be even "
                           f"(set batch_size or micro_batch_size so that each rank's micro-batch is even)")

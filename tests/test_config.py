@@ -183,7 +183,15 @@ def test_resume_reads_imports_as_the_modules_they_name(tmp_path, monkeypatch):
      "batch_size=15 does not split evenly over its 2 rank(s): use batch_size=14 or batch_size=16, or launch 1 or 3 "
      "process(es)"),
     (["batch_size=16", "micro_batch_size=3"], 2,
-     "batch_size=16 does not split evenly over micro_batch_size=3 x 2 rank(s): use batch_size=12 or batch_size=18"),
+     "batch_size=16 does not split evenly over micro_batch_size=3 x 2 rank(s): use micro_batch_size=2, or "
+     "batch_size=12 or batch_size=18"),
+    # what a run resumed on another number of processes can change: its micro-batch
+    (["batch_size=64", "micro_batch_size=64"], 2,
+     "batch_size=64 does not split evenly over micro_batch_size=64 x 2 rank(s): use micro_batch_size=32, or "
+     "batch_size=128, or launch 1 process(es)"),
+    (["batch_size=15", "micro_batch_size=5"], 2,
+     "batch_size=15 does not split evenly over micro_batch_size=5 x 2 rank(s): use batch_size=10 or batch_size=20, "
+     "or launch 1 or 3 process(es)"),
     (["batch_size=1"], 2, "batch_size=1 does not split evenly over its 2 rank(s): use batch_size=2, or launch 1 "
                           "process(es)"),
     (["batch_size=24"], 5, "batch_size=24 does not split evenly over its 5 rank(s): use batch_size=20 or "
@@ -191,7 +199,7 @@ def test_resume_reads_imports_as_the_modules_they_name(tmp_path, monkeypatch):
 ])
 def test_a_batch_that_does_not_split_names_the_sizes_that_do(overrides, world, error):
     """It named micro_batch_size=7, a value derived, not given, and no size that works; a resumed
-    run, which cannot change its batch, is told the process counts that split it."""
+    run, which cannot change its batch, is told the micro-batch and the process counts that split it."""
     from stabletrain.build import _shard
     from stabletrain.topology import DistInfo
 

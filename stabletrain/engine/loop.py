@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -172,6 +173,7 @@ class Trainer:
         # a signal held for the loop until it answers signals (run.py's preemption warning during the start)
         self.held_signal: Callable[[], int | None] = lambda: None
         self.after_step = False  # between a step's update and the next step: its evaluation, log, checkpoint
+        self.signals_agreed = False  # this step's ranks have agreed on the stop signals (distributed.agree_on_signal)
         self.step = 0
         self.notes: list[str] = list(messages)  # said once the metrics sink exists
         self.diverged_at: int | None = None
@@ -677,11 +679,18 @@ class Trainer:
                 raise KeyboardInterrupt
             if signum == signal.SIGINT and self.stop_signal is None and self.info.is_main:
                 # a step may take minutes on a CPU: say at once that the Ctrl-C was heard
-                at = self.step if self.after_step else self.step + 1  # the step whose end is awaited
-                what = (f"stopping after step {at}, with a checkpoint" if at < self.total_steps else
-                        "the last step is done: the run completes after its evaluation and checkpoint"
-                        if self.after_step else f"step {at} is the last: the run completes after it")
-                print(f"\nCtrl-C: {what} (Ctrl-C again to stop at once, without one)", file=sys.stderr, flush=True)
+                # the step whose end is awaited: the next one once this step's ranks have agreed on the signals
+                at = self.step if self.after_step and not self.signals_agreed else self.step + 1
+                what = ("the last step is done: the run completes after its evaluation and checkpoint"
+                        if self.after_step and self.step >= self.total_steps else
+                        f"stopping after step {at}, with a checkpoint" if at < self.total_steps else
+                        f"step {at} is the last: the run completes after it")
+                # torchrun's workers run in a session of their own: a second Ctrl-C ends torchrun alone
+                wait = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+                again = (f"; torchrun kills the workers {wait} s after a Ctrl-C (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and "
+                         f"a second one ends torchrun alone" if os.environ.get("TORCHELASTIC_RUN_ID") else
+                         " (Ctrl-C again to stop at once, without one)")
+                print(f"\nCtrl-C: {what}{again}", file=sys.stderr, flush=True)
             if D.signal_rank(signum) >= D.signal_rank(self.stop_signal):
                 self.stop_signal = signum  # a SIGTERM after a preemption warning must not cancel its requeue
 
@@ -826,7 +835,7 @@ class Trainer:
             return reason
 
         while self.step < self.total_steps:
-            self.after_step = False
+            self.after_step = self.signals_agreed = False
             step = self.step
             save_due = (step + 1) % cfg.ckpt_every == 0 or step + 1 == self.total_steps
             eval_due = (step + 1) % cfg.eval_every == 0 or step + 1 == self.total_steps
@@ -845,7 +854,9 @@ class Trainer:
                 m.log(self.step, fresh)
             reason = flush(t_end, fresh) if log_now else None
             # every step, on every rank: a signal landing during the agreement counts at the next step
-            agreed = D.agree_on_signal(self.stop_signal, self.info)
+            held = self.stop_signal
+            self.signals_agreed = True  # a signal from here on is agreed on at the next step
+            agreed = D.agree_on_signal(held, self.info)
             if agreed is not None and pending:
                 reason = flush(time.perf_counter(), {})
             rolled_back = False

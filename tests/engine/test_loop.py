@@ -396,27 +396,42 @@ def test_the_continue_command_of_a_sweep_run_again_is_this_one(tmp_path, monkeyp
                             f"hydra.sweep.dir={tmp_path}"), earlier
 
 
-@pytest.mark.parametrize("step,after_step,said", [
-    (3, False, "stopping after step 4, with a checkpoint"),  # inside step 4
-    (4, True, "stopping after step 4, with a checkpoint"),  # step 4's evaluation or checkpoint
-    (9, False, "step 10 is the last: the run completes after it"),
-    (10, True, "the last step is done: the run completes after its evaluation and checkpoint"),
+@pytest.mark.parametrize("step,after_step,agreed,said", [
+    (3, False, False, "stopping after step 4, with a checkpoint"),  # inside step 4
+    (4, True, False, "stopping after step 4, with a checkpoint"),  # step 4's evaluation or log
+    # step 4's ranks had agreed on the signals without this one (it landed while rank 0 waited for them)
+    (4, True, True, "stopping after step 5, with a checkpoint"),
+    (9, False, False, "step 10 is the last: the run completes after it"),
+    (9, True, True, "step 10 is the last: the run completes after it"),
+    (10, True, False, "the last step is done: the run completes after its evaluation and checkpoint"),
+    (10, True, True, "the last step is done: the run completes after its evaluation and checkpoint"),
 ])
-def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, step, after_step, said):
+def test_the_first_ctrl_c_names_the_step_the_run_stops_after(tmp_path, capsys, monkeypatch, step, after_step, agreed,
+                                                             said):
     from stabletrain.build import build_trainer
     from tests.helpers import make_cfg
 
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     t = build_trainer(make_cfg(*GPT_LOGGED, "steps=10", "logger=none", "monitor=off"), tmp_path)
     capsys.readouterr()
-    t.step, t.after_step = step, after_step
-    old = t._install_signals()
-    try:
-        signal.raise_signal(signal.SIGINT)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    assert t.stop_signal == signal.SIGINT
-    assert capsys.readouterr().err.strip() == f"Ctrl-C: {said} (Ctrl-C again to stop at once, without one)"
+
+    def ctrl_c() -> str:
+        t.step, t.after_step, t.signals_agreed, t.stop_signal = step, after_step, agreed, None
+        old = t._install_signals()
+        try:
+            signal.raise_signal(signal.SIGINT)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        assert t.stop_signal == signal.SIGINT
+        return capsys.readouterr().err.strip()
+
+    assert ctrl_c() == f"Ctrl-C: {said} (Ctrl-C again to stop at once, without one)"
+    # under torchrun a second Ctrl-C reaches torchrun alone (its workers have a session of their own)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert ctrl_c() == (f"Ctrl-C: {said}; torchrun kills the workers 30 s after a Ctrl-C "
+                        f"(TORCH_ELASTIC_SHUTDOWN_TIMEOUT), and a second one ends torchrun alone")
 
 
 def test_a_spike_in_the_divergence_warmup_does_not_hide_later_ones():
