@@ -529,7 +529,6 @@ def load_initial_weights(cfg, model: torch.nn.Module, run_dir: Path) -> str:
     return load_weights(model, cfg.init_weights, cfg.model)
 
 
-
 def spike_note(cfg) -> str:
     """What the divergence watch makes of debug.spike_at_step's spike, as configured."""
     dv, at = cfg.divergence, cfg.debug.spike_at_step
