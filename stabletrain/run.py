@@ -19,7 +19,7 @@ from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail,
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
-                                      figures_command, first_missing, remove_made, sweep_dir, task_overrides)
+                                      figures_command, folders_to_make, remove_made, sweep_dir, task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -149,7 +149,7 @@ def refuse_point(run_dir: Path, reason: str) -> None:
 _REFUSED: list[str | None] = [None]  # the reason this process's sweep point was refused
 
 
-_NEW_DIRS: list[list[Path]] = []  # what a single dry run's directory made new (rundir.first_missing)
+_NEW_DIRS: list[list[Path]] = []  # what a single dry run's directory made new (rundir.folders_to_make)
 _DRY_POINTS = [0]  # the points of a dry sweep built in this process
 
 
@@ -163,7 +163,7 @@ class ClaimRunDir(Callback):
     def on_run_start(self, config, **kwargs) -> None:
         _refuse_chdir(config)
         if config.get("dry_run"):  # takes no lock; the folders Hydra is about to make go again at its end
-            _NEW_DIRS.append(first_missing(str(config.hydra.run.dir)))
+            _NEW_DIRS.append(folders_to_make(str(config.hydra.run.dir)))
         if D.detect().rank > 0 or config.get("dry_run") or config.hydra.output_subdir is None:
             return
         try:
@@ -198,7 +198,7 @@ class SweepReport(Callback):
         if D.detect().rank > 0:
             return
         root = Path(str(config.hydra.sweep.dir))
-        self.made = first_missing(root) if config.get("dry_run") else []
+        self.made = folders_to_make(root) if config.get("dry_run") else []
         if not root.is_dir():
             return
         if (root / "multirun.yaml").is_file():

@@ -160,10 +160,18 @@ def _depth_legend_or_bar(fig, ax, blocks: list[str]) -> None:
 
 
 def _spikes(run: Run) -> list[tuple[int, int]]:
-    """``(first step, steps)`` of the loss spikes the run counted and went on from (summary.json;
-    not those of the divergence warmup, before its loss average means anything)."""
+    """``(first step, steps)`` of the loss spikes the run counted (summary.json; not those of the
+    divergence warmup, before its loss average means anything); the last may be one the run ended
+    inside (``"open"``)."""
     return [(s["step"], s.get("steps", 1)) for s in (run.summary or {}).get("spikes") or []
             if isinstance(s, dict) and isinstance(s.get("step"), (int, float)) and not s.get("warmup")]
+
+
+def _open_spikes(run: Run) -> int:
+    """How many of :func:`_spikes` the run ended inside (at most the last)."""
+    spikes = [s for s in (run.summary or {}).get("spikes") or [] if isinstance(s, dict)]
+    return int(bool(spikes) and bool(spikes[-1].get("open")) and not spikes[-1].get("warmup")
+               and isinstance(spikes[-1].get("step"), (int, float)))
 
 
 def _title(run: Run, what: str) -> str:
@@ -191,8 +199,11 @@ def _title(run: Run, what: str) -> str:
             if here and run.skipped_at and set(run.skipped_at) <= {run.diverged_step}:
                 where = "at the red line"  # drawn under it
             status += f", {total} non-finite step(s) skipped ({where})"
-        if spikes := _spikes(run):
-            status += f", {len(spikes)} loss spike(s) passed (shaded)"
+        spikes = _spikes(run)
+        if passed := len(spikes) - _open_spikes(run):
+            status += f", {passed} loss spike(s) passed (shaded)"
+        if len(spikes) > passed:  # one still under watch where the run ended (summary.json's "open")
+            status += ", a loss spike not passed where the run ended (shaded)"
         if run.alerts:
             status += f", {len(run.alerts)} health alert(s)"
         if run.resumed_at:

@@ -146,8 +146,8 @@ def launcher_of_this_job() -> str | None:
 KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW = ".hydra.kept", ".multirun.kept.yaml", ".refused_now"
 
 
-def first_missing(path: str | Path) -> list[Path]:
-    """The folders that making ``path`` creates, outermost first (``outputs/<date>`` and its run
+def folders_to_make(path: str | Path) -> list[Path]:
+    """The folders that making ``path`` would create, outermost first (``outputs/<date>`` and its run
     folder for the day's first run); empty where ``path`` exists. Each prefix of the path as
     written counts, since Hydra's makedirs walks ``a/../b`` through ``a`` as well as making ``b``."""
     made, prefix = [], Path()
@@ -160,7 +160,7 @@ def first_missing(path: str | Path) -> list[Path]:
 
 
 def remove_made(made: list[Path]) -> None:
-    """Remove the folders :func:`first_missing` found missing before they were made, deepest
+    """Remove the folders :func:`folders_to_make` found missing before they were made, deepest
     first, each only while empty: a dry run leaves no empty dated folders behind."""
     for folder in reversed(made):
         try:

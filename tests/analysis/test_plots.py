@@ -367,6 +367,26 @@ def test_a_sigma1_that_spans_decades_gets_a_log_axis_and_reparams_raw_weight_its
     assert figures["adamw2_lr.png"].axes[0].get_title() == "attn.qkv.weight (raw W)"
 
 
+def test_a_spike_the_run_ended_inside_is_shaded_but_not_counted_as_passed(tmp_path, monkeypatch):
+    """summary.json marks the spike still under watch where the run ended "open"; the title counted it
+    among those passed."""
+    records = [{"step": s, "loss": 9.0 if s in (10, 18, 19) else 3.0, "lr": 1e-3} for s in range(0, 20)]
+    run = _run_dir(tmp_path / "r", records, {"status": "completed", "step": 19, "spikes": [
+        {"step": 10, "steps": 1}, {"step": 18, "steps": 2, "open": True}]})
+    figures = _figures(monkeypatch)
+    P.plot_dynamics(run)
+    fig = figures["training.png"]
+    title = " ".join(fig._suptitle.get_text().split())  # wrapped to the figure's width
+    assert "[completed, 1 loss spike(s) passed (shaded), a loss spike not passed where the run ended (shaded)]" in title
+    assert [p.get_x() for p in fig.axes[0].patches] == [9.5, 17.5]
+    alone = _run_dir(tmp_path / "s", records, {"status": "completed", "step": 19, "spikes": [
+        {"step": 18, "steps": 2, "open": True}]})
+    figures.clear()
+    P.plot_dynamics(alone)
+    title = " ".join(figures["training.png"]._suptitle.get_text().split())
+    assert "[completed, a loss spike not passed where the run ended (shaded)]" in title
+
+
 def test_a_spike_the_run_went_on_from_is_a_band_on_every_panel_and_in_the_title(tmp_path, monkeypatch):
     """summary.json lists the spikes; the figures said only [completed], and the spike showed in the
     loss curve alone. The divergence warmup's spike is not one the run counted."""
