@@ -142,13 +142,15 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
             mod.probe["logit_max"] = logits.amax()
             mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, False, logits)  # causal applied
         mod.probe["x"] = x.detach()
+    # a boolean mask goes to SDPA as it is (True: attend); cast to a float, it would be added to the logits
+    additive = attn_mask is not None and attn_mask.dtype != torch.bool
     if mod.attn_fp32:
         with torch.autocast(q.device.type, enabled=False):
-            m = attn_mask.float() if attn_mask is not None else None
+            m = attn_mask.float() if additive else attn_mask
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m,
                                                  dropout_p=drop, is_causal=causal, scale=mod.scale)
         return out.to(v.dtype)
-    if attn_mask is not None:
+    if additive:
         attn_mask = attn_mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop,
                                           is_causal=causal, scale=mod.scale)
@@ -178,10 +180,10 @@ class Attention(nn.Module):
         return (isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
                 and math.isclose(self.scale, self.head_dim**-0.5))
 
-    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, **_) -> Tensor:
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        o = attend(self, x, q, k, v, attn_mask, self.causal)
+        o = attend(self, x, q, k, v, attn_mask, self.causal or is_causal)
         return self.proj_drop(self.proj(o.transpose(1, 2).reshape(b, t, c)))
 
 

@@ -36,8 +36,9 @@ class BlockForward:
         self.post = option_value(components.norm.placement) == "post"
         self.deesc_at, self.deesc = make_deescalate(components.deescalate, causal)
 
-    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, **_) -> Tensor:
-        x = self._sublayer(x, self.norm1, self.drop_path1, self.attention_branch, attn_mask)
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        # timm's VisionTransformer passes both to each block where a caller gives either
+        x = self._sublayer(x, self.norm1, self.drop_path1, self.attention_branch, attn_mask, is_causal)
         if self.deesc_at == "ffn":
             x = self.deesc(x)
         x = self._sublayer(x, self.norm2, self.drop_path2, self.mlp_branch)
@@ -75,8 +76,8 @@ class Block(BlockForward, nn.Module):
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.set_components(c, causal)
 
-    def attention_branch(self, x: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
-        return self.ls1(self.attn(x, attn_mask))
+    def attention_branch(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        return self.ls1(self.attn(x, attn_mask, is_causal))
 
     def mlp_branch(self, x: Tensor) -> Tensor:
         return self.ls2(self.mlp(x))

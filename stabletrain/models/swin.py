@@ -27,7 +27,9 @@ class SwinBlock(BlockForward, SwinTransformerBlock):
     timm's shifted-window attention on the (B, H, W, C) map; the MLP acts on each token. The
     components (``post``, ``deesc_at``, ``deesc``) are set per instance by :func:`build_swin`."""
 
-    def attention_branch(self, x: Tensor, attn_mask=None) -> Tensor:
+    def attention_branch(self, x: Tensor, attn_mask=None, is_causal: bool = False) -> Tensor:
+        if attn_mask is not None or is_causal:  # timm's Swin stages pass neither; its windows make their own mask
+            raise ValueError("a Swin block takes no attn_mask or is_causal: its shifted windows mask themselves")
         return self._attn(x)
 
     def mlp_branch(self, x: Tensor) -> Tensor:

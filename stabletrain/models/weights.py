@@ -76,12 +76,34 @@ def _source_file(path: Path, key: str) -> Path:
     return path
 
 
-def _read_sharded(pt: Path, key: str, which: str) -> dict[str, Tensor]:
+def _shards_of(pt: Path, step, key: str) -> Path:
+    """The folder of ``pt``'s shards: ``<stem>_dcp/`` beside it, or for a ``last.pt`` whose save was
+    cut off between its shards and itself, the previous shards (``.last_dcp.old``); the one saved at
+    ``pt``'s step (the layout is engine.checkpoint's ``dcp_dir`` and engine.sharding's ``save_dcp``)."""
+    import torch.distributed.checkpoint as dcp
+
+    found = []
+    for folder in (pt.parent / f"{pt.stem}_dcp", *([pt.parent / ".last_dcp.old"] if pt.name == "last.pt" else [])):
+        if not (folder / ".metadata").is_file():
+            continue
+        saved = {"step": torch.tensor(-1)}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(saved, checkpoint_id=str(folder), no_dist=True)
+        if int(saved["step"]) == step:
+            return folder
+        found.append(f"{folder.name}/ holds step {int(saved['step'])}")
+    raise ConfigError(f"{key}{pt}: its sharded weights (step {step}) are not beside it "
+                      f"({'; '.join(found) or f'no {pt.stem}_dcp/'}): a kill or another run replaced them; "
+                      "pass one of its ring checkpoints (step_*.pt) instead")
+
+
+def _read_sharded(pt: Path, step, key: str, which: str) -> dict[str, Tensor]:
     """The model (``which="model"``) or weight average (``"ema"``) of a sharded checkpoint, whole:
     only its tensors are read, not the optimizer's."""
     import torch.distributed.checkpoint as dcp
 
-    folder = pt.parent / f"{pt.stem}_dcp"
+    folder = _shards_of(pt, step, key)
     meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     model = {k[len(which) + 1:]: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.items() if k.startswith(which + ".") and hasattr(m, "size")}
@@ -102,7 +124,7 @@ def _state_of(ck, pt: Path, key: str, average: bool):
     if average and isinstance(ck, dict) and "ema" in ck and ck["ema"] is None:
         raise ConfigError(f"{key}{pt}: holds no weight average (its run had ema.decay null); leave the average out")
     if isinstance(ck, dict) and ck.get("dcp"):
-        return _read_sharded(pt, key, "ema" if average else "model")
+        return _read_sharded(pt, ck.get("step"), key, "ema" if average else "model")
     if not average:
         if isinstance(ck, dict) and isinstance(ck.get("model"), dict):  # stabletrain's
             return ck["model"]

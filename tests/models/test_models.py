@@ -31,6 +31,36 @@ def test_default_vision_models_are_timms(ours, timm_name, kw):
         torch.testing.assert_close(model(x), ref(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fp32", [False, True])
+def test_a_vit_takes_timms_masks_as_timm_does(fp32):
+    """timm's VisionTransformer passes ``attn_mask`` and ``is_causal`` to each block: a boolean mask
+    was cast to 1.0/0.0 and added to the logits (masking nothing), and ``is_causal`` was dropped."""
+    cfg = make_cfg("model=vit_test", "model.drop_path=0.0", f"reparam.attn_fp32={str(fp32).lower()}")
+    torch.manual_seed(0)
+    model = build_model(cfg.model, Components.of(cfg)).eval()
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=1000, img_size=16, patch_size=4,
+                            embed_dim=32, depth=2, num_heads=2).eval()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    t = 1 + (16 // 4) ** 2
+    keep = torch.rand(t, t, generator=torch.Generator().manual_seed(1)) > 0.5
+    keep.fill_diagonal_(True)  # every query keeps a key
+    with torch.no_grad():
+        free = model(x)
+        for kw in (dict(attn_mask=keep), dict(attn_mask=torch.zeros(t, t).masked_fill(~keep, float("-inf"))),
+                   dict(is_causal=True)):
+            ours = model(x, **kw)
+            torch.testing.assert_close(ours, ref(x, **kw), rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(ours, free, atol=1e-3), kw  # the mask changed something
+
+
+def test_a_swin_block_refuses_a_mask_it_would_ignore():
+    cfg = make_cfg("model=swin_test")
+    block = build_model(cfg.model, Components.of(cfg)).layers[0].blocks[0]
+    with pytest.raises(ValueError, match="takes no attn_mask or is_causal"):
+        block(torch.randn(1, 4, 4, block.dim), is_causal=True)
+
+
 def test_gpt2_s_has_gpt2_parameter_count():
     cfg = make_cfg("model=gpt2_s")
     with torch.device("meta"):

@@ -90,6 +90,35 @@ def test_a_sharded_runs_checkpoint_reads_its_model_shards(tmp_path):
         assert torch.equal(dst.state_dict()[k], v), k
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_checkpoint_reads_the_shards_of_its_own_step(tmp_path):
+    """A save cut off between its shards and last.pt leaves last.pt beside the next step's shards,
+    its own moved to .last_dcp.old (engine.sharding.save_dcp): the weights of another step were read."""
+    import torch.distributed.checkpoint as dcp
+
+    from stabletrain.engine.checkpoint import dcp_dir
+    from stabletrain.engine.sharding import previous_dcp
+
+    own, newer = _model("gpt_test"), _model("gpt_test", seed=3)
+    assert dcp_dir(tmp_path / "last.pt").name == "last_dcp" and previous_dcp(tmp_path).name == ".last_dcp.old"
+    dcp.save({"model": newer.state_dict(), "step": torch.tensor(4)}, checkpoint_id=str(tmp_path / "last_dcp"),
+             no_dist=True)
+    dcp.save({"model": own.state_dict(), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / ".last_dcp.old"),
+             no_dist=True)
+    torch.save({"step": 3, "dcp": "last_dcp"}, tmp_path / "last.pt")
+    dst = _model("gpt_test", seed=5)
+    load_weights(dst, tmp_path / "last.pt")
+    for k, v in own.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+    torch.save({"step": 2, "dcp": "last_dcp"}, tmp_path / "last.pt")  # neither holds its step
+    with pytest.raises(ConfigError, match=r"sharded weights \(step 2\) are not beside it \(last_dcp/ holds step 4; "
+                                          r"\.last_dcp\.old/ holds step 3\).*ring checkpoints"):
+        load_weights(dst, tmp_path / "last.pt")
+    torch.save({"step": 2, "dcp": "step_000002_dcp"}, tmp_path / "step_000002.pt")
+    with pytest.raises(ConfigError, match=r"are not beside it \(no step_000002_dcp/\)"):
+        load_weights(dst, tmp_path / "step_000002.pt")
+
+
 def test_what_cannot_start_a_run_is_one_line(tmp_path):
     dst = _model("gpt_test")
     with pytest.raises(ConfigError, match=r"init_weights=.*nowhere.pt: no such file; pass a run's directory"):
@@ -322,7 +351,7 @@ def _fake_run(run: Path, model: dict, ema: dict | None, sharded: bool = False) -
     (run / "checkpoints").mkdir(parents=True)
     ck = {"step": 2, "config": "model:\n  family: gpt\n", "ema": None if ema is None else {"updates": 2}}
     if sharded:
-        dcp.save({"model": model, **({"ema": ema} if ema is not None else {})},
+        dcp.save({"model": model, "step": torch.tensor(2), **({"ema": ema} if ema is not None else {})},
                  checkpoint_id=str(run / "checkpoints" / "last_dcp"), no_dist=True)
         ck["dcp"] = "last_dcp"
     else:
