@@ -245,7 +245,7 @@ class DataConfig:
     path: Optional[str] = None  # tokens: a train .bin; val.bin and (optional) meta.json beside it
     img_size: Optional[int] = None  # None = the model's
     num_workers: int = 0
-    val_fraction: float = 0.2
+    val_fraction: float = 0.2  # the embedded data's validation share: digits drawn at random, pytext's last part
     tokenizer: str = "byte"  # pytext: byte | gpt2 (tiktoken, cached files offline); tokens: unused (meta.json)
     # vision augmentation (timm)
     randaug: Optional[str] = None  # e.g. rand-m9-mstd0.5-inc1
@@ -452,7 +452,9 @@ def validate(cfg: Any) -> None:
     _need(n is None or n >= 2, f"attention.seq_len={n} must be >= 2, or null for the model's own")
     _need(cfg.init.gain > 0, f"init.gain={cfg.init.gain} must be > 0")
     _need(cfg.reparam.gamma_lr_mult >= 0, f"reparam.gamma_lr_mult={cfg.reparam.gamma_lr_mult} must be >= 0")
-    _need(0 <= cfg.deescalate.lambda_ <= 1, f"deescalate.lambda_={cfg.deescalate.lambda_} must be in [0, 1]")
+    _need(cfg.deescalate.learnable or 0 <= cfg.deescalate.lambda_ <= 1,  # a parameter starts anywhere (methods.md)
+          f"deescalate.lambda_={cfg.deescalate.lambda_} must be in [0, 1] (0 none, 1 complete), or set "
+          "deescalate.learnable=true to start a learned one outside it")
     _need(cfg.reparam.power_iters >= 1, f"reparam.power_iters={cfg.reparam.power_iters} must be >= 1")
     _need(cfg.steps is None or cfg.steps > 0, f"steps={cfg.steps} must be > 0")
     _need(cfg.epochs is None or cfg.epochs > 0, f"epochs={cfg.epochs} must be > 0")

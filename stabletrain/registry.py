@@ -6,7 +6,7 @@ itself with a decorator where it is written::
 
     NORMS = Registry("norm", "stabletrain.layers.norm")
 
-    @NORMS.register("rmsnorm", norm_gain=True)
+    @NORMS.register("rmsnorm", layer=nn.RMSNorm)
     def rmsnorm(cfg, dim, **kw): ...
 
 and the builders and the config check ask the registry, so no code outside a registry

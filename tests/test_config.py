@@ -4,7 +4,7 @@ import pytest
 
 from stabletrain.build import validate
 from stabletrain.config import ConfigError
-from tests.helpers import make_cfg
+from tests.helpers import make_cfg, model_of
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -56,6 +56,10 @@ def test_the_defaults_and_the_recipes_validate():
     validate(make_cfg())
     validate(make_cfg("model=swin_test", "deescalate=block"))
     validate(make_cfg("model=gpt_test", "deescalate=block", "deescalate.causal=true"))
+    # a learned lambda starts where it is told (the layer does not clamp it; the check refused it)
+    validate(make_cfg("deescalate=block", "deescalate.learnable=true", "deescalate.lambda_=1.5"))
+    assert float(model_of(make_cfg("model=vit_test", "deescalate=block", "deescalate.learnable=true",
+                                   "deescalate.lambda_=1.5")).blocks[0].deesc.lambda_) == 1.5
 
 
 @pytest.mark.parametrize("overrides,micro", [(["batch_size=5"], 5), (["batch_size=6", "micro_batch_size=3"], 3)])

@@ -35,6 +35,11 @@ def test_a_misspelt_registration_keyword_is_refused_with_the_nearest():
     with pytest.raises(ConfigError, match=r"register\(\) takes no check= \(it takes kwargs=, keys=\)$"):
         ATTENTIONS.register("capped", check=print)
     assert "capped" not in ATTENTIONS
+    # the registry's own example said norm_gain=True: accepted and unread (a norm's gains are found
+    # through its layer= type, optim.param_groups)
+    with pytest.raises(ConfigError, match=r"^norm option 'mine': register\(\) takes no norm_gain= \(it takes "
+                                          r"kwargs=, layer=, keys=\)$"):
+        NORMS.register("mine", norm_gain=True)
 
 
 def test_every_option_can_be_called_as_its_registry_says_and_one_that_cannot_is_refused():

@@ -203,7 +203,7 @@ def pytext(d, m, seed: int) -> Data:
     from stabletrain.data.tokenizer import encode
 
     arr, vocab = encode(pytext_bytes(), d.tokenizer)
-    cut = int(len(arr) * (1 - d.val_fraction / 2))
+    cut = int(len(arr) * (1 - d.val_fraction))  # the text's last part validates, as val_fraction says
     return _token_windows(arr[:cut], arr[cut:], vocab, m, seed, ("the embedded text's training part",
                                                                   "the embedded text's validation part"),
                           "raise data.val_fraction")

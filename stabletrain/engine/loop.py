@@ -733,8 +733,10 @@ class Trainer:
             return self._finish(status, reason, self.last_vals)
         except KeyboardInterrupt:
             last, first = self.saved_step, self.stop_signal
-            what = ("a second Ctrl-C" if first in (None, signal.SIGINT) else
+            # none heard before: Python's own handler raised it (this loop's were not installed)
+            what = ("a Ctrl-C" if first is None else "a second Ctrl-C" if first == signal.SIGINT else
                     f"a Ctrl-C after {signal.Signals(first).name}")
+            self.stop_signal = first or signal.SIGINT
             reason = (f"{what} at step {self.step}, without a checkpoint"
                       + (f" (last.pt holds step {last})" if last is not None else ""))
             self._finish("interrupted", reason, {}, quiet=True)

@@ -72,7 +72,7 @@ def check_eps(eps, key: str) -> None:
         raise ConfigError(f"{key}={eps} must be > 0 or null")
 
 
-NORMS = Registry("norm", __name__, declares=("layer", "norm_gain", "keys"), call="(cfg, dim, *, bias, ln_eps)",
+NORMS = Registry("norm", __name__, declares=("layer", "keys"), call="(cfg, dim, *, bias, ln_eps)",
                  returns=(lambda m: isinstance(m, nn.Module), "the norm module (an nn.Module instance) of width dim"))
 
 

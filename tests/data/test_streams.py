@@ -25,6 +25,18 @@ def test_pytext_is_stdlib_bytes():
     assert "def " in text and "import" in text
 
 
+@pytest.mark.parametrize("fraction", [0.2, 0.35])
+def test_pytext_validates_on_its_last_val_fraction(fraction):
+    """The text's split took half of data.val_fraction (0.2 gave 10%); digits take all of it."""
+    d = data_from_config(make_cfg("model=gpt_test", f"data.val_fraction={fraction}"))
+    assert d.n_val / (d.n_train + d.n_val) == pytest.approx(fraction, abs=1e-6)
+    from stabletrain.data.embedded import pytext_bytes
+    from stabletrain.data.tokenizer import encode
+
+    whole, _ = encode(pytext_bytes(), "byte")
+    assert np.array_equal(d.val, whole[d.n_train:]) and np.array_equal(d.train, whole[:d.n_train])
+
+
 def test_epoch_stream_is_a_permutation_per_epoch():
     idx = epoch_indices(10, seed=3, start=0, count=30)
     for e in range(3):

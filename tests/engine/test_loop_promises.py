@@ -292,3 +292,22 @@ def test_a_second_ctrl_c_right_after_a_resume_names_the_checkpoint_it_resumed(tm
     s = json.loads((tmp_path / "summary.json").read_text())
     assert (s["status"], s["reason"]) == ("interrupted", "a second Ctrl-C at step 4, without a checkpoint "
                                                           "(last.pt holds step 4)")
+
+
+def test_a_ctrl_c_no_handler_of_the_loop_heard_still_leaves_a_summary(tmp_path):
+    """A KeyboardInterrupt with no signal on record (Python's own handler: the loop's were not
+    installed, as off the main thread): _finish's int(None) raised a TypeError over it."""
+    from stabletrain.build import build_trainer
+    from stabletrain.errors import StoppedAtOnce
+
+    t = build_trainer(make_cfg(*QUIET, *GPT, "steps=4"), tmp_path)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    t.train_step = interrupted
+    with pytest.raises(StoppedAtOnce):
+        t.fit()
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert (s["status"], s["reason"], s["signal"]) == ("interrupted", "a Ctrl-C at step 0, without a checkpoint",
+                                                       int(signal.SIGINT))
