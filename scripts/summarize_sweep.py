@@ -54,10 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nnote: these runs come from {len(sources)} sweeps ({named}{', ...' if len(sources) > 4 else ''}), "
               f"in one table: give one sweep's directory to compare its points alone", file=sys.stderr)
     unfinished = [row["run"] for row in table if row["status"] == "unfinished"]
-    if unfinished:
-        homes = ", ".join(sorted({str((args.sweep_dir / run).parent) for run in unfinished}))
-        print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(unfinished)}; a stopped sweep "
+    # a sweep's point sits beside the sweep's multirun.yaml; a single run (a day's folder) does not
+    points = [run for run in unfinished if ((args.sweep_dir / run).resolve().parent / "multirun.yaml").is_file()]
+    alone = [run for run in unfinished if run not in points]
+    if points:
+        homes = ", ".join(sorted({str((args.sweep_dir / run).resolve().parent) for run in points}))
+        print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(points)}; a stopped sweep "
               f"goes on with its own command plus resume=auto hydra.sweep.dir={homes}", file=sys.stderr)
+    if alone:
+        dirs = ", ".join(str((args.sweep_dir / run).resolve()) for run in alone)
+        print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(alone)}; a stopped run goes on "
+              f"with its own command plus resume=auto hydra.run.dir=<its directory> ({dirs})", file=sys.stderr)
     if [r.path.resolve() for r in runs] == [args.sweep_dir.resolve()]:
         # a run's own directory: its summary.json is the record; a csv beside it would be clutter
         print(f"\n{args.sweep_dir} is one run, not a sweep (no summary.csv written); to compare runs, give the "

@@ -768,8 +768,8 @@ RESUME_MAY_CHANGE = ("resume", "resume_allow_changes", "init_weights", "logger",
 
 # of those, the settings that change how a run is recorded or run, not the state and data its steps
 # meet: a run resumed with only these changed meets what it met before (a divergence included)
-HOW_RECORDED = ("logger", "monitor", "eval_every", "eval_batches", "ckpt", "name", "device", "compile", "dist_timeout",
-                "data.num_workers", "micro_batch_size", "activation_checkpointing")
+HOW_RECORDED = ("logger", "monitor", "eval_every", "eval_batches", "ckpt_every", "ckpt", "name", "device", "compile",
+                "dist_timeout", "data.num_workers", "micro_batch_size", "activation_checkpointing")
 
 
 def _plain(config_yaml: str) -> dict:

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -128,7 +127,6 @@ class Metrics:
         self.wandb = None
         self.tty = sys.stderr.isatty()
         self.show_progress = bool(logger.progress)
-        self.last_print = 0.0
         if not enabled:
             return
         # a fresh start finds no file: the trainer has moved an earlier run's aside
@@ -213,7 +211,6 @@ class Metrics:
             say("\r" + line.ljust(100), end="")
         else:
             say(line)
-        self.last_print = time.time()
 
     def message(self, text: str) -> None:
         if self.enabled:

@@ -120,7 +120,7 @@ def batched_sigma1(
     vectors: Sequence[tuple[Tensor, Tensor] | None] | None = None,
     iters: int = 3,
 ) -> tuple[list[Tensor], list[tuple[Tensor, Tensor] | None]]:
-    """sigma1 of many matrices, iterated in groups of equal shape, dtype and device.
+    """sigma1 of many matrices, iterated in groups of equal shape and device (in fp32).
 
     ``mats`` are already matrices or vectors (see :func:`as_matrix`); computation is fp32.
     ``vectors[i]`` is a warm start ``(u, v)`` for ``mats[i]`` or ``None`` for fresh random
@@ -154,7 +154,7 @@ def batched_sigma1(
 
 
 def sigma1_exact(w: Tensor) -> Tensor:
-    """Exact largest singular value in float64 (for tests and small monitors)."""
+    """Exact largest singular value in float64 (the monitors' small per-head products; tests)."""
     m = as_matrix(w).double()
     if m.dim() == 1:
         return m.norm()

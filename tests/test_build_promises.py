@@ -68,7 +68,7 @@ def test_the_loop_settings_are_the_configs_values(tmp_path):
     data = data_from_config(cfg)
     assert s.steps_per_epoch == data.steps_per_epoch(8) != data.steps_per_epoch(4)
     assert s.equivalent == {"data.name": ("auto", "digits")}  # data=auto picks the digits: not a change on resume
-    assert tr.lr_at.base_lr == pytest.approx(0.064 * 8 / 256)
+    assert tr.schedule.lr_at.base_lr == pytest.approx(0.064 * 8 / 256)
     lrs = [g["lr"] for g in tr.optimizer.param_groups]
     assert lrs == pytest.approx([0.064 * 8 / 256] * len(lrs))
     x, y = tr.monitor.probe_batch

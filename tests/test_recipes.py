@@ -43,8 +43,8 @@ def test_an_epoch_recipe_sets_the_trainers_length_and_schedule_in_epochs(tmp_pat
     spe = t.steps_per_epoch
     assert t.total_steps == round(3 * spe) and spe > 1
     assert cfg.schedule.unit == "epochs"
-    assert t.lr_at(spe) == pytest.approx(scaled_lr(cfg.optim, cfg.batch_size))  # warmup: one epoch
-    assert t.lr_at(spe // 2) < t.lr_at(spe)
+    assert t.schedule.lr_at(spe) == pytest.approx(scaled_lr(cfg.optim, cfg.batch_size))  # warmup: one epoch
+    assert t.schedule.lr_at(spe // 2) < t.schedule.lr_at(spe)
 
 
 def test_warmup_free_recipes_have_baselines():

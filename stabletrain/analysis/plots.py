@@ -74,14 +74,16 @@ def select_blocks(all_blocks: list[str], spec: str | None) -> list[str]:
 # --- drawing helpers -------------------------------------------------------------------
 
 
-# the sigma1 series' own colours: the cycle's second one, dashed, is a rollback's mark
+# the sigma1 series' own colours
 _FULL_WIDTH, _PER_HEAD = "tab:blue", "tab:purple"
+# a rollback's marks: a colour no curve uses (orange was the deepest block's and tab10's second head's)
+_ROLLBACK = "black"
 
 
 def _mark_divergence(ax, run: Run) -> None:
     """What the run went through, as vertical lines: the loss spikes it went on from (a red band), the
     step it diverged at (red, dotted), the
-    steps a rollback restored (orange, dashed: the curve goes on from there on other data), and
+    steps a rollback restored (black, dashed: the curve goes on from there on other data), and
     the steps whose non-finite update was skipped (grey), and the steps a resume
     continued from (green, dash-dot). Not on a panel that drew nothing (:func:`_empty`): lines
     across its note would read as data."""
@@ -89,17 +91,17 @@ def _mark_divergence(ax, run: Run) -> None:
         return
     for first, steps in _spikes(run):  # a band over the spiking steps, behind the curves
         ax.axvspan(first - 0.5, first + steps - 0.5, color="tab:red", alpha=0.12, lw=0, zorder=0)
-    for step in run.resumed_at:
+    for step in run.restored_at:
+        ax.axvline(step, color=_ROLLBACK, ls="--", lw=1)
+    for step in run.resumed_at:  # over a rollback's line at the same step, which would hide it
         ax.axvline(step, color="tab:green", ls="-.", lw=0.8)
     for step in run.skipped_at:
         ax.axvline(step, color="0.6", lw=0.8)
-    for step in run.restored_at:
-        ax.axvline(step, color="tab:orange", ls="--", lw=1)
     # what set each rollback off (a NaN, a spike, an alert): its step, under the top edge (clear of the title)
     triggers = sorted({r["trigger_step"] for r in (run.summary or {}).get("rollbacks") or []
                        if isinstance(r, dict) and isinstance(r.get("trigger_step"), (int, float))})
     if triggers:
-        ax.plot(triggers, [0.97] * len(triggers), "v", color="tab:orange", ms=6, transform=ax.get_xaxis_transform(),
+        ax.plot(triggers, [0.97] * len(triggers), "v", color=_ROLLBACK, ms=6, transform=ax.get_xaxis_transform(),
                 clip_on=False)
     step = run.diverged_step
     if step is not None:
@@ -187,7 +189,7 @@ def _title(run: Run, what: str) -> str:
         if rollbacks:
             # a rollback's record goes with the history a later rollback to an earlier step drops
             gone = f"; {rollbacks - kept} in a history a later rollback dropped" if rollbacks > kept else ""
-            status += f", {rollbacks} rollback(s) (orange: restored step, triangle: what set it off{gone})"
+            status += f", {rollbacks} rollback(s) (black dashed: restored step, triangle: what set it off{gone})"
         # summary.json counts every skipped step; the records only those of the history a
         # rollback kept (it drops the records after the step it restores)
         series = run.get(N.SKIPPED_STEPS)
@@ -204,6 +206,11 @@ def _title(run: Run, what: str) -> str:
             status += f", {passed} loss spike(s) passed (shaded)"
         if len(spikes) > passed:  # one still under watch where the run ended (summary.json's "open")
             status += ", a loss spike not passed where the run ended (shaded)"
+        # drawn in the loss curve but not shaded: the run's last line names them, so does the title
+        early = [s for s in run.summary.get("spikes") or [] if isinstance(s, dict) and s.get("warmup")]
+        if early:
+            status += (f", {len(early)} loss spike(s) in the divergence warmup (not counted: step "
+                       f"{', '.join(str(s.get('step', '?')) for s in early)})")
         if run.alerts:
             status += f", {len(run.alerts)} health alert(s)"
         if run.resumed_at:
@@ -323,6 +330,7 @@ def plot_block_dynamics(run: Run, block: str, out_dir: Path) -> Path | None:
     ax = axes.flat[15]
     _line(ax, run.get(N.LOSS), logy=True, color="black")
     _mark_divergence(ax, run)
+    _mark_nonfinite(ax, run.get(N.LOSS))  # as training.png does: the sigma1 curves just stop there
     ax.set_title("training loss (context)")
     ax.set_xlabel("step")
     n = len({q.quantity for q in present})
@@ -370,8 +378,8 @@ def _why_no_entropy(run: Run) -> str:
     if monitor is None:
         return "no config.yaml to say why"
     every = _chosen(run, "monitor.probe_every") or "?"
-    return (f"the probe pass logs it every monitor.probe_every={every} steps and at the run's last, and it "
-            f"stopped at step {_stopped_at(run)} before any")
+    return (f"the probe pass logs it every monitor.probe_every={every} steps and at the run's last, and "
+            f"{_stopped_before_any(run)}")
 
 
 @_styled
@@ -581,13 +589,16 @@ def _why_no_adamw2_curves(run: Run) -> str:
     optim, every = cfg.get("optim") or {}, (cfg.get("monitor") or {}).get("adamw2_every", "?")
     if optim.get("name") != "adamw2":
         return f"the run used optim={optim.get('name', '?')}" if optim else "not an AdamW² run?"
-    return (f"this AdamW² run logs them every monitor.adamw2_every={every} steps and at its last, and it "
-            f"stopped at step {_stopped_at(run)} before any")
+    return (f"this AdamW² run logs them every monitor.adamw2_every={every} steps and at its last, and "
+            f"{_stopped_before_any(run)}")
 
 
-def _stopped_at(run: Run) -> str:
-    """The step the run stopped at (summary.json's), else the last it logged at."""
-    return str((run.summary or {}).get("step", f"{run.last_step:g}" if run.last_step is not None else "?"))
+def _stopped_before_any(run: Run) -> str:
+    """``it stopped at step N before any``: the step of summary.json, else the last logged."""
+    step = (run.summary or {}).get("step", run.last_step)
+    if not isinstance(step, (int, float)):
+        return "it logged no step"
+    return f"it stopped at step {step:g} before any"
 
 
 ADAMW2_PANELS = 16
@@ -596,7 +607,7 @@ ADAMW2_PANELS = 16
 @_styled
 def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
     """000 App. M: AdamW²'s actual learning rate per bounded tensor, one panel per kind of
-    tensor with a line per block, the scheduled rate dashed."""
+    tensor with a line per block, the scheduled rate dotted."""
     prefix = N.adamw2_lr_eff("")
     params = [k[len(prefix):] for k in run.metrics if k.startswith(prefix)]
     if not params:
@@ -622,7 +633,8 @@ def plot_adamw2_lr(run: Run, out_dir: Path) -> Path | None:
         for (block, p), c in zip(entries, colors):
             _line(ax, run.get(N.adamw2_lr_eff(p)), logy=True, color=c,
                   label=block or ("actual lr" if len(entries) == 1 else p))  # one tensor: its name is the title
-        _line(ax, run.get(N.LR), logy=True, color="black", ls="--", lw=1, label="scheduled lr")
+        # dotted: a rollback's mark is black and dashed
+        _line(ax, run.get(N.LR), logy=True, color="black", ls=":", lw=1.2, label="scheduled lr")
         _mark_divergence(ax, run)
         ax.set_title(_shown_kind(kind))
         ax.set_xlabel("step")

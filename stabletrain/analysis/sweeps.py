@@ -263,11 +263,15 @@ def _sort_key(v):
 
 def _events(summary: dict) -> dict:
     """Skipped steps, loss spikes passed (their updates applied: a healthy final loss may carry
-    them), rollbacks and entropy-collapse alerts, as counts; the first alert as ``step:layer``.
-    Zero counts stay empty so that a column only shows where something happened."""
+    them; those of the divergence warmup too, as the run's last line counts them; one the run
+    ended inside as ``(+1 open)``), rollbacks and entropy-collapse alerts, as counts; the first
+    alert as ``step:layer``. Zero counts stay empty so that a column only shows where something happened."""
     alerts = [a for a in summary.get("alerts") or [] if isinstance(a, dict)]
     first = min(alerts, key=lambda a: a.get("step", 0)) if alerts else None
-    return {"skipped_steps": summary.get("skipped_steps") or "", "spikes": len(summary.get("spikes") or []) or "",
+    spikes = [s for s in summary.get("spikes") or [] if isinstance(s, dict)]
+    passed = sum(not s.get("open") for s in spikes)
+    shown = f"{passed} (+1 open)" if passed < len(spikes) else passed or ""
+    return {"skipped_steps": summary.get("skipped_steps") or "", "spikes": shown,
             "rollbacks": len(summary.get("rollbacks") or []) or "",
             "alerts": len(alerts) or "",
             "first_alert": f"{first.get('step', '?')}:{first.get('layer', '?')}" if first else "",
@@ -358,7 +362,8 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
     """``metric`` against ``x``, one line per value of ``series``. A diverged run is a cross in
     its series' colour at its value, or, where that value is off the chart or not finite, a
     triangle on the axis edge with the value (``nan``, ``no value``) written by it: never a
-    point at a value the run did not reach. The y limits are matplotlib's. The x ticks are
+    point at a value the run did not reach. The y limits are matplotlib's, at least 2% of the
+    values high (:data:`stabletrain.analysis.figure.MIN_RELATIVE_SPAN`). The x ticks are
     the swept values; a non-numeric ``x`` (``optim=adamw,adamw2``) is categorical: points
     without a line between them (the categories have no order), each series a little apart.
     Each series is drawn thinner than the one before, on top of it, so that two that coincide
@@ -419,10 +424,15 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
                         ha="center", va="top" if where > 0 else "bottom", fontsize=7, color=color,
                         annotation_clip=False)
             kinds.add("edge")
+    # the y axis spans at least MIN_RELATIVE_SPAN of the values, as a run's figures do: two points
+    # 0.003 nats apart filled it as a steep line
+    from stabletrain.analysis.figure import MIN_RELATIVE_SPAN, _min_span
+
+    least = MIN_RELATIVE_SPAN * max((abs(v) for v in healthy), default=0.0)
     if chance is not None and healthy:
         level, written = chance
         lo, hi = min(healthy), max(healthy)
-        span = max(hi - lo, 1e-3 * abs(level))
+        span = max(hi - lo, least / 2)  # chance within the axis that span gives is drawn
         if lo - span <= level <= hi + span:
             near = max(abs(v - level) for v in healthy)
             said = f": every run within {near:.2g} of it" if near < 0.01 * abs(level) else ""
@@ -437,6 +447,8 @@ def figure(table: list[dict], x: str, series: str | None, metric: str, title: st
         ax.margins(y=0.15)  # room between the data and the markers on the edges
     if not healthy and "at" not in kinds:  # no run has a value to scale the y axis by
         ax.set_yticks([])
+    elif least > 0:
+        _min_span(ax, least)
     xs = sorted({a for a, _ in points(table, False) + points(table, True)})
     logx = categories is None and log_spaced(xs)
     if logx:

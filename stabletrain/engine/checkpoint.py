@@ -407,7 +407,7 @@ class Checkpointer:
             if self.info.is_main:
                 ema = self.ema.counters() if self.ema is not None else None
                 save_checkpoint(self.dir / "last.pt", {**self._payload(step, survival), "ema": ema,
-                                                       "dcp": S.DCP_DIR, "dcp_optim": stepped})
+                                                       "dcp": True, "dcp_optim": stepped})
                 S.drop_previous_dcp(self.dir)
         return ok
 

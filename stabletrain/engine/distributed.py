@@ -97,7 +97,8 @@ def slurm_rendezvous(env=os.environ) -> dict[str, str]:
 def init(info: DistInfo, device: torch.device, timeout_s: float | None = None) -> None:
     """Join the process group: NCCL on GPUs, gloo on CPU. ``timeout_s``: how long a collective
     waits for the other ranks before it fails (``dist_timeout``), so a stopped or hung rank
-    ends the job with :class:`CollectiveTimeout` instead of leaving the others waiting."""
+    ends the job with torch's timeout error (:func:`stabletrain.run.main_guarded` says which rank
+    to look at) instead of leaving the others waiting."""
     global _cpu_group
     if not info.enabled or dist.is_initialized():
         return

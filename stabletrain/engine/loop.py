@@ -132,7 +132,6 @@ class Trainer:
         self.ema, self.monitor, self.settings, self.device = ema, monitor, settings, device
         self.run_dir, self.open_sink, self.info = Path(run_dir), open_sink, info or D.DistInfo()
         self.divergence = divergence or DivergenceWatch()
-        self.lr_at = schedule.lr_at
         self.total_steps, self.steps_per_epoch = settings.total_steps, settings.steps_per_epoch
         self.bf16 = settings.bf16
         self.autocast = autocast_for(device, self.bf16)
@@ -729,7 +728,7 @@ class Trainer:
             previous = self._start(resumed)
             if previous is not None:
                 return previous
-            status, reason = self._train(resumed)
+            status, reason = self._train()
             return self._finish(status, reason, self.last_vals)
         except KeyboardInterrupt:
             last, first = self.saved_step, self.stop_signal
@@ -819,7 +818,7 @@ class Trainer:
         self.last_penalty = None if math.isnan(penalty) else penalty
         return None
 
-    def _train(self, resumed: int | None) -> tuple[str, str | None]:
+    def _train(self) -> tuple[str, str | None]:
         """The steps, until the last one, a divergence that cannot be survived, or a signal;
         returns the run's status and the reason it stopped early."""
         cfg, m = self.settings, self.metrics

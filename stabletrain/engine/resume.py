@@ -178,7 +178,7 @@ def divergence_ahead(previous: dict | None, step: int, rollback: bool, changes: 
     how the run is recorded may too)."""
     at = (previous or {}).get("diverged_at")
     if (previous or {}).get("status") != "diverged" or not isinstance(at, int) or at <= step or rollback \
-            or any(not k.startswith(HOW_RECORDED) for k in changes):
+            or any(not may_change(k, HOW_RECORDED) for k in changes):
         return None
     reason = previous.get("reason")
     return (f"note: this run diverged at step {at}" + (f" ({reason})" if reason else "")

@@ -296,6 +296,8 @@ def _sharded_reparam_step(reps: list[tuple[Tensor, SigmaReparam]]) -> None:
     rows, and ``v = normalize(W^T u)`` a sum of each rank's ``W_r^T u_r``: one all-reduce each
     for all matrices together, then one more to assemble the full ``u`` from the ranks' rows;
     ``2 * power_iters + 1`` all-reduces of ``#matrices``, ``sum(cols)`` and ``sum(rows)`` numbers.
+    Not :func:`stabletrain.spectral.power_iteration` with its ``group``: that one reduces once per
+    shape group and iteration, this one once per iteration for every shape together.
     """
     import torch.distributed as dist
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stabletrain.config import FAMILY_KEYS, Components, shown_value
@@ -175,7 +174,3 @@ class GPT(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.lm_head(self.norm(x))
-
-    @staticmethod
-    def loss(logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

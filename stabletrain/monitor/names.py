@@ -41,7 +41,6 @@ RESUME_CHANGES = "run/changed"
 VAL, VAL_EMA = "val", "val_ema"  # the live model's and the weight average's evaluation prefixes
 VAL_LOSS = "val/loss"
 VAL_ACC = "val/acc"
-TRAINING_SCALARS = (LOSS, LR, GRAD_NORM, VAL_LOSS, VAL_ACC)
 
 
 def loss_term(name: str) -> str:

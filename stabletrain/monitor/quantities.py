@@ -17,7 +17,8 @@ Two implementations of the weight-side metrics, with the same names and values:
 - the per-block functions (:func:`block_weight_metrics` and the ``*_stats`` it calls), the
   readable reference the batched path is tested against; fine for one block in a notebook.
 
-How each sigma1 is obtained (all through :mod:`stabletrain.spectral`):
+How each sigma1 is obtained (through :mod:`stabletrain.spectral`, but the activations' ``||X||_2``,
+an eigensolve that returns NaN instead of raising where the solver gives up):
 
 - single matrices (``W_q`` ... ``W_2``): batched power iteration, warm-started across calls,
   since per-step telemetry must be cheap (lower bounds, ~1% on random-init weights,
@@ -92,7 +93,7 @@ def _sigma1_formed(products: Mapping[str, Tensor], exact_max_dim: int, iters: in
     big = {}
     for key, m in products.items():
         if max(m.shape) <= exact_max_dim:
-            out[key] = torch.linalg.matrix_norm(m.double(), ord=2)
+            out[key] = spectral.sigma1_exact(m)
         else:
             big[key] = m
     if big:

@@ -648,8 +648,8 @@ class AdamW2(Optimizer):
             return {f"{prefix}frac_bounded": frac}
         stats = self.bound_stats()
         flat = {f"{prefix}frac_bounded": stats.pop("bound_fraction")}
-        for key, per_tensor in stats.items():
-            flat.update({f"{prefix}{key}/{name}": value for name, value in per_tensor.items()})
+        for key, values in stats.items():
+            flat.update({f"{prefix}{key}/{name}": value for name, value in values.items()})
         return flat
 
 

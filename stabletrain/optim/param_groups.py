@@ -18,8 +18,10 @@ Every trainable parameter gets a role:
 - ``matrix``: everything else (>= 2 dims: linear and conv weights, embeddings). Decays,
   bounded. The GPT family decays every >= 2-D tensor incl. embeddings (nanoGPT).
 
-LARS excludes (plain momentum, no decay) gamma and every tensor that is a vector after
-``as_matrix`` (biases, norms, ``cls_token``).
+LARS excludes (plain momentum, no decay) gamma, norm gains, every tensor of < 2 dims (biases)
+and the ``position`` tensors that are vectors after ``as_matrix`` (``cls_token``). A ``matrix``
+is adapted whatever its shape: a ``(1, 1, d)`` token of a family that registers no ``no_decay``
+is decayed, adapted and left unbounded (a vector after ``as_matrix``).
 """
 
 from __future__ import annotations

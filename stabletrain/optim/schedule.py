@@ -185,10 +185,6 @@ class OptimizerSchedule:
     wd_start: float = 0.0
     wd_end: float | None = None
 
-    @property
-    def warmup_steps(self) -> int:
-        return self.lr_at.warmup_steps
-
     def describe_weight_decay(self) -> str | None:
         """The start line of a scheduled weight decay (the groups' line shows its first value)."""
         if self.wd_end is None:

@@ -253,6 +253,7 @@ def test_a_killed_point_shows_how_far_it_got_and_how_to_go_on(tmp_path, capsys):
     """A point killed at step 30 (no summary.json) showed an empty step, like one never started,
     and nothing said how to continue it."""
     script = _script("summarize_sweep.py")
+    (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     _run(tmp_path / "0", summary={"status": "completed", "step": 60}, overrides=["optim.tau=0.01"])
     _run(tmp_path / "1", overrides=["optim.tau=0.03"],
          records=[{"step": 10, "loss": 3.0}, {"step": 30, "loss": 2.5}])
@@ -263,6 +264,20 @@ def test_a_killed_point_shows_how_far_it_got_and_how_to_go_on(tmp_path, capsys):
     assert script.main([str(tmp_path)]) == 0
     assert (f"unfinished (no summary.json: still running, or stopped): 1; a stopped sweep goes on with its own "
             f"command plus resume=auto hydra.sweep.dir={tmp_path}") in capsys.readouterr().err
+
+
+def test_a_killed_single_run_in_a_days_folder_is_told_its_own_resume(tmp_path, capsys):
+    """outputs/DATE holds single runs, no multirun.yaml: a killed one was told to go on as a sweep
+    (hydra.sweep.dir=), which it is not."""
+    script = _script("summarize_sweep.py")
+    day = tmp_path / "outputs" / "2026-11-27"
+    _run(day / "10-00-00", summary={"status": "completed", "step": 60}, overrides=["optim.tau=0.01"])
+    _run(day / "11-00-00", overrides=["optim.tau=0.03"], records=[{"step": 10, "loss": 3.0}])
+    assert script.main([str(day)]) == 0
+    err = capsys.readouterr().err
+    assert ("unfinished (no summary.json: still running, or stopped): 11-00-00; a stopped run goes on with its own "
+            f"command plus resume=auto hydra.run.dir=<its directory> ({day / '11-00-00'})") in err
+    assert "hydra.sweep.dir" not in err
 
 
 def test_a_folder_of_several_sweeps_names_each_row_and_says_so(tmp_path, capsys):
@@ -322,6 +337,27 @@ def test_the_sweep_figure_shows_chance_beside_runs_that_sit_at_it(tmp_path):
     _run(tmp_path / "gpt", {"model": {"family": "gpt", "vocab_size": 256}}, {"status": "completed", "step": 4},
          overrides=["deescalate.lambda_=2"])
     assert sweeps.chance_level(sweeps.find_runs(tmp_path), "final_val/loss") is None  # 10 classes and 256 tokens
+
+
+def test_the_sweep_figure_does_not_stretch_a_tiny_spread_to_fill_its_axis(tmp_path):
+    """Two points 0.003 nats apart, 0.006 above chance: the y axis ran from 2.3089 to 2.3119, a
+    steep line, with chance "below this axis". The axis spans at least 2% of the values (as the
+    run figures do), and chance, within it, is drawn."""
+    import matplotlib.pyplot as plt
+
+    for i, (tau, loss) in enumerate(((0.004, 2.3089), (0.05, 2.3119))):
+        _run(tmp_path / str(i), {"model": {"family": "vit", "num_classes": 10}},
+             {"status": "completed", "step": 40, "final": {"val/loss": loss}}, overrides=[f"optim.tau={tau}"])
+    runs = sweeps.find_runs(tmp_path)
+    _, table = sweeps.rows(runs)
+    fig = sweeps.figure(table, "optim.tau", None, "final_val/loss", chance=sweeps.chance_level(runs, "final_val/loss"))
+    (ax,) = fig.axes
+    lo, hi = ax.get_ylim()
+    assert hi - lo >= 0.0199 * 2.3119 and lo <= 2.3089 and hi >= 2.3119
+    assert [ln for ln in ax.get_lines() if ln.get_linestyle() == ":"]  # chance is on the axis
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "chance, ln 10 = 2.303: every run within 0.0093 of it"]
+    plt.close(fig)
 
 
 def test_series_and_x_must_differ(tmp_path, capsys):

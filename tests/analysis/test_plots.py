@@ -156,6 +156,31 @@ def test_a_missing_adamw2_figure_says_why(tmp_path, capsys, config, why):
     assert capsys.readouterr().out.strip() == f"note: skipping adamw2_lr.png: no adamw2/lr_eff/<param> metrics: {why}"
 
 
+def test_a_run_that_logged_nothing_is_told_so_not_step_question_mark(tmp_path, capsys):
+    """An empty metrics.jsonl and no summary.json: the note said "it stopped at step ? before any"."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "config.yaml").write_text("optim:\n  name: adamw2\nmonitor:\n  name: standard\n  probe_every: 10\n"
+                                          "  adamw2_every: 5\n")
+    run = P.load_run(tmp_path)
+    P.plot_adamw2_lr(run, tmp_path)
+    P.plot_entropy(run, [], tmp_path)
+    out = capsys.readouterr().out
+    assert "?" not in out and out.count("and it logged no step") == 2, out
+
+
+def test_a_one_step_run_has_whole_step_ticks(tmp_path, monkeypatch):
+    """One logged step: MaxNLocator(integer=True) found fewer than two integers in matplotlib's
+    +-0.04 around it and fell back to 0.96, 0.98, 1.00, ..."""
+    run = _run_dir(tmp_path / "r", [{"step": 1, "loss": 3.0, "lr": 1e-3}], {"status": "completed", "step": 1})
+    figures = _figures(monkeypatch)
+    monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig) and F._save(fig, out, name))
+    P.plot_dynamics(run)
+    ax = figures["training.png"].axes[0]
+    lo, hi = ax.get_xlim()
+    ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+
+
 @pytest.mark.parametrize("config,records,why", [
     ("monitor:\n  name: 'off'\n", [], "the run used monitor=off"),
     ("monitor:\n  name: standard\n  probe_every: 200\nmodel:\n  family: mine\n", [{"logits/log_z": 5.5}],
@@ -262,9 +287,9 @@ def test_training_curves_mark_rollbacks_and_skipped_steps(tmp_path, monkeypatch)
         marks = {(float(line.get_xdata()[0]), line.get_color()) for line in ax.get_lines()
                  if len(set(line.get_xdata())) == 1}
         # the skipped step's loss is NaN: a red triangle on the edge, at the grey line; what set a
-        # rollback off (the NaN of step 6), an orange triangle on the edge
-        triggers = {(6.0, "tab:orange")} if orange else set()
-        assert marks == {(x, "tab:orange") for x in orange} | {(x, c) for x in grey for c in ("0.6", "red")} | triggers
+        # rollback off (the NaN of step 6), a black triangle on the edge
+        triggers = {(6.0, "black")} if orange else set()
+        assert marks == {(x, "black") for x in orange} | {(x, c) for x in grey for c in ("0.6", "red")} | triggers
         assert ("rollback(s)" in figures[-1]._suptitle.get_text()) == bool(orange)
         # the title counts every skipped step (summary.json), the dropped history's too
         title = figures[-1]._suptitle.get_text().replace("\n", " ")  # wrapped at the figure's width
@@ -396,7 +421,9 @@ def test_a_spike_the_run_went_on_from_is_a_band_on_every_panel_and_in_the_title(
     figures = _figures(monkeypatch)
     P.plot_dynamics(run)
     fig = figures["training.png"]
-    assert "[completed, 1 loss spike(s) passed (shaded), 1 health alert(s)]" in fig._suptitle.get_text()
+    title = " ".join(fig._suptitle.get_text().split())  # wrapped to the figure's width
+    assert ("[completed, 1 loss spike(s) passed (shaded), 1 loss spike(s) in the divergence warmup (not counted: "
+            "step 2), 1 health alert(s)]") in title, title
     for ax in (a for a in fig.axes if a.get_lines()):
         bands = [p.get_x() for p in ax.patches]
         assert bands == [29.5], bands  # steps 30-32: from 29.5, 3 wide
@@ -968,12 +995,12 @@ def test_a_title_says_which_rollbacks_a_later_rollback_dropped_from_the_records(
     restored = (np.array([0.0]), np.array([0.0]))
     run = P.Run("r", tmp_path, {"rollback/restored_step": restored},
                 {"status": "completed", "rollbacks": [{"restored_step": 10}, {"restored_step": 0}]})
-    assert "2 rollback(s) (orange: restored step, triangle: what set it off; 1 in a history a later rollback dropped)" \
-        in P._title(run, "x")
+    assert ("2 rollback(s) (black dashed: restored step, triangle: what set it off; 1 in a history a later rollback "
+            "dropped)") in P._title(run, "x")
     twice = (np.array([4.0, 4.0]), np.array([4.0, 4.0]))  # two rollbacks to one step: both records kept
     run = P.Run("r", tmp_path, {"rollback/restored_step": twice},
                 {"status": "completed", "rollbacks": [{"restored_step": 4}, {"restored_step": 4}]})
-    assert "2 rollback(s) (orange: restored step, triangle: what set it off)]" in P._title(run, "x")
+    assert "2 rollback(s) (black dashed: restored step, triangle: what set it off)]" in P._title(run, "x")
 
 
 def test_a_title_says_a_skipped_step_at_the_divergence_lies_under_its_red_line(tmp_path):
@@ -1112,6 +1139,19 @@ def test_training_curves_show_a_loss_that_went_non_finite_and_where_the_run_dive
     assert [t.get_text() for t in loss_ax.texts] == ["nan"]
     lr_ax = next(ax for ax in figures[0].axes if ax.get_title() == "scheduled learning rate")
     assert not [ln for ln in lr_ax.get_lines() if ln.get_marker() == "^"]  # every lr finite
+
+
+def test_a_blocks_figure_marks_the_loss_that_went_non_finite(tmp_path, monkeypatch):
+    """Its sigma1 curves just stop where the weights went NaN; the loss panel beside them said
+    nothing (training.png marked the nan)."""
+    wq = N.metric("sigma1", "blocks.0", "wq")
+    rows = [{"step": 10, "loss": 3.0, wq: 1.0}, {"step": 20, "loss": 2.5, wq: 1.1}, {"step": 25, "loss": "nan"}]
+    run = _run_dir(tmp_path / "r", rows, {"status": "diverged", "step": 25, "diverged_at": 25})
+    figures = _figures(monkeypatch)
+    P.plot_block_dynamics(P.load_run(run), "blocks.0", tmp_path)
+    loss_ax = next(ax for ax in figures["dynamics_blocks.0.png"].axes if ax.get_title() == "training loss (context)")
+    red = [ln for ln in loss_ax.get_lines() if ln.get_marker() == "^" and ln.get_color() == "red"]
+    assert len(red) == 1 and list(red[0].get_xdata()) == [25.0]
 
 
 def test_compare_keeps_every_runs_alert_visible_when_they_share_a_step(tmp_path, monkeypatch):

@@ -119,6 +119,12 @@ def test_skips_spikes_rollbacks_and_alerts_are_columns_only_where_some_run_had_t
                                                                "first_alert"]
     assert [(r["skipped_steps"], r["spikes"], r["rollbacks"], r["alerts"], r["first_alert"]) for r in table] == [
         ("", "", "", "", ""), (3, 2, 1, 2, "25:blocks.1")]
+    # a spike the run ended inside is not one it passed (the run's last line says so too)
+    _fake_run(tmp_path / "d", {"optim": {"tau": 0.04}}, {**quiet, "spikes": [{"step": 9, "steps": 2, "open": True}]})
+    _fake_run(tmp_path / "e", {"optim": {"tau": 0.05}}, {**quiet, "spikes": [*spikes, {"step": 9, "steps": 2,
+                                                                                       "open": True}]})
+    _, table = sweeps.rows(sweeps.find_runs(tmp_path))
+    assert [r["spikes"] for r in table] == ["", 2, "0 (+1 open)", "2 (+1 open)"]
     _fake_run(tmp_path / "c", {"optim": {"tau": 0.03}}, {**quiet, "skipped_steps": 0, "rollbacks": [], "spikes": []})
     columns, table = sweeps.rows(sweeps.find_runs(tmp_path / "c"))
     assert not set(sweeps.EVENTS) & set(columns) and not set(sweeps.EVENTS) & set(table[0])

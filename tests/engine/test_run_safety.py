@@ -732,3 +732,6 @@ def test_the_divergence_ahead_is_said_only_for_a_step_still_ahead_and_changes_of
     assert divergence_ahead(diverged, 6, False, {}) is None
     assert divergence_ahead(diverged, 4, False, {"eval_every": "10 -> 5", "optim.lr": "0.001 -> 0.0005"}) is None
     assert divergence_ahead(diverged, 4, True, {}) is None and divergence_ahead(None, 4, False, {}) is None
+    # keys matched as config.may_change matches them (by their top-level key), not by a prefix
+    assert divergence_ahead(diverged, 4, False, {"ckpt_every": "5 -> 2", "ckpt.keep": "2 -> 3"}) == note
+    assert divergence_ahead(diverged, 4, False, {"device_map": "a -> b"}) is None

@@ -513,6 +513,11 @@ def test_flat_telemetry_for_the_metrics_sink():
     assert flat["adamw2/lr_ratio/w1"] == opt.bound_stats()["lr_ratio"]["w1"] < 1.0
     assert len(flat) == 1 + 4 * 5 and all(isinstance(v, float) for v in flat.values())
     assert opt.telemetry(per_tensor=False) == {"adamw2/frac_bounded": 1.0}
+    # the names the figures read (monitor.names, the metric contract)
+    from stabletrain.monitor import names as N
+
+    assert flat[N.FRAC_BOUNDED] == 1.0 and flat[N.adamw2_lr_ratio("w1")] == flat["adamw2/lr_ratio/w1"]
+    assert N.adamw2_lr_eff("w1") in flat
 
 
 @pytest.mark.parametrize("tau", [1e-9, 0.01, 1e9])  # all, four of five, none cut
