@@ -274,8 +274,9 @@ def cadence_note(monitor_cfg, total_steps: int, passes: Collection[str] = ("weig
                         for i, (what, verb, key, every, at_start) in enumerate(sparse))
     fix = " ".join(f"monitor.{key}={max(1, total_steps // 10)}" for _, _, key, _, _ in sparse)
     since = f", from step {start}," if start else ""
+    often = "ten times" if total_steps >= 10 else "at every step"  # a 3-step run cannot watch ten times
     return (f"note: in this {total_steps}-step run{since} {runs}; {fix} "
-            + ("watches it ten times" if len(sparse) == 1 else "watch each ten times"))
+            + (f"watches it {often}" if len(sparse) == 1 else f"watch each {often}"))
 
 
 def ema_note(ema_cfg, total_steps: int) -> str:

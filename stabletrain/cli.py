@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from contextvars import ContextVar
 from math import prod
 from pathlib import Path
@@ -368,6 +369,8 @@ def _nearest_key(bad: str) -> str | None:
             return f"did you mean {rest}?"  # (top-level keys have no prefix)
         return _nearest_key(rest) if rest and not near else None  # train.max_step: as max_step would be
     leaves = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
+    if leaf.lower() in leaves:  # optim.LR: keys are lower case
+        return f"did you mean {parent + '.' if parent else ''}{leaf.lower()}?"
     near = [x for x in leaves if x.startswith(leaf)] if leaf else []
     near = near if len(near) == 1 else difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
     if near:
@@ -419,12 +422,30 @@ _ASCII = str.maketrans({"²": "2", "³": "3", "–": "-", "—": "-", "−": "-"
                         "×": "x", "\u00a0": " "})
 
 
+def _plain_parse_error(overrides: list[str], err: Exception) -> str:
+    """The override Hydra's grammar refused, and what it likely lacks: a value, or a value after a comma."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for o in overrides:
+        try:
+            parser.parse_overrides([o])
+        except Exception:
+            key = o.lstrip("+~")
+            if "=" not in o and not o.startswith("~"):
+                return f"cannot parse {o}: an override is key=value; write {key}=VALUE"
+            if o.rstrip().endswith(","):
+                return f"cannot parse {o}: it ends in a comma; a sweep (-m) lists values a,b with one after each comma"
+            return f"cannot parse {o}: {str(err).splitlines()[0]}"
+    return f"cannot parse the overrides: {str(err).splitlines()[0]}"
+
+
 def _parse_error(overrides: list[str], err: Exception) -> str:
     """Hydra's lexer error in one line; a character outside ASCII (optim=adamw², a pasted dash) is
     named, with the override it likely meant."""
     odd = next((o for o in overrides if not o.isascii()), None)
     if odd is None:
-        return f"cannot parse the overrides: {str(err).splitlines()[0]}"
+        return _plain_parse_error(overrides, err)
     char = next(c for c in odd if not c.isascii())
     fixed = odd.translate(_ASCII)
     return (f"cannot parse {odd}: the override grammar takes no '{char}'"
@@ -561,6 +582,21 @@ def check_overrides(argv: list[str]) -> None:
         _fail(_unparsable(primary, overrides, e))
     finally:
         PRIMARY.reset(token)
+    if twice := given_twice(overrides):
+        print(twice, file=sys.stderr)
+
+
+def given_twice(overrides: list[str]) -> str | None:
+    """The note for a key given more than once (a base command with overrides appended): Hydra
+    takes the last, without a word."""
+    seen: dict[str, list[str]] = {}
+    for o in overrides:
+        if "=" in o:
+            seen.setdefault(o.split("=", 1)[0].lstrip("+~"), []).append(o)
+    repeated = [given for given in seen.values() if len(given) > 1]
+    if not repeated:
+        return None
+    return "note: " + "; ".join(f"{', then '.join(given)}: the last counts" for given in repeated)
 
 
 def _check_primary(primary: Primary, searchpath: list[str]) -> None:

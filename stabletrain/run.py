@@ -277,7 +277,8 @@ def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:
 
     t = trainer
     resume = [f"resume: would continue from step {resumed[1]['step']} of {resumed[0]}",
-              *t.resume_notes(*resumed)] if resumed else []
+              *t.resume_notes(*resumed), *filter(None, [t.going_back_note(resumed[0], resumed[1]["step"], would=True)])
+              ] if resumed else []
     lines = [parameter_table(t.model), t.headline(), t.data_line(), *t.notes, *resume,
              "dry run: nothing trained, nothing written"]
     return "\n".join(lines)

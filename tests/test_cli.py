@@ -55,6 +55,7 @@ def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     ("lr", "did you mean optim.lr?"),                       # a key of a group, set at the top
     ("alpha", "did you mean norm.alpha or attention.alpha?"),
     ("ema.zzz", "ema has no such key; its keys: decay, every, warmup"),
+    ("optim.LR", "did you mean optim.lr?"),                 # the leaf in capitals (Optim.lr was found)
     ("zzz", None),                                          # the general message, listing the groups
     # the names of nanoGPT's and timm's train scripts, at the top or under the node they would be in
     ("n_embd", "here, nanoGPT's n_embd is model.embed_dim"),
@@ -70,6 +71,18 @@ def test_a_misspelt_key_gets_the_nearest_key_of_the_schema(key, hint):
 
     assert _nearest_key(key) == hint
     assert {"optim.lr", "divergence.spike_factor", "model.depth", "batch_size"} <= set(schema_keys())
+
+
+def test_a_key_given_twice_is_said_once_checked(capsys):
+    """``make train ARGS=...`` appends to a base command: Hydra takes the last value without a word."""
+    from stabletrain.cli import check_overrides, given_twice
+
+    assert given_twice(["model=gpt_test", "optim.lr=1e-3", "steps=2"]) is None
+    assert given_twice(["model=gpt_test", "model=vit_test", "optim.lr=1e-3", "+optim.lr=2e-3"]) == (
+        "note: model=gpt_test, then model=vit_test: the last counts; optim.lr=1e-3, then +optim.lr=2e-3: the last "
+        "counts")
+    check_overrides(["model=gpt_test", "model=vit_test", "steps=2"])
+    assert capsys.readouterr().err.strip() == "note: model=gpt_test, then model=vit_test: the last counts"
 
 
 def test_the_foreign_names_are_no_keys_of_the_schema_and_point_at_keys_that_are():

@@ -88,7 +88,11 @@ def test_a_value_of_the_wrong_type_gives_an_example_as_written(override, line):
     (["data.root=/data/café"], "cannot parse data.root=/data/café: the override grammar takes no 'é' (quote a "
                                "value that needs it)"),
     # Hydra's own first line, not its "See https://..." link
-    (["optim.lr=[1,2"], "cannot parse the overrides: no viable alternative at input '[1,2'"),
+    (["optim.lr=[1,2"], "cannot parse optim.lr=[1,2: no viable alternative at input '[1,2'"),
+    # the override that lacks what, not "Error parsing override 'optim.lr'" or "mismatched input '<EOF>' ..."
+    (["steps=3", "optim.lr"], "cannot parse optim.lr: an override is key=value; write optim.lr=VALUE"),
+    (["optim.lr=1e-3,"], "cannot parse optim.lr=1e-3,: it ends in a comma; a sweep (-m) lists values a,b with one "
+                         "after each comma"),
 ])
 def test_an_override_the_grammar_cannot_take_is_named(capsys, args, line):
     assert _error_line(capsys, args) == line

@@ -229,6 +229,9 @@ def test_a_short_run_is_told_when_its_monitor_passes_run():
         "(monitor.probe_every=200); monitor.weight_every=15 monitor.probe_every=15 watch each ten times")
     assert "at steps 0, 200, 400 and 450 (" in cadence_note(cfg.monitor, 450)
     assert cadence_note(cfg.monitor, 600) is None  # the default run: six weight passes, four probes
+    # a run shorter than ten steps watches at every step at most ("ten times" in a 3-step run)
+    assert cadence_note(cfg.monitor, 3).endswith(
+        "monitor.weight_every=1 monitor.probe_every=1 watch each at every step")
     assert cadence_note(cfg.monitor, 299) is not None and "weight pass" not in cadence_note(cfg.monitor, 300)
     quiet = make_cfg("model=gpt_test", "monitor.alerts=false").monitor
     assert "the probe pass (attention entropy) at steps 0 and 200" in cadence_note(quiet, 200)

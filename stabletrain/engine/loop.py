@@ -546,6 +546,18 @@ class Trainer:
             self.diverged_at = self.diverged_at or self.step
         return ok
 
+    def going_back_note(self, path: Path, step: int, would: bool = False) -> str | None:
+        """A resume from ``path``, a checkpoint of this run older than its newest: what it drops."""
+        if path.absolute().parent != self.ckpt.dir.absolute():
+            return None
+        later = [s for s, _ in ring_checkpoints(self.run_dir) if s > step]
+        if not later:
+            return None
+        be = "would be " if would else ""
+        return (f"resume={path.name} {'would go' if would else 'goes'} back to step {step}: this run's history after "
+                f"it (to step {max(later)} at least) {be or 'is '}abandoned, its records dropped and its {len(later)} "
+                f"later checkpoint(s) removed")
+
     def maybe_resume(self) -> int | None:
         """Load ``resume`` (auto: the run dir's last.pt) on every rank; returns its step.
 
@@ -567,11 +579,8 @@ class Trainer:
             # this run's checkpoint: the history after it is abandoned, so no rollback may restore
             # a checkpoint of it and no resume=auto may continue it (after last.pt, that is what a
             # rollback killed before its clean-up left)
-            later = [s for s, _ in ring_checkpoints(self.run_dir) if s > self.step]
-            if later:
-                self.notes.append(f"resume={path.name} goes back to step {self.step}: this run's history after it "
-                                  f"(to step {max(later)} at least) is abandoned, its records dropped and its "
-                                  f"{len(later)} later checkpoint(s) removed")
+            if note := self.going_back_note(path, self.step):
+                self.notes.append(note)
             self.ckpt.drop_after(self.step)
         else:  # another run's checkpoint: what this directory holds is no history of it
             self.resumed_elsewhere = path
@@ -758,7 +767,7 @@ class Trainer:
         nparams = sum(p.numel() for p in self.model.parameters())
         traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
         return (f"{cfg.title}: {param_count(nparams)} params on {self.device}"
-                + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} steps of {cfg.batch_size} "
+                + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} step{'s' * (self.total_steps != 1)} of {cfg.batch_size} "
                 f"{'sequences' if self.data.kind == 'text' else 'images'} "
                 f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s))")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
+from stabletrain.errors import ConfigError
 from stabletrain.registry import Registry, option_value
 
 # name -> ``(schedule, step) -> lr`` for steps after the warmup
@@ -76,6 +77,9 @@ class LRSchedule:
             out.append(f"warning: the cosine reaches lr 0 at step {h} (schedule.horizon) and stays there: the "
                        f"run's last {self.total_steps - h} of {self.total_steps} steps train at lr 0, leaving the "
                        f"weights as they are; raise schedule.horizon, set schedule.min_lr, or stop at steps={h}")
+        if self.name == "step" and not self.milestones:
+            out.append("note: schedule=step without schedule.milestones keeps the lr constant; set them, e.g. "
+                       f"schedule.milestones=[{self.total_steps // 2},{3 * self.total_steps // 4}] (in schedule.unit)")
         late = [m for m in self.milestones if m >= self.total_steps]
         if self.name == "step" and late:
             out.append(f"warning: schedule.milestones at step(s) {', '.join(map(str, late))} are past the run's "
@@ -141,15 +145,27 @@ def make_schedule(
     """
     unit = schedule_cfg.unit
     horizon = schedule_cfg.horizon
+
+    def steps(key: str, value: float) -> int:
+        # a length is in schedule.unit, not a fraction of the run: warmup=0.1 was 0 steps, silently
+        n = to_steps(value, unit, steps_per_epoch)
+        if value > 0 and n == 0:
+            tenth = max(1, round(total_steps / 10))
+            per = f" at {steps_per_epoch} steps per epoch" if option_value(unit) == "epochs" else ""
+            raise ConfigError(f"{key}={value:g} is 0 steps{per}: it is a length in schedule.unit={option_value(unit)}, "
+                              f"not a fraction of the run; e.g. {key}={tenth} with schedule.unit=steps for a tenth of "
+                              f"this run's {total_steps} steps")
+        return n
+
     return LRSchedule(
         name=option_value(schedule_cfg.name),
         base_lr=float(base_lr),
         total_steps=int(total_steps),
-        warmup_steps=to_steps(warmup, unit, steps_per_epoch),
+        warmup_steps=steps("warmup", warmup),
         min_lr=float(schedule_cfg.min_lr),
-        milestones=tuple(to_steps(m, unit, steps_per_epoch) for m in schedule_cfg.milestones),
+        milestones=tuple(sorted(steps("schedule.milestones", m) for m in schedule_cfg.milestones)),
         gamma=float(schedule_cfg.gamma),
-        horizon_steps=None if horizon is None else to_steps(horizon, unit, steps_per_epoch),
+        horizon_steps=None if horizon is None else steps("schedule.horizon", horizon),
         kwargs=dict(getattr(schedule_cfg, "kwargs", None) or {}),
     )
 

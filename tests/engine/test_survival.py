@@ -386,6 +386,13 @@ def test_a_resume_from_an_earlier_checkpoint_abandons_the_history_after_it(tmp_p
     train(tmp_path, *args)
     ck = tmp_path / "checkpoints"
     capsys.readouterr()
+    # its dry run says so first (it said only "would continue from step 4"), and removes nothing
+    assert train(tmp_path, *args, "steps=6", f"resume={ck / 'step_000004.pt'}", "dry_run=true",
+                 quiet=False)["status"] == "dry_run"
+    out = capsys.readouterr()
+    assert ("resume=step_000004.pt would go back to step 4: this run's history after it (to step 12 at least) would "
+            "be abandoned, its records dropped and its 2 later checkpoint(s) removed") in out.out + out.err
+    assert sorted(p.name for p in ck.glob("step_*.pt")) == ["step_000004.pt", "step_000008.pt", "step_000012.pt"]
     s = train(tmp_path, *args, "steps=6", f"resume={ck / 'step_000004.pt'}", quiet=False)
     assert s["status"] == "completed"
     assert ("resume=step_000004.pt goes back to step 4: this run's history after it (to step 12 at least) is "

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_the_lr_0_warning_counts_the_steps_the_run_trains_at_lr_0():
     (w,) = LRSchedule("cosine", base_lr=1.0, total_steps=40, horizon_steps=39).warnings()
     assert "the run's last 1 of 40 steps train at lr 0" in w
     for name in ("step", "constant"):
-        assert LRSchedule(name, base_lr=1.0, total_steps=40, horizon_steps=20).warnings() == []
+        assert LRSchedule(name, base_lr=1.0, total_steps=40, horizon_steps=20, milestones=(10,)).warnings() == []
 
 
 def test_constant_with_warmup():
@@ -95,6 +96,35 @@ def test_from_config_in_epochs():
         to_steps(1.0, "epochs")
     # said in steps, though given in epochs
     assert lr.describe() == "schedule: warmup 15 steps to lr 0.1, then x0.1 at step(s) 2100"
+
+
+@pytest.mark.parametrize("key,kw,unit,spe,says", [
+    ("warmup", dict(warmup=0.1), "steps", None,
+     "warmup=0.1 is 0 steps: it is a length in schedule.unit=steps, not a fraction of the run; e.g. warmup=60 with "
+     "schedule.unit=steps for a tenth of this run's 600 steps"),
+    ("warmup", dict(warmup=0.01), "epochs", 20, "warmup=0.01 is 0 steps at 20 steps per epoch: it is a length in "
+                                                "schedule.unit=epochs"),
+    ("schedule.milestones", dict(milestones=[0.2]), "steps", None, "schedule.milestones=0.2 is 0 steps"),
+    ("schedule.horizon", dict(name="cosine", horizon=0.3), "steps", None, "schedule.horizon=0.3 is 0 steps"),
+])
+def test_a_length_that_rounds_to_no_step_is_refused(key, kw, unit, spe, says):
+    """warmup=0.1 (a fraction, as warmup_ratio is elsewhere) was silently 0 steps; milestones=[0.2]
+    decayed the lr from step 0; horizon=0.3 ended the cosine at step 0."""
+    from stabletrain.errors import ConfigError
+
+    warmup = kw.pop("warmup", 0.0)
+    cfg = OmegaConf.structured(ScheduleConfig(**{"name": "step", "unit": unit, **kw}))
+    with pytest.raises(ConfigError, match="^" + re.escape(says)):
+        make_schedule(cfg, base_lr=0.1, total_steps=600, warmup=warmup, steps_per_epoch=spe)
+
+
+def test_a_step_schedule_without_milestones_says_it_is_constant_and_milestones_are_sorted():
+    cfg = OmegaConf.structured(ScheduleConfig(name="step", milestones=[]))
+    assert make_schedule(cfg, base_lr=0.1, total_steps=400).warnings() == [
+        "note: schedule=step without schedule.milestones keeps the lr constant; set them, e.g. "
+        "schedule.milestones=[200,300] (in schedule.unit)"]
+    lr = make_schedule(OmegaConf.structured(ScheduleConfig(name="step", milestones=[300, 100])), 0.1, 400)
+    assert lr.describe() == "schedule: lr 0.1, x0.1 at step(s) 100, 300" and lr(150) == pytest.approx(0.01)
 
 
 def test_describe_says_each_schedule_in_steps():
