@@ -132,8 +132,12 @@ def _titles_fit(fig) -> None:
 
 
 def _over_lines(ax, leg, renderer) -> bool:
+    """Whether the legend covers a curve. The run's marks (a rollback's or a skip's full-height line,
+    a triangle on the top edge) are placed in axes height, not data: they cross every corner, and
+    counted, they sent a legend out of the panel onto its depth colour bar."""
     box = leg.get_window_extent(renderer)
     return any(line.get_visible() and len(line.get_xdata())
+               and line.get_transform().contains_branch_seperately(ax.transData)[1]
                and line.get_transform().transform_path(line.get_path()).intersects_bbox(box, filled=False)
                for line in ax.get_lines())
 

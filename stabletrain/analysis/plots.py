@@ -505,6 +505,11 @@ def plot_heads(run: Run, blocks: list[str], out_dir: Path) -> Path | None:
                       label=f"head {h}")
             if group == N.ENTROPY and (ref := run.get(N.metric(N.ENTROPY, b, N.ENT_LOG_T))) is not None:
                 ax.axhline(float(np.nanmean(ref[1])), color="gray", ls="--", lw=1, zorder=1, label="uniform")
+            found = [(a["step"], a["value"]) for a in run.alerts if a.get("layer") == b
+                     and isinstance(a.get("value"), (int, float))] if group == N.ENTROPY and series else []
+            if found:  # as on entropy.png: at the lowest head's entropy, which raised it
+                ax.plot(*zip(*found), "v", color="white", markeredgecolor="crimson", markersize=9, ls="",
+                        label="health alert (entropy collapse)")
             if not series:
                 _empty(ax, "not logged")
             _mark_divergence(ax, run)

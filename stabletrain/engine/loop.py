@@ -766,8 +766,9 @@ class Trainer:
         cfg = self.settings
         nparams = sum(p.numel() for p in self.model.parameters())
         traits = [word for word, on in (("bf16", self.bf16), ("compiled", cfg.compile)) if on]
+        steps = f"{self.total_steps} step" + "s" * (self.total_steps != 1)
         return (f"{cfg.title}: {param_count(nparams)} params on {self.device}"
-                + (f" ({', '.join(traits)})" if traits else "") + f", {self.total_steps} step{'s' * (self.total_steps != 1)} of {cfg.batch_size} "
+                + (f" ({', '.join(traits)})" if traits else "") + f", {steps} of {cfg.batch_size} "
                 f"{'sequences' if self.data.kind == 'text' else 'images'} "
                 f"({self.shard.accum} micro-batch(es) of {self.shard.micro} x {self.info.world} rank(s))")
 

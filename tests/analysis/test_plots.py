@@ -515,6 +515,28 @@ def test_a_legend_with_no_free_corner_moves_beside_its_panel():
     plt.close(fig)
 
 
+def test_a_legend_stays_in_its_panel_over_the_runs_step_marks():
+    """A rollback's or skip's full-height line and a trigger's triangle on the top edge cross every
+    corner: counted as curves, they sent the legend out of the panel, onto its depth colour bar."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(4.2, 3.0))
+    x = np.linspace(0, 100, 50)
+    ax.plot(x, 3 - x / 100, label="blocks.0")
+    ax.axhline(3.4, color="gray", ls="--", label="uniform")
+    for step in (10, 30, 50, 70, 90):
+        ax.axvline(step, color="black", ls="--")
+    ax.plot([20, 80], [0.97, 0.97], "v", transform=ax.get_xaxis_transform())
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    F._legends_off_lines(fig)
+    fig.canvas.draw()
+    box, panel = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert panel.x0 <= box.x0 and box.x1 <= panel.x1  # inside: no curve under it
+    plt.close(fig)
+
+
 def _data_lines(ax):
     """The curves of a panel, without the vertical step marks."""
     return [line for line in ax.get_lines() if len(set(line.get_xdata())) > 1]
@@ -1255,6 +1277,10 @@ def test_heads_png_shows_the_blocks_that_alerted_or_fell_lowest_and_names_the_re
     titles = [ax.get_title() for ax in figures["heads.png"].axes if ax.get_title()]
     assert [t.split(":")[0] for t in titles] == ["blocks.2", "blocks.3", "blocks.4", "blocks.5"]
     assert "note: skipping blocks.0, blocks.1 in heads.png" in capsys.readouterr().out
+    # the alert is marked where it was raised, as on entropy.png (the title counted it; no panel showed it)
+    marks = {ax.get_title().split(":")[0]: [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()
+                                            if ln.get_marker() == "v"] for ax in figures["heads.png"].axes}
+    assert marks["blocks.5"] == [([10], [2.7])] and marks["blocks.4"] == []
 
 
 def _head_metrics(lowest: dict[int, float]) -> dict:
