@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from stabletrain.analysis import sweeps
 from stabletrain.analysis.figure import (_STYLE, _blocks_with, _empty, _finite, _fit_legend, _line, _min_span, _save,
@@ -173,6 +174,12 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 ax.axvline(step, color=styles[i]["color"], ls="--", lw=1)
             for step in run.resumed_at:  # its record there is one step's, beside intervals' means: a dip
                 ax.axvline(step, color=styles[i]["color"], ls="-.", lw=1)
+            if k == 0:  # the loss panel: the spikes the run went on from, the non-finite steps it skipped
+                for first, steps in run.spike_spans:
+                    ax.axvspan(first - 0.5, first + steps - 0.5, color=styles[i]["color"], alpha=0.12, lw=0, zorder=0)
+                if run.skipped_at:  # on the bottom edge: a run that skipped a NaN looked like a healthy one
+                    ax.plot(run.skipped_at, [0.0] * len(run.skipped_at), "|", color=styles[i]["color"],
+                            markersize=10, mew=2, ls="", transform=ax.get_xaxis_transform(), clip_on=False)
             if run.alerts and get is ent:  # whichever block raised it: on the panel's top edge
                 steps = sorted({a["step"] for a in run.alerts})
                 # runs alert at the same probe steps: each alerted run's triangles one row lower
@@ -215,6 +222,12 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
     if any(r.resumed_at for r in runs):
         handles.append(Line2D([], [], color="gray", ls="-.", lw=1))
         labelled.append("dash-dot: where the run of that colour was resumed")
+    if any(r.spike_spans for r in runs):
+        handles.append(Patch(color="gray", alpha=0.25, lw=0))
+        labelled.append("band on the loss panel: a loss spike of the run of that colour")
+    if any(r.skipped_at for r in runs):
+        handles.append(Line2D([], [], color="gray", marker="|", markersize=10, mew=2, ls=""))
+        labelled.append("tick under the loss panel: a non-finite step the run of that colour skipped")
     if any(r.alerts for r in runs):
         handles.append(Line2D([], [], color="gray", marker="v", ls=""))
         labelled.append("triangle on the entropy panel: a health alert of the run of that colour")

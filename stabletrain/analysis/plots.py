@@ -89,7 +89,7 @@ def _mark_divergence(ax, run: Run) -> None:
     across its note would read as data."""
     if not ax.get_lines():
         return
-    for first, steps in _spikes(run):  # a band over the spiking steps, behind the curves
+    for first, steps in run.spike_spans:  # a band over the spiking steps, behind the curves
         ax.axvspan(first - 0.5, first + steps - 0.5, color="tab:red", alpha=0.12, lw=0, zorder=0)
     for step in run.restored_at:
         ax.axvline(step, color=_ROLLBACK, ls="--", lw=1)
@@ -161,16 +161,8 @@ def _depth_legend_or_bar(fig, ax, blocks: list[str]) -> None:
     cb.set_label(f"depth ({blocks[0]} .. {blocks[-1]})")
 
 
-def _spikes(run: Run) -> list[tuple[int, int]]:
-    """``(first step, steps)`` of the loss spikes the run counted (summary.json; not those of the
-    divergence warmup, before its loss average means anything); the last may be one the run ended
-    inside (``"open"``)."""
-    return [(s["step"], s.get("steps", 1)) for s in (run.summary or {}).get("spikes") or []
-            if isinstance(s, dict) and isinstance(s.get("step"), (int, float)) and not s.get("warmup")]
-
-
 def _open_spikes(run: Run) -> int:
-    """How many of :func:`_spikes` the run ended inside (at most the last)."""
+    """How many of ``run.spike_spans`` the run ended inside (at most the last)."""
     spikes = [s for s in (run.summary or {}).get("spikes") or [] if isinstance(s, dict)]
     return int(bool(spikes) and bool(spikes[-1].get("open")) and not spikes[-1].get("warmup")
                and isinstance(spikes[-1].get("step"), (int, float)))
@@ -201,7 +193,7 @@ def _title(run: Run, what: str) -> str:
             if here and run.skipped_at and set(run.skipped_at) <= {run.diverged_step}:
                 where = "at the red line"  # drawn under it
             status += f", {total} non-finite step(s) skipped ({where})"
-        spikes = _spikes(run)
+        spikes = run.spike_spans
         if passed := len(spikes) - _open_spikes(run):
             status += f", {passed} loss spike(s) passed (shaded)"
         if len(spikes) > passed:  # one still under watch where the run ended (summary.json's "open")

@@ -64,6 +64,14 @@ class Run:
                 if isinstance(a, dict) and "step" in a and not a.get("rolled_back")]
 
     @property
+    def spike_spans(self) -> list[tuple[int, int]]:
+        """``(first step, steps)`` of the loss spikes the run counted (summary.json; not those of the
+        divergence warmup, before its loss average means anything); the last may be one the run
+        ended inside (``"open"``)."""
+        return [(s["step"], s.get("steps", 1)) for s in (self.summary or {}).get("spikes") or []
+                if isinstance(s, dict) and isinstance(s.get("step"), (int, float)) and not s.get("warmup")]
+
+    @property
     def skipped_at(self) -> list[float]:
         """The steps whose non-finite update was skipped; where a log interval skipped more than
         its steps' own records say (a run, or the part of a run resumed by newer code, recorded

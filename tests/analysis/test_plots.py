@@ -753,6 +753,31 @@ def test_compare_runs_marks_the_steps_rollbacks_restored(tmp_path, monkeypatch):
     assert "dashed: the step a rollback of the run of that colour restored" in legend
 
 
+def test_compare_runs_marks_the_spikes_and_the_skipped_steps_of_each_run(tmp_path, monkeypatch):
+    """A run that skipped a NaN, and one that went on from a loss spike, looked like the healthy
+    run beside them: the run figures marked both, compare.png neither."""
+    spiked, skipped = (_write_run(tmp_path / n, crash=False) for n in ("spiked", "skipped"))
+    summary = json.loads((spiked / "summary.json").read_text())
+    (spiked / "summary.json").write_text(json.dumps({**summary, "spikes": [{"step": 50, "steps": 2}]}))
+    with open(skipped / "metrics.jsonl", "a") as f:
+        f.write("\n" + json.dumps({"step": 70, N.SKIPPED_STEP: 1}) + "\n")
+    figures = []
+    monkeypatch.setattr(C, "_save", lambda fig, out, name: figures.append(fig))
+    C.compare_runs([spiked, skipped], tmp_path / "cmp", labels=["spiked", "skipped"])
+    loss_ax = next(ax for ax in figures[0].axes if ax.get_title().startswith("training loss"))
+    colours = [ln.get_color() for ln in loss_ax.get_lines()[:1]]  # the first run's curve
+    assert [(p.get_x(), p.get_width()) for p in loss_ax.patches] == [(49.5, 2.0)]
+    from matplotlib.colors import to_rgb
+
+    assert loss_ax.patches[0].get_facecolor()[:3] == to_rgb(colours[0])
+    ticks = [list(ln.get_xdata()) for ln in loss_ax.get_lines() if ln.get_marker() == "|"]
+    assert ticks == [[70.0]]
+    legend = [t.get_text().replace("\n", " ") for ax in figures[0].axes if ax.get_legend()
+              for t in ax.get_legend().get_texts()]
+    assert "band on the loss panel: a loss spike of the run of that colour" in legend
+    assert "tick under the loss panel: a non-finite step the run of that colour skipped" in legend
+
+
 def test_compare_runs_marks_a_resume_and_an_unfinished_run(tmp_path, monkeypatch):
     """A resumed run's record at its resume step is one step's loss beside intervals' means: a dip
     against its uninterrupted twin, unmarked; a killed run (no summary.json) read as a short
