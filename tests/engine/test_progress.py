@@ -59,14 +59,19 @@ def test_the_progress_line_shows_the_loss_terms_share(tmp_path, capsys):
 
 
 def _etas_with_slow_steps(tmp_path, capsys, monkeypatch, slow: range, seconds: float, steps: int) -> dict:
-    """The ETA of each progress line of a run whose steps ``slow`` (0-based) each take ``seconds`` more."""
-    import time
+    """The ETA of each progress line of a run whose steps take 10 ms each, those in ``slow``
+    (0-based) ``seconds`` more, on the loop's clock: a real one made the ETA depend on the
+    machine's load (a busy 2-core machine said 1s where 0s was due)."""
+    import types
 
+    from stabletrain.engine import loop as loop_module
+
+    clock = [0.0]
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     plain = Trainer.train_step
 
     def step(self, *args, **kwargs):
-        if self.step in slow:
-            time.sleep(seconds)
+        clock[0] += 0.01 + (seconds if self.step in slow else 0.0)
         return plain(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "train_step", step)
