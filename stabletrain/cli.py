@@ -983,6 +983,10 @@ def check_keys(overrides: list[str]) -> None:
             # Hydra drops the group's yaml; the schema's defaults then train, without a word
             raise ConfigError(f"{ov}: removing the {group} group trains with the schema's own {group} settings; "
                               f"choose an option instead: {group}=" + "|".join(group_options(group, overrides)))
+        if key.startswith("~") and group in schema_keys():
+            # OmegaConf's own line: "OptimConfig (DictConfig) does not support deletion"
+            raise ConfigError(f"{ov}: a key of the schema cannot be removed (every one is read); set it instead: "
+                              f"{group}=VALUE")
         if group in (f"{g}.kwargs" for g in KWARGS_GROUPS) and value.lstrip().startswith("{") and \
                 (entries := [f"+{group}.{k}={v}" for k, v in _parsed_value(ov).items()]):
             # the node is an empty struct dict: Hydra refused the dict's keys, the lines said to add a '+'

@@ -432,6 +432,9 @@ def test_a_ctrl_c_is_said_to_be_at_the_start_only_before_a_single_run_starts(mon
     ("~optim", "~optim: removing the optim group trains with the schema's own optim settings; choose an option "
                "instead: optim=adamw|adamw2|lars|sgd"),
     ("optim.lr=null", "optim.lr=null: optim.lr needs a value, e.g. optim.lr=0.001, or leave it out"),
+    # OmegaConf's "OptimConfig (DictConfig) does not support deletion"
+    ("~optim.lr", "~optim.lr: a key of the schema cannot be removed (every one is read); set it instead: "
+                  "optim.lr=VALUE"),
     ("schedule.unit=null", "schedule.unit=null: schedule.unit needs a value, e.g. schedule.unit=steps, or leave it "
                            "out"),
     ("optim.betas=null", "optim.betas=null: optim.betas needs a value, e.g. optim.betas=[0.9,0.999], or leave it out"),
