@@ -53,16 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         named = ", ".join(p.relative_to(args.sweep_dir).as_posix() or "." for p in sources[:4])
         print(f"\nnote: these runs come from {len(sources)} sweeps ({named}{', ...' if len(sources) > 4 else ''}), "
               f"in one table: give one sweep's directory to compare its points alone", file=sys.stderr)
-    unfinished = [row["run"] for row in table if row["status"] == "unfinished"]
+    # each row's directory: the run column is relative to SWEEP_DIR only for the runs below it
+    root = args.sweep_dir.resolve()
+    where = {(r.path.resolve().relative_to(root).as_posix() if root in r.path.resolve().parents else r.path.name):
+             r.path.resolve() for r in runs}
+    unfinished = [row["run"] for row in table if row["status"] == "unfinished" and row["run"] in where]
     # a sweep's point sits beside the sweep's multirun.yaml; a single run (a day's folder) does not
-    points = [run for run in unfinished if ((args.sweep_dir / run).resolve().parent / "multirun.yaml").is_file()]
+    points = [run for run in unfinished if (where[run].parent / "multirun.yaml").is_file()]
     alone = [run for run in unfinished if run not in points]
     if points:
-        homes = ", ".join(sorted({str((args.sweep_dir / run).resolve().parent) for run in points}))
+        homes = ", ".join(sorted({str(where[run].parent) for run in points}))
         print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(points)}; a stopped sweep "
               f"goes on with its own command plus resume=auto hydra.sweep.dir={homes}", file=sys.stderr)
     if alone:
-        dirs = ", ".join(str((args.sweep_dir / run).resolve()) for run in alone)
+        dirs = ", ".join(str(where[run]) for run in alone)
         print(f"\nunfinished (no summary.json: still running, or stopped): {', '.join(alone)}; a stopped run goes on "
               f"with its own command plus resume=auto hydra.run.dir=<its directory> ({dirs})", file=sys.stderr)
     if [r.path.resolve() for r in runs] == [args.sweep_dir.resolve()]:

@@ -245,7 +245,7 @@ class DataConfig:
     path: Optional[str] = None  # tokens: a train .bin; val.bin and (optional) meta.json beside it
     img_size: Optional[int] = None  # None = the model's
     num_workers: int = 0
-    val_fraction: float = 0.2  # the embedded data's validation share: digits drawn at random, pytext's last part
+    val_fraction: float = 0.2  # embedded data's validation share: digits' (drawn at random); pytext's last half of it
     tokenizer: str = "byte"  # pytext: byte | gpt2 (tiktoken, cached files offline); tokens: unused (meta.json)
     # vision augmentation (timm)
     randaug: Optional[str] = None  # e.g. rand-m9-mstd0.5-inc1

@@ -185,7 +185,7 @@ def _save(fig, out_dir: Path, name: str) -> Path:
             # no step 22.5; AutoLocator's own spacing (every 100000, not 80000) otherwise
             ax.xaxis.set_major_locator(mticker.MaxNLocator(nbins="auto", steps=[1, 2, 2.5, 5, 10], integer=True))
             lo, hi = ax.get_xlim()
-            if hi - lo < 2:  # one step logged: fewer than two whole steps in view, the locator gives 0.98, 1.00, ...
+            if hi - lo < 1:  # one step logged: fewer than two whole steps in view, the locator gives 0.98, 1.00, ...
                 mid = round((lo + hi) / 2)
                 ax.set_xlim(mid - 1, mid + 1)
         if not (ax.get_visible() and ax.axison and ax.get_lines()):

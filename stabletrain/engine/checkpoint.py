@@ -395,7 +395,8 @@ class Checkpointer:
 
     def _save_sharded(self, step: int, survival: dict) -> bool:
         """Every rank checks its shards and writes them through torch.distributed.checkpoint into
-        ``last_dcp/``; rank 0 then writes the rest into last.pt, which names that directory."""
+        ``last_dcp/``; rank 0 then writes the rest into last.pt, marked ``"dcp": True`` (its shards are
+        the ``<stem>_dcp/`` beside it: a ring copy's are its own)."""
         from stabletrain.engine import sharding as S
 
         local = [S.local(t) for t in self.model.state_dict().values() if torch.is_tensor(t)]

@@ -37,7 +37,7 @@ class BlockForward:
         self.deesc_at, self.deesc = make_deescalate(components.deescalate, causal)
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
-        # timm's VisionTransformer passes both to each block where a caller gives either
+        # a recent timm's VisionTransformer passes both to each block where a caller gives either
         x = self._sublayer(x, self.norm1, self.drop_path1, self.attention_branch, attn_mask, is_causal)
         if self.deesc_at == "ffn":
             x = self.deesc(x)

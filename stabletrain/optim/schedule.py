@@ -79,7 +79,8 @@ class LRSchedule:
                        f"weights as they are; raise schedule.horizon, set schedule.min_lr, or stop at steps={h}")
         if self.name == "step" and not self.milestones:
             out.append("note: schedule=step without schedule.milestones keeps the lr constant; set them, e.g. "
-                       f"schedule.milestones=[{self.total_steps // 2},{3 * self.total_steps // 4}] (in schedule.unit)")
+                       f"schedule.milestones=[{self.total_steps // 2},{3 * self.total_steps // 4}] with "
+                       "schedule.unit=steps")
         late = [m for m in self.milestones if m >= self.total_steps]
         if self.name == "step" and late:
             out.append(f"warning: schedule.milestones at step(s) {', '.join(map(str, late))} are past the run's "
@@ -152,9 +153,10 @@ def make_schedule(
         if value > 0 and n == 0:
             tenth = max(1, round(total_steps / 10))
             per = f" at {steps_per_epoch} steps per epoch" if option_value(unit) == "epochs" else ""
+            example = f"[{tenth}]" if key == "schedule.milestones" else tenth
             raise ConfigError(f"{key}={value:g} is 0 steps{per}: it is a length in schedule.unit={option_value(unit)}, "
-                              f"not a fraction of the run; e.g. {key}={tenth} with schedule.unit=steps for a tenth of "
-                              f"this run's {total_steps} steps")
+                              f"not a fraction of the run; e.g. {key}={example} with schedule.unit=steps for a tenth "
+                              f"of this run's {total_steps} steps")
         return n
 
     return LRSchedule(

@@ -278,6 +278,8 @@ def test_a_killed_single_run_in_a_days_folder_is_told_its_own_resume(tmp_path, c
     assert ("unfinished (no summary.json: still running, or stopped): 11-00-00; a stopped run goes on with its own "
             f"command plus resume=auto hydra.run.dir=<its directory> ({day / '11-00-00'})") in err
     assert "hydra.sweep.dir" not in err
+    assert script.main([str(day / "11-00-00")]) == 0  # the run's own directory: not <dir>/<dir>
+    assert f"hydra.run.dir=<its directory> ({day / '11-00-00'})" in capsys.readouterr().err
 
 
 def test_a_folder_of_several_sweeps_names_each_row_and_says_so(tmp_path, capsys):

@@ -168,10 +168,12 @@ def test_a_run_that_logged_nothing_is_told_so_not_step_question_mark(tmp_path, c
     assert "?" not in out and out.count("and it logged no step") == 2, out
 
 
-def test_a_one_step_run_has_whole_step_ticks(tmp_path, monkeypatch):
+@pytest.mark.parametrize("steps", [[1], [4, 5]])
+def test_a_one_step_run_has_whole_step_ticks(tmp_path, monkeypatch, steps):
     """One logged step: MaxNLocator(integer=True) found fewer than two integers in matplotlib's
     +-0.04 around it and fell back to 0.96, 0.98, 1.00, ..."""
-    run = _run_dir(tmp_path / "r", [{"step": 1, "loss": 3.0, "lr": 1e-3}], {"status": "completed", "step": 1})
+    run = _run_dir(tmp_path / "r", [{"step": s, "loss": 3.0, "lr": 1e-3} for s in steps],
+                   {"status": "completed", "step": steps[-1]})
     figures = _figures(monkeypatch)
     monkeypatch.setattr(P, "_save", lambda fig, out, name: figures.setdefault(name, fig) and F._save(fig, out, name))
     P.plot_dynamics(run)
@@ -179,6 +181,7 @@ def test_a_one_step_run_has_whole_step_ticks(tmp_path, monkeypatch):
     lo, hi = ax.get_xlim()
     ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
     assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+    assert lo < steps[0] and steps[-1] < hi  # no logged step on the panel's edge (two steps were moved onto it)
 
 
 @pytest.mark.parametrize("config,records,why", [

@@ -104,7 +104,9 @@ def test_from_config_in_epochs():
      "schedule.unit=steps for a tenth of this run's 600 steps"),
     ("warmup", dict(warmup=0.01), "epochs", 20, "warmup=0.01 is 0 steps at 20 steps per epoch: it is a length in "
                                                 "schedule.unit=epochs"),
-    ("schedule.milestones", dict(milestones=[0.2]), "steps", None, "schedule.milestones=0.2 is 0 steps"),
+    ("schedule.milestones", dict(milestones=[0.2]), "steps", None,
+     "schedule.milestones=0.2 is 0 steps: it is a length in schedule.unit=steps, not a fraction of the run; e.g. "
+     "schedule.milestones=[60] with schedule.unit=steps"),
     ("schedule.horizon", dict(name="cosine", horizon=0.3), "steps", None, "schedule.horizon=0.3 is 0 steps"),
 ])
 def test_a_length_that_rounds_to_no_step_is_refused(key, kw, unit, spe, says):
@@ -122,7 +124,7 @@ def test_a_step_schedule_without_milestones_says_it_is_constant_and_milestones_a
     cfg = OmegaConf.structured(ScheduleConfig(name="step", milestones=[]))
     assert make_schedule(cfg, base_lr=0.1, total_steps=400).warnings() == [
         "note: schedule=step without schedule.milestones keeps the lr constant; set them, e.g. "
-        "schedule.milestones=[200,300] (in schedule.unit)"]
+        "schedule.milestones=[200,300] with schedule.unit=steps"]
     lr = make_schedule(OmegaConf.structured(ScheduleConfig(name="step", milestones=[300, 100])), 0.1, 400)
     assert lr.describe() == "schedule: lr 0.1, x0.1 at step(s) 100, 300" and lr(150) == pytest.approx(0.01)
 
