@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from stabletrain.config import Components
 from stabletrain.errors import ConfigError
@@ -75,43 +76,45 @@ def test_a_head_of_another_shape_keeps_its_initialisation_and_is_named(tmp_path)
     assert "2 of the source's unused: head.weight, head.bias" in note
 
 
+def _shards(folder: Path, model: nn.Module, step: int) -> None:
+    """``model``'s tensors saved at ``step`` in ``folder`` as a sharded run's save writes them."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict(), "step": torch.tensor(step)}, checkpoint_id=str(folder), no_dist=True)
+
+
+def _loaded_into_a_fresh_model(pt: Path, src: nn.Module) -> None:
+    dst = _model("gpt_test", seed=5)
+    load_weights(dst, pt)
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v), k
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_sharded_runs_checkpoint_reads_its_model_shards(tmp_path):
     """A parallel=fsdp run's last.pt is marked "dcp" (an earlier version's named "last_dcp"): its
     last_dcp/ holds the model (and optimizer)."""
-    import torch.distributed.checkpoint as dcp
-
     src = _model("gpt_test")
-    dcp.save({"model": src.state_dict(), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / "last_dcp"),
-             no_dist=True)
+    _shards(tmp_path / "last_dcp", src, 3)
     torch.save({"step": 3, "dcp": "last_dcp"}, tmp_path / "last.pt")
-    dst = _model("gpt_test", seed=5)
-    load_weights(dst, tmp_path / "last.pt")
-    for k, v in src.state_dict().items():
-        assert torch.equal(dst.state_dict()[k], v), k
+    _loaded_into_a_fresh_model(tmp_path / "last.pt", src)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_sharded_checkpoint_reads_the_shards_of_its_own_step(tmp_path):
     """A save cut off between its shards and last.pt leaves last.pt beside the next step's shards,
     its own moved to .last_dcp.old (engine.sharding.save_dcp): the weights of another step were read."""
-    import torch.distributed.checkpoint as dcp
-
     from stabletrain.engine.checkpoint import dcp_dir
     from stabletrain.engine.sharding import previous_dcp
 
     own, newer = _model("gpt_test"), _model("gpt_test", seed=3)
     assert dcp_dir(tmp_path / "last.pt").name == "last_dcp" and previous_dcp(tmp_path).name == ".last_dcp.old"
-    dcp.save({"model": newer.state_dict(), "step": torch.tensor(4)}, checkpoint_id=str(tmp_path / "last_dcp"),
-             no_dist=True)
-    dcp.save({"model": own.state_dict(), "step": torch.tensor(3)}, checkpoint_id=str(tmp_path / ".last_dcp.old"),
-             no_dist=True)
-    torch.save({"step": 3, "dcp": "last_dcp"}, tmp_path / "last.pt")
+    _shards(tmp_path / "last_dcp", newer, 4)
+    _shards(tmp_path / ".last_dcp.old", own, 3)
+    torch.save({"step": 3, "dcp": True}, tmp_path / "last.pt")
+    _loaded_into_a_fresh_model(tmp_path / "last.pt", own)
     dst = _model("gpt_test", seed=5)
-    load_weights(dst, tmp_path / "last.pt")
-    for k, v in own.state_dict().items():
-        assert torch.equal(dst.state_dict()[k], v), k
-    torch.save({"step": 2, "dcp": "last_dcp"}, tmp_path / "last.pt")  # neither holds its step
+    torch.save({"step": 2, "dcp": True}, tmp_path / "last.pt")  # neither holds its step
     with pytest.raises(ConfigError, match=r"sharded weights \(step 2\) are not beside it \(last_dcp/ holds step 4; "
                                           r"\.last_dcp\.old/ holds step 3\).*ring checkpoints"):
         load_weights(dst, tmp_path / "last.pt")
