@@ -19,7 +19,8 @@ from stabletrain.errors import ConfigError, ReachedNothing, StoppedAtOnce, fail,
 from stabletrain.engine import distributed as D
 from stabletrain.engine.checkpoint import CheckpointWriteError, RunDirGone, last_checkpoint, remove_stale_temps
 from stabletrain.engine.rundir import (KEPT_HYDRA, KEPT_MULTIRUN, REFUSED_NOW, RunDirLock, continue_with,
-                                      figures_command, folders_to_make, remove_made, sweep_dir, task_overrides)
+                                      figures_command, folders_to_make, remove_made, script_command, sweep_dir,
+                                      task_overrides)
 from stabletrain.metrics import read_json, say, write_json
 
 
@@ -267,7 +268,10 @@ class SweepReport(Callback):
                if refused.path in refused_now else
                f"; {refused.path.name}/ {refused.summary['status']}: {refused.summary.get('reason') or '?'}")
         say(f"sweep {root}: {len(runs)} point{'s' * (len(runs) != 1)}, {tally}{why}")
-        say(f"its table: python scripts/summarize_sweep.py {root}; its curves: python scripts/compare_runs.py {root}")
+        # with the interpreter that has the packages, as a single run's figures line
+        table, curves = (script_command(name, root) for name in ("summarize_sweep.py", "compare_runs.py"))
+        if table and curves:
+            say(f"its table: {table}; its curves: {curves}")
 
 
 def dry_run_report(trainer, resumed: tuple[Path, dict] | None = None) -> str:

@@ -108,10 +108,15 @@ def config_flags() -> list[str]:
 
 
 def figures_command(run_dir: str | Path) -> str | None:
-    """The command that draws a run's figures (scripts/plot_dynamics.py of this checkout), its
-    paths relative to the working directory where they lie under it; None where the scripts are
-    not beside the package (installed from a wheel)."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "plot_dynamics.py"
+    """The command that draws a run's figures (scripts/plot_dynamics.py of this checkout)."""
+    return script_command("plot_dynamics.py", run_dir)
+
+
+def script_command(name: str, *paths: str | Path) -> str | None:
+    """The command that runs ``scripts/<name>`` of this checkout on ``paths``, with the interpreter
+    that has this run's packages, its paths relative to the working directory where they lie under
+    it; None where the scripts are not beside the package (installed from a wheel)."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / name
     if not script.is_file():
         return None
 
@@ -121,7 +126,7 @@ def figures_command(run_dir: str | Path) -> str | None:
 
     python = interpreter()
     python = short(Path(python)) if os.path.isabs(python) else python  # a venv's, from its checkout
-    return " ".join(shlex.quote(a) for a in (python, short(script), short(Path(run_dir))))
+    return " ".join(shlex.quote(a) for a in (python, short(script), *(short(Path(p)) for p in paths)))
 
 
 def launcher_of_this_job() -> str | None:

@@ -492,10 +492,14 @@ def test_a_sweep_ends_with_its_points_tally_and_the_commands_that_draw_it(tmp_pa
     (tmp_path / "4" / ".hydra").mkdir(parents=True)  # killed: no summary.json
     (tmp_path / "4" / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["optim.tau=0.05"]))
     SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    from stabletrain.engine.rundir import figures_command
+
+    # the interpreter a single run's figures line names (a venv's path where "python" is another's)
+    python = figures_command(tmp_path).split(" scripts/")[0]
     assert capsys.readouterr().err.splitlines() == [
         f"sweep {tmp_path}: 5 points, 2 completed, 1 refused, 1 diverged, 1 unfinished; 1/ refused: data.path=x.bin "
         f"holds 10 tokens",
-        f"its table: python scripts/summarize_sweep.py {tmp_path}; its curves: python scripts/compare_runs.py "
+        f"its table: {python} scripts/summarize_sweep.py {tmp_path}; its curves: {python} scripts/compare_runs.py "
         f"{tmp_path}"]
 
 
