@@ -59,7 +59,7 @@ def test_the_defaults_and_the_recipes_validate():
     # a learned lambda starts where it is told (the layer does not clamp it; the check refused it)
     validate(make_cfg("deescalate=block", "deescalate.learnable=true", "deescalate.lambda_=1.5"))
     assert float(model_of(make_cfg("model=vit_test", "deescalate=block", "deescalate.learnable=true",
-                                   "deescalate.lambda_=1.5")).blocks[0].deesc.lambda_) == 1.5
+                                   "deescalate.lambda_=1.5")).blocks[0].deesc.lambda_.detach()) == 1.5
 
 
 @pytest.mark.parametrize("overrides,micro", [(["batch_size=5"], 5), (["batch_size=6", "micro_batch_size=3"], 3)])
