@@ -150,3 +150,26 @@ def test_a_name_near_a_registered_one_may_be_a_typo_or_ones_own():
     # a group option without a yaml: the same suggestion from the command line
     r = cli("model=vit_tset")
     assert r.stderr.strip().splitlines()[-1].endswith("vit_s_cifar, vit_test (did you mean vit_test?)"), r.stderr
+
+
+def test_the_option_group_lists_agree_with_the_schema_and_the_registries():
+    """cli.py's KWARGS_GROUPS and NAMED_GROUPS and build's chosen options are written by hand (the
+    command-line check runs before anything registers): a group added to the schema or a registry
+    must be added to each, or its kwargs go unchecked and its yaml's missing name: unrefused."""
+    import dataclasses
+    import typing
+
+    from stabletrain import cli
+    from stabletrain.build import _chosen_options
+    from stabletrain.config import TrainConfig
+    from tests.helpers import _registries
+
+    hints = typing.get_type_hints(TrainConfig)
+    with_kwargs = {g for g, t in hints.items() if dataclasses.is_dataclass(t)
+                   and "kwargs" in {f.name for f in dataclasses.fields(t)}}
+    assert set(cli.KWARGS_GROUPS) == with_kwargs
+    chosen = _chosen_options(make_cfg())
+    assert set(chosen) == with_kwargs - {"model"}
+    assert all(registry.group.split(".")[0] == group for group, (registry, _) in chosen.items())
+    named_by_registry = {r.group for r in _registries()} - {"model.family", "regularizer"}
+    assert set(cli.NAMED_GROUPS) == {g.split(".")[0] for g in named_by_registry} == set(chosen) | {"data"}
