@@ -67,6 +67,8 @@ class MonitorRunner:
             if getattr(cfg, key) < 1:
                 raise ValueError(f"MonitorRunner: monitor.{key}={getattr(cfg, key)} must be >= 1")
         self.model, self.cfg, self.device, self.autocast = model, cfg, torch.device(device), autocast
+        # read once: after_step runs every step, and an OmegaConf read costs dozens of Python calls
+        self.weight_every, self.probe_every = int(cfg.weight_every), int(cfg.probe_every)
         self.active, self.with_bound = active, with_bound
         self.sharding = sharding
         self.sharded = sharding is not None  # every rank takes part in the passes
@@ -136,8 +138,8 @@ class MonitorRunner:
         ``last``: the run's final step, where both passes run whatever the cadence, so a run
         shorter than ``probe_every`` still ends with a probe."""
         done = step + 1
-        weight_due = done % self.cfg.weight_every == 0 or last
-        probe_due = done % self.cfg.probe_every == 0 or last
+        weight_due = done % self.weight_every == 0 or last
+        probe_due = done % self.probe_every == 0 or last
         if not ((self.active or self.sharded) and (weight_due or probe_due)):
             return  # most steps: nothing to do, and nothing to set up
         if self.active and self.sink is None:

@@ -128,6 +128,27 @@ def test_monitor_runner_refuses_a_probe_every_of_zero():
                       device="cpu")
 
 
+def test_a_step_with_no_pass_due_reads_no_config():
+    """after_step runs after every optimizer step: the cadence is read once, not from the
+    OmegaConf config each step (dozens of Python calls a step on the hot path)."""
+    from omegaconf import OmegaConf
+
+    from stabletrain.config import MonitorConfig
+    from stabletrain.monitor.runner import MonitorRunner
+
+    runner = MonitorRunner(nn.Linear(2, 2), OmegaConf.structured(MonitorConfig(weight_every=5, probe_every=7)),
+                           (torch.zeros(1, 2), torch.zeros(1)), device="cpu")
+
+    class Untouchable:
+        def __getattr__(self, key):
+            raise AssertionError(f"after_step read monitor.{key} on a step with no pass due")
+
+    runner.cfg = Untouchable()
+    for step in (0, 1, 2, 3, 5):  # done = 1..4, 6: neither 5 nor 7 divides them
+        runner.after_step(step)
+    assert (runner.weight_every, runner.probe_every) == (5, 7)
+
+
 class _Attention(nn.Module):
     """``fused``: a qkv of 2 x d rows (q and k only), which no 3 x heads split reads; else
     separate q, k, v: neither stabletrain's nor timm's layout."""
