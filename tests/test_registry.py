@@ -139,6 +139,39 @@ def test_a_new_norm_is_one_registration_and_works_in_every_family(model):
         NORMS._entries.pop("scale_for_test")
 
 
+@pytest.mark.parametrize("model", ["vit_test", "swin_test", "gpt_test"])
+def test_a_norm_with_no_weight_tensor_fills_every_norm_slot_of_every_family(model):
+    """A scale-only norm (one scalar gain ``g``, no ``weight``): timm's Swin block reads
+    ``norm1.weight`` while it is built, which such a norm lacks (an AttributeError from timm)."""
+
+    class ScalarNorm(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.dim, self.g = dim, torch.nn.Parameter(torch.tensor(float(dim) ** 0.5))
+
+        def forward(self, x):
+            return self.g * x / x.norm(dim=-1, keepdim=True).clamp_min(1e-6)
+
+    NORMS.register("scalar_for_test", layer=ScalarNorm)(lambda cfg, dim, **kw: ScalarNorm(dim))
+    try:
+        layer_norms = [m.normalized_shape[-1] for m in model_of(make_cfg(f"model={model}")).modules()
+                       if isinstance(m, torch.nn.LayerNorm)]
+        cfg = make_cfg(f"model={model}", "norm.name=scalar_for_test")
+        validate(cfg)
+        net = model_of(cfg)
+        assert not any(isinstance(m, torch.nn.LayerNorm) for m in net.modules())
+        assert sorted(m.dim for m in net.modules() if isinstance(m, ScalarNorm)) == sorted(layer_norms)
+        if model == "gpt_test":
+            x = torch.randint(0, 64, (2, 8))
+        else:
+            x = torch.randn(2, net.patch_embed.proj.in_channels, *net.patch_embed.img_size)
+        net(x).float().sum().backward()
+        assert all(m.g.grad is not None and torch.isfinite(m.g.grad) for m in net.modules()
+                   if isinstance(m, ScalarNorm))
+    finally:
+        NORMS._entries.pop("scalar_for_test")
+
+
 def test_a_name_near_a_registered_one_may_be_a_typo_or_ones_own():
     from tests.helpers import cli
 

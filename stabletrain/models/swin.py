@@ -9,6 +9,9 @@ computes exactly timm's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from timm.models.swin_transformer import SwinTransformer, SwinTransformerBlock, checkpoint_filter_fn
 from torch import Tensor, nn
 
@@ -36,17 +39,18 @@ class SwinBlock(BlockForward, SwinTransformerBlock):
         return self.mlp(x)
 
 
-def _drop_norms(model: nn.Module) -> None:
-    """``norm=none``: replace every LayerNorm by the identity after construction.
+def _swap_norms(model: nn.Module, make: Callable[[int], nn.Module]) -> None:
+    """Replace every LayerNorm by ``make(dim)`` after construction: for a norm with no ``weight``
+    tensor (``norm=none``, a scale-only norm of one's own).
 
     timm's block reads ``norm1.weight`` to place its shift mask while it is built, so the
     model is built with LayerNorms first; they all come from ``norm_layer`` and draw no random
-    numbers, so dropping them leaves every other tensor as built.
+    numbers, so swapping them leaves every other tensor as built.
     """
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.LayerNorm):
-                setattr(parent, name, nn.Identity())
+                setattr(parent, name, make(child.normalized_shape[-1]))
 
 
 def check_swin(m, components: Components) -> None:
@@ -126,10 +130,10 @@ def build_swin(m, components: Components) -> SwinTransformer:
     """Swin from ``m`` (the ``model`` group) with ``components``' norm, attention and de-escalation."""
     cfg = components
     check_swin(m, components)
-    no_norm = isinstance(make_norm(cfg.norm, 1), nn.Identity)
+    swap = not isinstance(getattr(make_norm(cfg.norm, 1), "weight", None), torch.Tensor)
 
     def norm_layer(dim: int, **_factory_kwargs) -> nn.Module:
-        if no_norm:
+        if swap:
             return nn.LayerNorm(dim, eps=1e-5)
         return make_norm(cfg.norm, dim, ln_eps=1e-5)
 
@@ -139,8 +143,8 @@ def build_swin(m, components: Components) -> SwinTransformer:
         window_size=m.window_size, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
         drop_path_rate=m.drop_path, norm_layer=norm_layer,
     )
-    if no_norm:
-        _drop_norms(model)
+    if swap:
+        _swap_norms(model, lambda dim: make_norm(cfg.norm, dim, ln_eps=1e-5))
     for blk in (b for b in model.modules() if isinstance(b, SwinTransformerBlock)):
         blk.attn = SwinAttention.from_timm(blk.attn, attn_cfg=cfg.attention, norm_cfg=cfg.norm,
                                            attn_fp32=cfg.reparam.attn_fp32)
