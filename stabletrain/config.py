@@ -500,6 +500,7 @@ def validate(cfg: Any) -> None:
           "optim.nesterov=true needs momentum: set optim.momentum > 0 (e.g. 0.9), or optim.nesterov=false")
     _need(cfg.resume in (None, "auto") or _exists(cfg.resume),
           f"resume={cfg.resume}: no such checkpoint (use resume=auto or a path to a .pt file)")
+    _need(cfg.resume in (None, "auto") or not os.path.isdir(cfg.resume), _folder_resumed(str(cfg.resume)))
     dv = cfg.divergence
     _need(dv.action in ("stop", "rollback"), f"divergence.action={dv.action} is not an option: use stop or rollback")
     _need(dv.max_skips >= 1, f"divergence.max_skips={dv.max_skips} must be >= 1")
@@ -749,6 +750,15 @@ def _leaves(node: Any, prefix: str = ""):
 
 def _exists(p: str) -> bool:
     return os.path.exists(p)
+
+
+def _folder_resumed(folder: str) -> str:
+    """What ``resume=FOLDER`` should have said: resume takes a checkpoint file."""
+    last = os.path.join(folder, "checkpoints", "last.pt")
+    if os.path.isfile(last):
+        return (f"resume={folder} is a run's folder, not a checkpoint: resume=auto hydra.run.dir={folder} continues "
+                f"that run in it; resume={last} starts this run from its last checkpoint")
+    return f"resume={folder} is a folder, not a checkpoint: pass a .pt file a run wrote (RUN/checkpoints/last.pt)"
 
 
 # --- what a resumed run may change -------------------------------------------------------

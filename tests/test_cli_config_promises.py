@@ -297,6 +297,25 @@ def test_each_bound_refuses_the_first_value_past_it(overrides, line):
     assert str(e.value) == line
 
 
+def test_resume_of_a_folder_names_the_checkpoint_or_the_resume_in_place(tmp_path):
+    """A folder passed the existence check and met an IsADirectoryError in the loader."""
+    from stabletrain.config import validate
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=vit_test", f"resume={run}"))
+    assert str(e.value) == (f"resume={run} is a folder, not a checkpoint: pass a .pt file a run wrote "
+                            f"(RUN/checkpoints/last.pt)")
+    (run / "checkpoints" / "last.pt").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=vit_test", f"resume={run}"))
+    assert str(e.value) == (f"resume={run} is a run's folder, not a checkpoint: resume=auto hydra.run.dir={run} "
+                            f"continues that run in it; resume={run}/checkpoints/last.pt starts this run from its "
+                            f"last checkpoint")
+    validate(make_cfg("model=vit_test", f"resume={run}/checkpoints/last.pt"))
+
+
 @pytest.mark.parametrize("overrides", [
     ["optim.betas=[0.0,0.99]"],  # beta1 = 0: no momentum, RMSProp-like Adam
     ["debug.nan_at_step=10"],  # the run's last step is a step the fault happens at
