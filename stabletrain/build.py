@@ -99,7 +99,7 @@ def validate(cfg, swept: Container[str] = ()) -> None:
         DATASETS.check_callable(data.name)
     if data.info["kind"] == "text":
         d = cfg.data
-        extra = [k for k in ("mixup", "cutmix", "erasing") if getattr(d, k) > 0] + (["randaug"] if d.randaug else [])
+        extra = [k for k in IMAGE_AUGMENTATION if (bool(d[k]) if k == "randaug" else d[k] > 0)]
         if extra:
             raise ConfigError(f"data.{extra[0]} is image augmentation; a {family.name} model trains on text: "
                               f"remove data.{extra[0]}")
@@ -460,6 +460,8 @@ def _unread_data_keys(cfg, given: Collection[str] = ()) -> list[str]:
 
 
 # data keys for an image classifier alone, and what each sets
+# refused on text data (validate); the keys of IMAGE_ONLY are noted in a sweep over the model instead
+IMAGE_AUGMENTATION = ("mixup", "cutmix", "erasing", "randaug")
 IMAGE_ONLY = {"label_smoothing": "the image classifier's loss", "repeated_aug": "repeated augmentation of images",
               "img_size": "the images' size"}
 
@@ -471,7 +473,8 @@ def unread_data_reasons(cfg) -> dict[str, str]:
     them too."""
     entry = _data_entry(cfg)
     text = {f"data.{k}": f"it sets {what}, and this run trains on text (data={entry.name})"
-            for k, what in IMAGE_ONLY.items()} if entry.info.get("kind") == "text" else {}
+            for k, what in {**IMAGE_ONLY, **dict.fromkeys(IMAGE_AUGMENTATION, "image augmentation")}.items()
+            } if entry.info.get("kind") == "text" else {}
     reads = entry.info.get("reads")
     if reads is None:
         return text

@@ -883,6 +883,7 @@ def help_text(overrides: list[str]) -> str | None:
     compose (:func:`check_overrides` then tells the mistake in one line)."""
     from omegaconf import OmegaConf
 
+    from stabletrain.build import unread_data_reasons
     from stabletrain.config import unread_reasons
     from stabletrain.models.registry import model_unread_reasons
 
@@ -895,7 +896,7 @@ def help_text(overrides: list[str]) -> str | None:
     del cfg["hydra"]
     chosen = OmegaConf.create(cfg)
     try:
-        left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen)]
+        left_out = [*model_unread_reasons(chosen.model), *unread_reasons(chosen), *unread_data_reasons(chosen)]
     except Exception:  # noqa: BLE001 - a config of one's own the checks refuse in one line: its page is whole
         left_out = []
     for key in left_out:

@@ -580,9 +580,13 @@ def test_help_prints_the_keys_this_run_reads():
     assert not {"patch_size", "depths", "window_size", "img_size"} & set(shown["model"])
     assert "tau" not in shown["optim"] and "betas" in shown["optim"]
     assert shown["reparam"] == {"name": "none", "attn_fp32": False} and "every" not in shown["ema"]  # read alone
+    # the image settings a text run refuses or notes as unread (it listed them)
+    image = {"img_size", "randaug", "mixup", "cutmix", "label_smoothing", "erasing", "repeated_aug"}
+    assert not image & set(shown["data"]) and {"name", "val_fraction", "tokenizer"} <= set(shown["data"])
     r = cli("model=vit_test", "optim=adamw2", "-h")
     shown = r.stdout.split("== Config ==\n", 1)[1]
     assert "  patch_size: 4\n" in shown and "  tau: " in shown and "  block_size:" not in shown
+    assert "  mixup: " in shown and "  label_smoothing: " in shown
     assert "A mistake costs one line naming the fix." in r.stdout
     r = cli("model=nope", "--help")
     assert r.returncode != 0 and "Traceback" not in r.stderr
