@@ -387,25 +387,46 @@ def compose_config(overrides: list[str], with_hydra: bool = False):
     Hydra builds from train.py's flags: the main folder, then --config-dir's, then the schema."""
     from hydra import compose, version
     from hydra._internal.hydra import Hydra
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
     from hydra.core.global_hydra import GlobalHydra
 
     from stabletrain.config import register
 
     register()
+    GlobalHydra.instance().clear()
+    version.setbase("1.3")
+    try:
+        Hydra.create_main_hydra2(task_name="app", config_search_path=_search_path())
+        return compose(PRIMARY.get().name, overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _search_path():
+    """The search path Hydra builds from train.py's flags: the main folder, then --config-dir's, then the schema."""
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
     primary = PRIMARY.get()
     search = create_config_search_path(str(primary.dir))
     if primary.extra is not None:
         search.prepend(provider="command-line", path=f"file://{primary.extra}",
                        anchor=SearchPathQuery(provider="schema"))
+    return search
+
+
+def hydra_group_options(group: str, overrides: list[str] = ()) -> list[str]:
+    """The options of one of Hydra's own groups (``hydra/launcher``): configs/'s, Hydra's and its
+    plugins' (submitit_slurm) as Hydra's config loader lists them, and the searchpath folders'."""
+    from hydra._internal.hydra import Hydra
+    from hydra.core.global_hydra import GlobalHydra
+
     GlobalHydra.instance().clear()
-    version.setbase("1.3")
     try:
-        Hydra.create_main_hydra2(task_name="app", config_search_path=search)
-        return compose(primary.name, overrides=epochs_over_steps(list(overrides)), return_hydra_config=with_hydra)
+        Hydra.create_main_hydra2(task_name="app", config_search_path=_search_path())
+        found = GlobalHydra.instance().config_loader().get_group_options(group)
     finally:
         GlobalHydra.instance().clear()
+    return sorted({*found, *group_options(group, overrides)})
 
 
 def checked_config(overrides: list[str]):
@@ -691,6 +712,12 @@ def _check_overrides(argv: list[str], multirun: bool, printing: bool) -> None:
         # Hydra uses a launcher for -m only: a single run trains here, on the login node
         _fail(f"{next(a for a in overrides if a.startswith('hydra/launcher='))} launches the points of a sweep: add -m "
               f"(a single run is a one-point sweep), or drop it to train here")
+    for ov in overrides:  # Hydra's own groups: composed only when Hydra starts, after these checks
+        group, _, option = ov.lstrip("+").partition("=")
+        if group.startswith("hydra/") and option and option not in (options := hydra_group_options(group, overrides)):
+            near = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
+            _fail(f"{group}={option} is not an option of '{group}'; choose one of: {', '.join(options)}"
+                  + (f" (did you mean {near[0]}?)" if near else ""))
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 

@@ -19,6 +19,10 @@ from tests.helpers import cli, make_cfg, model_of
     (["optim.betas=0.9"], "optim.betas takes a list: write it in brackets, optim.betas=[x,y,...]"),
     (["experiment=locater_1layer", "model=gpt_test"], "experiment=locater_1layer sets its own model"),
     (["-m", "hydra/launcher=slurm", "optim.lr=1,2"], "no sbatch nor srun on this machine"),
+    # Hydra's own groups compose after the checks: its 12 lines, exit code 1
+    (["-m", "hydra/launcher=slrum", "optim.lr=1,2"], "hydra/launcher=slrum is not an option of 'hydra/launcher'; "
+                                                     "choose one of: basic, slurm, submitit_local, submitit_slurm "
+                                                     "(did you mean slurm?)"),
     # Hydra launches sweeps only: without -m the run trained on the login node, without a word
     (["hydra/launcher=slurm", "optim.lr=1"], "hydra/launcher=slurm launches the points of a sweep: add -m (a single "
                                              "run is a one-point sweep), or drop it to train here"),
