@@ -13,6 +13,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from stabletrain.errors import first_line
 from stabletrain.registry import option_value
 
 
@@ -190,7 +191,12 @@ class Metrics:
             self.wandb.define_metric(WANDB_STEP)
             self.wandb.define_metric("*", step_metric=WANDB_STEP)
         except Exception as e:  # a tracking hiccup must not cost the run
-            print(f"wandb disabled ({type(e).__name__}: {e}); metrics go to {self.path}", file=sys.stderr)
+            if mode == "online":  # no API key, no network: the offline run a `wandb sync` uploads later
+                print(f"wandb online failed ({type(e).__name__}: {first_line(e)}); logging offline instead: "
+                      f"`wandb sync {run_dir}/wandb/offline-run-*` uploads it later", file=sys.stderr)
+                self._start_wandb(run_dir, logger, name, "offline", config_dict, resumed=True)
+                return
+            print(f"wandb disabled ({type(e).__name__}: {first_line(e)}); metrics go to {self.path}", file=sys.stderr)
             self.wandb = None
 
     def log(self, step: int, values: dict) -> None:

@@ -120,3 +120,40 @@ def test_a_fresh_run_in_a_used_directory_gets_its_own_wandb_run(tmp_path):
     assert second != first
     train(tmp_path, *args, "seed=1", "steps=3", "resume=auto")
     assert id_file.read_text() == second
+
+
+def test_wandb_online_that_cannot_start_logs_offline_for_a_later_sync(tmp_path, monkeypatch, capsys):
+    """logger=wandb_online without an API key (or a network) dropped wandb altogether: no run to
+    upload once the key is there."""
+    import wandb
+    from omegaconf import OmegaConf
+
+    from stabletrain.metrics import Metrics
+
+    modes = []
+
+    class Run:
+        def define_metric(self, name, **kw):
+            pass
+
+        def log(self, values, **kw):
+            pass
+
+        def finish(self):
+            pass
+
+    def init(**kw):
+        modes.append((kw["mode"], kw["id"]))
+        if kw["mode"] == "online":
+            raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.\nsecond line")
+        return Run()
+
+    monkeypatch.setattr(wandb, "init", init)
+    cfg = OmegaConf.create({"wandb": "online", "project": "p", "entity": None, "progress": False, "log_every": 1})
+    m = Metrics(tmp_path, cfg)
+    m.close()
+    assert [mode for mode, _ in modes] == ["online", "offline"] and modes[0][1] == modes[1][1]  # one run id
+    assert isinstance(m.wandb, Run)
+    assert capsys.readouterr().err == (
+        "wandb online failed (UsageError: No API key configured. Use `wandb login` to log in.); logging offline "
+        f"instead: `wandb sync {tmp_path}/wandb/offline-run-*` uploads it later\n")
