@@ -1093,6 +1093,9 @@ def _check_output_dir(key: str, value: str) -> None:
         raise ConfigError(f"{key}={value} {where}: a run directory must be a directory; choose another path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}={value}: cannot write in {existing} (permission denied); choose another path")
+    if key == "hydra.run.dir" and (path / "multirun.yaml").is_file():  # a run there mixes into the sweep's table
+        raise ConfigError(f"{key}={value} is a sweep's folder (multirun.yaml): a point of it is {key}={value}/N "
+                          f"(resume=auto continues it there), the whole sweep -m ... hydra.sweep.dir={value}")
 
 
 def check_group_choices(cfg, overrides: list[str]) -> None:

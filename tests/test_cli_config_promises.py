@@ -258,6 +258,21 @@ def test_a_quoted_run_dir_is_checked_as_the_path_hydra_takes(tmp_path):
         _check_output_dir("hydra.run.dir", f"'{tmp_path}/f'")
 
 
+def test_a_single_run_into_a_sweeps_folder_is_refused_naming_a_point_and_the_sweep(tmp_path):
+    """resume=auto there found no checkpoint and trained from step 0 into the sweep's folder, a run
+    the sweep's table then counted as one of its points."""
+    from tests.helpers import cli
+
+    sweep = tmp_path / "sweep"
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    r = cli("model=vit_test", "steps=2", "logger=none", "resume=auto", f"hydra.run.dir={sweep}")
+    assert r.returncode == 2 and r.stderr == (
+        f"error: hydra.run.dir={sweep} is a sweep's folder (multirun.yaml): a point of it is hydra.run.dir={sweep}/N "
+        f"(resume=auto continues it there), the whole sweep -m ... hydra.sweep.dir={sweep}\n")
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "multirun.yaml"]
+
+
 # --- config.validate: each bound at its edge ------------------------------------------------
 
 

@@ -205,8 +205,10 @@ def test_bad_resume_targets_are_one_clear_error(tmp_path):
     train(tmp_path / "vit", *FAST, "steps=2")
     with pytest.raises(ConfigError, match="does not fit this run's model or optimizer"):
         train(tmp_path / "gpt", *GPT_LOGGED, "steps=2", f"resume={tmp_path / 'vit/checkpoints/last.pt'}")
-    with pytest.raises(ConfigError, match="not a readable checkpoint"):
+    with pytest.raises(ConfigError, match="vit is a run's folder, not a checkpoint: resume=auto hydra.run.dir="):
         train(tmp_path / "dir", *FAST, "steps=2", f"resume={tmp_path / 'vit'}")
+    with pytest.raises(ConfigError, match="config.yaml: not a readable checkpoint"):
+        train(tmp_path / "file", *FAST, "steps=2", f"resume={tmp_path / 'vit/config.yaml'}")
 
 
 def test_an_interrupted_command_line_run_exits_with_the_signals_code(tmp_path):
