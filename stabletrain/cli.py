@@ -1086,6 +1086,8 @@ def _check_output_dir(key: str, value: str) -> None:
 
     if "${" in value:  # interpolated (${now:...}): Hydra resolves it; nothing to check
         return
+    if not value.strip("'\" "):  # Hydra would write the run's files straight into the current folder
+        raise ConfigError(f"{key} is empty: give the run a folder of its own ({key}=runs/NAME)")
     path = Path(value.strip("'\"")).absolute()  # Hydra takes a quoted value without its quotes, and no ~
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():

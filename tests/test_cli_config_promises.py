@@ -249,6 +249,17 @@ def test_a_run_dir_in_a_folder_without_write_permission_is_one_line(tmp_path, mo
                             f"choose another path")
 
 
+@pytest.mark.parametrize("key", ["hydra.run.dir", "hydra.sweep.dir"])
+def test_an_empty_run_dir_is_refused(key):
+    """Hydra took it as the current folder: the run's files, .hydra/ and .lock written beside the user's."""
+    from stabletrain.cli import _check_output_dir
+
+    for value in ("", "''"):
+        with pytest.raises(ConfigError) as e:
+            _check_output_dir(key, value)
+        assert str(e.value) == f"{key} is empty: give the run a folder of its own ({key}=runs/NAME)"
+
+
 def test_a_quoted_run_dir_is_checked_as_the_path_hydra_takes(tmp_path):
     """hydra.run.dir='DIR' is DIR to Hydra: a file there is refused as unquoted."""
     from stabletrain.cli import _check_output_dir
