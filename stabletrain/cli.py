@@ -766,10 +766,12 @@ def _check_overrides(argv: list[str], multirun: bool, printing: bool) -> None:
         except ValueError as e:  # Hydra's own refusals of an override's form raise plain ValueErrors
             _fail(f"{' '.join(ovs)}: {first_line(e)}" + where(ovs))
         configs.append(cfg)
-    whole_grid = prod(len({p[i] for p in points}) for i in swept) == len(points)
-    if swept and whole_grid:
+    grid = prod(len({p[i] for p in points}) for i in swept)
+    if swept and grid == len(points):
         check_swept_keys_read(points, swept, configs)
         check_sweep_resume(points, swept, configs, overrides)
+    if multirun and not all(str(c.resume) == "auto" for c in configs):
+        check_sweep_leftovers(grid, overrides)
 
 
 def check_swept_keys_read(points: list[list[str]], swept: list[int], configs: list) -> None:
@@ -830,6 +832,24 @@ def check_sweep_resume(points: list[list[str]], swept: list[int], configs: list,
         _fail(f"resume=auto: the sweep's points moved: point {num} is now {now}, but {root}/{num}/ holds the run "
               f"of {run}{moved}; Hydra numbers a sweep's points by their place in the grid: add new values at the "
               f"end of a list, or run the new points in another hydra.sweep.dir; no point was launched")
+
+
+def check_sweep_leftovers(size: int, overrides: list[str]) -> None:
+    """A new sweep into a folder holding points of an earlier, larger one: each of its own points
+    sets the earlier run in its folder aside, but ``N/`` past its last point stays, and the sweep's
+    table counts that run as one of this sweep's. Refused, naming them."""
+    given = {o.split("=", 1)[0].lstrip("+"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    root = given.get("hydra.sweep.dir", "").strip("'\"")
+    if not root or "${" in root or "hydra.sweep.subdir" in given or not Path(root).is_dir():
+        return
+    stale = sorted(int(p.name) for p in Path(root).iterdir() if p.name.isdigit() and int(p.name) >= size
+                   and ((p / "config.yaml").is_file() or (p / ".hydra").is_dir()))
+    if stale:
+        held = ", ".join(f"{root}/{n}/" for n in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        _fail(f"hydra.sweep.dir={root} holds {held} of an earlier sweep, past this sweep's {size} point"
+              f"{'s' * (size != 1)}: its table would count {'them' if len(stale) > 1 else 'it'} as this sweep's; "
+              f"choose another hydra.sweep.dir, or move {'them' if len(stale) > 1 else 'it'} out; no point was "
+              f"launched")
 
 
 def _comparable(v):

@@ -882,10 +882,31 @@ def test_a_resumed_sweep_whose_points_moved_is_refused_before_any_starts(tmp_pat
         f"run of optim.tau=0.01 (now point 2); Hydra numbers a sweep's points by their place in the grid: add new "
         f"values at the end of a list, or run the new points in another hydra.sweep.dir; no point was launched")
     check_overrides(f"-m model=gpt_test optim.tau=0.003,0.01,0.03,0.005 resume=auto hydra.sweep.dir={tmp_path}".split())
-    check_overrides(f"-m model=gpt_test optim.tau=0.003,0.005 hydra.sweep.dir={tmp_path}".split())  # no resume
+    check_overrides(f"-m model=gpt_test optim.tau=0.003,0.005,0.01 hydra.sweep.dir={tmp_path}".split())  # no resume
     with pytest.raises(SystemExit):
         check_overrides(f"-m model=gpt_test optim.tau=0.003,0.02 resume=auto hydra.sweep.dir={tmp_path}".split())
     assert "holds the run of optim.tau=0.01, which this sweep no longer has" in capsys.readouterr().err
+
+
+def test_a_new_sweep_into_a_folder_with_points_past_its_own_is_refused(tmp_path, capsys):
+    """Its points set the earlier runs in 0/ and 1/ aside, but 2/ stayed, and summarize_sweep counted
+    it as a point of the new sweep (3 points, 3 completed, for a sweep of 2)."""
+    from stabletrain.cli import check_overrides
+
+    _sweep_dir(tmp_path, ["0.003", "0.01", "0.03"])
+    with pytest.raises(SystemExit):
+        check_overrides(f"-m model=gpt_test optim.tau=0.1,0.2 hydra.sweep.dir={tmp_path}".split())
+    assert capsys.readouterr().err == (
+        f"error: hydra.sweep.dir={tmp_path} holds {tmp_path}/2/ of an earlier sweep, past this sweep's 2 points: its "
+        f"table would count it as this sweep's; choose another hydra.sweep.dir, or move it out; no point was "
+        f"launched\n")
+    with pytest.raises(SystemExit):
+        check_overrides(f"-m model=gpt_test optim.tau=0.1 hydra.sweep.dir={tmp_path}".split())  # a one-point sweep
+    assert f"holds {tmp_path}/1/, {tmp_path}/2/ of an earlier sweep, past this sweep's 1 point: its table would " \
+           f"count them" in capsys.readouterr().err
+    check_overrides(f"-m model=gpt_test optim.tau=0.1,0.2,0.3 hydra.sweep.dir={tmp_path}".split())  # rewrites all
+    check_overrides(f"-m model=gpt_test optim.tau=0.003,0.01 resume=auto hydra.sweep.dir={tmp_path}".split())
+    check_overrides(f"model=gpt_test optim.tau=0.1 hydra.run.dir={tmp_path}/0".split())  # a single run
 
 
 @pytest.mark.parametrize("args,key,value", [
