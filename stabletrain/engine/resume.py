@@ -91,7 +91,9 @@ def set_aside_earlier_run(ckpt: Checkpointer, notes: list) -> None:
             went.append((name, dest.name))
         if went:
             last = moved / "last.pt" if moved is not None else None  # resume=auto would find this run's
-            notes.append(f"{ckpt.run_dir} held an earlier run: moved aside "
+            # a config.yaml alone may be anyone's (a run killed before its first record writes one too)
+            held = "an earlier run" if went[-1][0] != "config.yaml" or len(went) > 1 else "a file a run writes"
+            notes.append(f"{ckpt.run_dir} held {held}: moved aside "
                          + ", ".join(f"{a} -> {b}" for a, b in went)
                          + (f" (to continue that run instead, stop this one and pass resume={last})"
                             if last is not None and last.is_file() else ""))

@@ -700,6 +700,15 @@ def test_the_set_aside_note_names_no_last_pt_the_earlier_run_did_not_write(tmp_p
                          "summary.json -> summary.previous.json, config.yaml -> config.previous.yaml"), line
 
 
+def test_a_folder_holding_only_a_config_yaml_is_not_called_an_earlier_run(tmp_path, capsys):
+    """Nothing is lost (it is moved aside), but "held an earlier run" said of one's own config.yaml misled."""
+    (tmp_path / "config.yaml").write_text("my: precious\n")
+    train(tmp_path, *GPT_LOGGED, *QUIET_RUN, "steps=1", quiet=False)
+    err = capsys.readouterr().err
+    assert f"{tmp_path} held a file a run writes: moved aside config.yaml -> config.previous.yaml" in err
+    assert "held an earlier run" not in err and (tmp_path / "config.previous.yaml").read_text() == "my: precious\n"
+
+
 def _notes_of(changed: list[str], resume: str = "/r/last.pt") -> list[str]:
     """The start lines of a resume of ``resume`` whose checkpoint's config differs from this run's in ``changed``."""
     from stabletrain.engine.resume import resume_notes
