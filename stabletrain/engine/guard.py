@@ -103,11 +103,11 @@ class StepGuard:
             torch._foreach_copy_(self._snap, tensors)
 
     @torch.no_grad()
-    def step(self, finite: torch.Tensor, update) -> None:
+    def step(self, finite: torch.Tensor, update) -> torch.Tensor:
         """Run ``update()`` (the optimizer step, the hooks, the EMA) as if it never happened
-        when ``finite`` is false."""
+        when ``finite`` is false. Returns the skip flag, 1.0 where it did not happen."""
+        skip = (~finite).float()
         if self.found_inf:
-            skip = (~finite).float()
             self.optimizer.found_inf = skip
             if self.ema_skips:
                 self.ema.found_inf = skip
@@ -129,3 +129,4 @@ class StepGuard:
                 if t.device not in on:  # non-fused AdamW's step counters are on the CPU: one copy of the flag
                     on[t.device] = finite.to(t.device)
                 torch.where(on[t.device], t, old, out=t)
+        return skip

@@ -301,7 +301,7 @@ class Trainer:
                 loss = self.loss_on(self.train_model, x, y)
                 if fault is not None:
                     loss = self._inject(loss, fault)
-                (loss / n).backward()
+                (loss if n == 1 else loss / n).backward()
             losses.append(loss.detach())
         total = losses[0] if n == 1 else torch.stack(losses).mean()
         grad_norm = None  # before clipping; computed only when clipping, skipping or logging needs it
@@ -325,8 +325,7 @@ class Trainer:
             update()
         else:
             finite = torch.isfinite(grad_norm)  # the same on every rank: the grads are all-reduced
-            guard.step(finite, update)
-            skipped = (~finite).float()
+            skipped = guard.step(finite, update)
             if terms_before is not None:
                 self.term_sums = torch.where(finite, self.term_sums, terms_before)
         self.optimizer.zero_grad(set_to_none=True)
