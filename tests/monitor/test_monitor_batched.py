@@ -283,6 +283,38 @@ def test_spectral_pair_power_iteration_and_gram_spectra():
     assert torch.isnan(ev[1]).all() and torch.allclose(ev[0].sqrt(), exact[0], rtol=1e-7)
 
 
+def test_top_eigenvalue_upper_is_the_trace_root_of_the_power_and_never_below_the_top():
+    """tr(C^m)^(1/m) from the traces divided out at each squaring, against the eigenvalues."""
+    g = torch.Generator().manual_seed(3)
+    scale = torch.logspace(-3, 3, 6, dtype=torch.float64)[:, None, None]
+    x = torch.randn(6, 40, 9, generator=g, dtype=torch.float64) * scale
+    c = x.mT @ x  # (6, 9, 9) PSD, scales from 1e-6 to 1e6
+    ev = torch.linalg.eigvalsh(c).clamp_min(0)
+    for squarings in (0, 1, 3):
+        m = 2**squarings
+        expect = (ev / ev[:, -1:]).pow(m).sum(-1).pow(1 / m) * ev[:, -1]
+        assert torch.allclose(spectral.top_eigenvalue_upper(c, squarings), expect, rtol=1e-12)
+    up = spectral.top_eigenvalue_upper(c)  # 2^24: within 9^(2^-24) of the top, and not below it
+    assert (up >= ev[:, -1] * (1 - 1e-13)).all() and (up <= ev[:, -1] * 9 ** 2.0**-24 * (1 + 1e-13)).all()
+    assert torch.allclose(spectral.top_eigenvalue(c), ev[:, -1], rtol=1e-6)
+    bad = c.clone()
+    bad[1, 0, 0] = float("inf")
+    out = spectral.top_eigenvalue_upper(torch.cat([bad, torch.zeros(1, 9, 9, dtype=c.dtype)]))
+    assert torch.isnan(out[1]) and out[-1] == 0 and torch.equal(out[[0, 2, 3, 4, 5]], up[[0, 2, 3, 4, 5]])
+
+
+def test_squared_norm_by_squaring_bounds_the_exact_one_from_above():
+    """The GPU path of the entropy bound's ||X||_2^2 (repeated squaring) against the CPU path's
+    eigensolver, on the smaller Gram either way round."""
+    g = torch.Generator().manual_seed(4)
+    for shape in ((3, 50, 12), (3, 12, 50)):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        exact = Q._squared_norm(x, by_squaring=False)
+        assert torch.allclose(exact, torch.linalg.matrix_norm(x, 2) ** 2, rtol=1e-12)
+        squared = Q._squared_norm(x, by_squaring=True)
+        assert (squared >= exact * (1 - 1e-13)).all() and torch.allclose(squared, exact, rtol=5e-7)
+
+
 def test_huge_weights_keep_their_spectral_norms():
     """A diverging run's weights (entries ~1e10, products ~1e20) overflow fp32 norms inside the
     power iteration; the pass must still report sigma1 (scaled), never 0."""
