@@ -303,6 +303,27 @@ def test_top_eigenvalue_upper_is_the_trace_root_of_the_power_and_never_below_the
     assert torch.isnan(out[1]) and out[-1] == 0 and torch.equal(out[[0, 2, 3, 4, 5]], up[[0, 2, 3, 4, 5]])
 
 
+def test_repeated_squaring_dispatches_a_few_ops_a_squaring():
+    """On a GPU the probe pass's bounds cost host launches, not arithmetic (small batches): each
+    squaring is a bmm, a trace and a division; the logs are taken once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    c = torch.eye(4, dtype=torch.float64).expand(3, 2, 4, 4)
+    counts = []
+    for squarings in (8, 16):
+        with Count() as count:
+            spectral.top_eigenvalue_upper(c, squarings)
+        counts.append(count.ops)
+    assert (counts[1] - counts[0]) / 8 <= 5 and counts[0] <= 5 * 8 + 30, counts
+
+
 def test_squared_norm_by_squaring_bounds_the_exact_one_from_above():
     """The GPU path of the entropy bound's ||X||_2^2 (repeated squaring) against the CPU path's
     eigensolver, on the smaller Gram either way round."""
