@@ -307,6 +307,12 @@ def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
     return torch.where(many, bound, torch.zeros_like(bound))
 
 
+def bound_heads(wq: Tensor, wk: Tensor, bq: Tensor | None, num_heads: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``W_q, W_k`` ``(H d_h, d)`` and the q bias ``(H d_h,)`` or None as the per-head slices
+    :func:`entropy_lower_bound` takes: ``(H, d_h, d)``, ``(H, d_h, d)``, ``(H, d_h)``."""
+    return split_heads(wq, num_heads), split_heads(wk, num_heads), None if bq is None else bq.reshape(num_heads, -1)
+
+
 def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False,
                         bq_h: Tensor | None = None) -> Tensor:
     """Theorem 3.1 (001) beside the measured entropy, per head ``(H,)`` float64.
@@ -332,41 +338,74 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     and ``s = ||[W_q | b_q]^T W_k||_2 / sqrt(d_h) * ||X||_2 * ||[X | 1]||_2`` bounds it.
     Without it, a q bias can lower the entropy below the bias-free "bound".
     """
-    if wq_h.dim() == 2:
-        wq_h, wk_h = wq_h[None], wk_h[None]
-        bq_h = None if bq_h is None else bq_h[None]
-    if x.dim() == 2:
-        x = x[None]
-    d_h = wq_h.shape[-2]
-    if bq_h is not None:
-        wq_h = torch.cat([wq_h.detach(), bq_h.detach().to(wq_h.dtype)[..., None]], -1)
-    a, b = wq_h.detach().double(), wk_h.detach().double()
-    core = spectral.gram_product_core(a @ a.transpose(-1, -2), b @ b.transpose(-1, -2))  # eig = sigma^2 of A^T B
-    sigma = spectral.top_eigenvalue_upper(core).sqrt() / math.sqrt(d_h)
-    xd = x.detach().double()
-    # ||X||_2^2 = ||X X^T||_2 (the theorem's sigma_x): the top eigenvalue of the smaller Gram
-    sigma_x = _squared_norm(xd)  # (B,)
-    if bq_h is not None:
-        sigma_x = (sigma_x * _squared_norm(torch.cat([xd, torch.ones_like(xd[..., :1])], -1))).sqrt()
-    s = sigma.to(sigma_x.device)[None, :, None] * sigma_x[:, None, None]  # (B, H, 1)
-    t = x.shape[1]
-    if causal:
-        n_keys = torch.arange(1, t + 1, dtype=torch.float64, device=s.device)
-    else:
-        n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
-    return theorem31_bound(s, n_keys).mean(-1).mean(0)
+    return entropy_lower_bounds([(wq_h, wk_h, x, causal, bq_h)])[0]
 
 
-def _squared_norm(x: Tensor, by_squaring: bool | None = None) -> Tensor:
-    """``||X||_2^2`` of each ``(T, d)`` matrix of ``x`` ``(B, T, d)``: the top eigenvalue of the
-    smaller Gram. On a GPU (``by_squaring`` unset) an upper bound within 4e-7 of it
-    (:func:`spectral.top_eigenvalue_upper`): the eigensolver took 55 ms a block there for a
-    GPT-2 S probe batch, two thirds of the probe pass, by repeated squaring it takes a few ms; on
-    a CPU LAPACK's exact eigenvalues cost less than the squarings."""
-    gram = x @ x.transpose(1, 2) if x.shape[1] <= x.shape[2] else x.transpose(1, 2) @ x
-    if x.is_cuda if by_squaring is None else by_squaring:
+def entropy_lower_bounds(blocks: Sequence[tuple[Tensor, Tensor, Tensor, bool, Tensor | None]],
+                         by_squaring: bool | None = None) -> list[Tensor]:
+    """:func:`entropy_lower_bound` of several blocks, ``(wq_h, wk_h, x, causal, bq_h)`` each:
+    the largest eigenvalues behind the norms of all blocks come from one batched call per
+    shape, not one per block (on a GPU each call is some 150 launches, a host cost)."""
+    cores, grams, rows = [], [], []
+    for wq_h, wk_h, x, causal, bq_h in blocks:
+        if wq_h.dim() == 2:
+            wq_h, wk_h = wq_h[None], wk_h[None]
+            bq_h = None if bq_h is None else bq_h[None]
+        x = x[None] if x.dim() == 2 else x
+        if bq_h is not None:
+            wq_h = torch.cat([wq_h.detach(), bq_h.detach().to(wq_h.dtype)[..., None]], -1)
+        a, b = wq_h.detach().double(), wk_h.detach().double()
+        cores.append(spectral.gram_product_core(a @ a.transpose(-1, -2), b @ b.transpose(-1, -2)))  # eig: sigma^2
+        xd = x.detach().double()
+        # ||X||_2^2 = ||X X^T||_2 (the theorem's sigma_x): the top eigenvalue of the smaller Gram
+        grams.append(_gram(xd))
+        if bq_h is not None:
+            grams.append(_gram(torch.cat([xd, torch.ones_like(xd[..., :1])], -1)))
+        rows.append((wk_h.shape[-2], x.shape[1], causal, bq_h is not None))
+    sigma2 = iter(_by_shape(cores, spectral.top_eigenvalue_upper))
+    tops = iter(_by_shape(grams, lambda g: _gram_top(g, by_squaring)))
+    out = []
+    for d_h, t, causal, biased in rows:
+        sigma = next(sigma2).sqrt() / math.sqrt(d_h)  # (H,)
+        sigma_x = next(tops)  # (B,)
+        if biased:
+            sigma_x = (sigma_x * next(tops)).sqrt()
+        s = sigma.to(sigma_x.device)[None, :, None] * sigma_x[:, None, None]  # (B, H, 1)
+        if causal:
+            n_keys = torch.arange(1, t + 1, dtype=torch.float64, device=s.device)
+        else:
+            n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
+        out.append(theorem31_bound(s, n_keys).mean(-1).mean(0))
+    return out
+
+
+def _by_shape(mats: Sequence[Tensor], fn) -> list[Tensor]:
+    """``[fn(m) for m in mats]`` with one call of ``fn`` per group of equal shapes and devices
+    (``fn`` maps ``(..., k, k)`` to ``(...)`` matrix by matrix)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(mats):
+        groups.setdefault((tuple(m.shape), m.device), []).append(i)
+    out: list[Tensor] = [torch.empty(0)] * len(mats)
+    for idx in groups.values():
+        for i, r in zip(idx, fn(torch.stack([mats[i] for i in idx])).unbind(0)):
+            out[i] = r
+    return out
+
+
+def _gram(x: Tensor) -> Tensor:
+    """The smaller Gram of each ``(T, d)`` matrix of ``x`` ``(B, T, d)``: its largest eigenvalue
+    is ``||X||_2^2``."""
+    return x @ x.transpose(-1, -2) if x.shape[-2] <= x.shape[-1] else x.transpose(-1, -2) @ x
+
+
+def _gram_top(gram: Tensor, by_squaring: bool | None = None) -> Tensor:
+    """The largest eigenvalue of Grams ``(..., k, k)``. On a GPU (``by_squaring`` unset) an upper
+    bound within 4e-7 of it (:func:`spectral.top_eigenvalue_upper`): cuSOLVER's eigensolver
+    took 55 ms a block there for a GPT-2 S probe batch, two thirds of the probe pass; repeated
+    squaring is batched matmuls. On a CPU LAPACK's exact eigenvalues cost less than the squarings."""
+    if gram.is_cuda if by_squaring is None else by_squaring:
         return spectral.top_eigenvalue_upper(gram)
-    return _top_eigenvalue(gram).clamp_min(0.0)
+    return _top_eigenvalue(gram.flatten(0, -3)).clamp_min(0.0).view(gram.shape[:-2])
 
 
 def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
@@ -422,12 +461,14 @@ def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: 
                         bq: Tensor | None = None, num_heads: int = 1,
                         block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
                         mask: Tensor | None = None, causal: bool = False,
-                        per_head: bool = False, logit_max: Tensor | float | None = None) -> dict[str, float]:
+                        per_head: bool = False, logit_max: Tensor | float | None = None,
+                        bound: Tensor | None = None) -> dict[str, float]:
     """Activation-side metrics of one block on the probe batch, under full names.
 
     ``probs`` (B, H, T, S) gives the entropy; with ``attn_input`` (the attention's input
     after the pre-norm) and ``wq, wk`` (and the q bias ``bq``, if any) also the Theorem 3.1
-    bound; ``block_input`` gives the
+    bound (or ``bound``, that bound computed already: :func:`entropy_lower_bounds` of every
+    block at once); ``block_input`` gives the
     token similarity and ``norm/<block>/x``, ``block_input_grad`` ``norm/<block>/grad_x``;
     ``logit_max`` (what ``attend()`` stores as ``probe["logit_max"]``, the largest scaled
     pre-bias attention logit) ``attn_logit_max/<block>``.
@@ -437,9 +478,10 @@ def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: 
         rel[N.ATTN_LOGIT_MAX] = float(logit_max)
     if probs is not None:
         rel.update(attention_entropy(probs, mask, causal, per_head))
-        if attn_input is not None and wq is not None and wk is not None:
-            bound = entropy_lower_bound(split_heads(wq, num_heads), split_heads(wk, num_heads), attn_input,
-                                        causal, None if bq is None else bq.reshape(num_heads, -1))
+        if bound is None and attn_input is not None and wq is not None and wk is not None:
+            wq_h, wk_h, bq_h = bound_heads(wq, wk, bq, num_heads)
+            bound = entropy_lower_bound(wq_h, wk_h, attn_input, causal, bq_h)
+        if bound is not None:
             rel.update(bound_stats(bound, per_head))
     if block_input is not None:
         rel[N.TOKEN_SIM] = token_similarity(block_input)

@@ -24,7 +24,8 @@ from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import block_chunks, block_probe_metrics, model_weight_metrics, readable_block
+from stabletrain.monitor.quantities import (block_chunks, block_probe_metrics, bound_heads, entropy_lower_bounds,
+                                            model_weight_metrics, readable_block)
 
 HISTORY = 64  # weight snapshots kept for forensics
 REMEDIES = "a learning-rate warmup, optim=adamw2, reparam=sigma or attention=qknorm"
@@ -207,19 +208,24 @@ class MonitorRunner:
             # logits/log_z: mean over positions (GPT tokens, images) of logsumexp of the output logits
             out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
             grad_of = dict(zip(names, grads))
+            # Theorem 3.1's bound where it applies: W_q, W_k gathered on every rank alike, then every
+            # block's norms in one batched call
+            bounded = [(name, blk) for name, blk in self.blocks if self.with_bound and blk.attn.entropy_bound_applies]
+            heads = [bound_heads(*self._qk_weights(blk), blk.attn.num_heads) for _, blk in bounded]
+            if not self.active:
+                return {}
+            bounded = [(name, blk, h) for (name, blk), h in zip(bounded, heads)
+                       if blk.attn.probe.get("probs") is not None and blk.attn.probe.get("x") is not None]
+            bounds = dict(zip([name for name, _, _ in bounded], entropy_lower_bounds(
+                [(wq, wk, blk.attn.probe["x"], _is_causal(blk), bq) for _, blk, (wq, wk, bq) in bounded])))
             for name, blk in self.blocks:
-                bound = self.with_bound and blk.attn.entropy_bound_applies
-                wq, wk, bq = self._qk_weights(blk) if bound else (None,) * 3
-                if not self.active:
-                    continue
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
                 out.update(block_probe_metrics(
-                    name, probs=cap.get("probs"), attn_input=cap.get("x") if bound else None,
-                    wq=wq, wk=wk, bq=bq, num_heads=blk.attn.num_heads, block_input=_tokens(xin),
+                    name, probs=cap.get("probs"), bound=bounds.get(name), block_input=_tokens(xin),
                     block_input_grad=_tokens(g), mask=cap.get("key_mask"), causal=_is_causal(blk),
                     per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
-            return out if self.active else {}
+            return out
         finally:
             for h in hooks:
                 h.remove()

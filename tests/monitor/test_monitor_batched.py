@@ -330,10 +330,34 @@ def test_squared_norm_by_squaring_bounds_the_exact_one_from_above():
     g = torch.Generator().manual_seed(4)
     for shape in ((3, 50, 12), (3, 12, 50)):
         x = torch.randn(*shape, generator=g, dtype=torch.float64)
-        exact = Q._squared_norm(x, by_squaring=False)
+        exact = Q._gram_top(Q._gram(x), by_squaring=False)
         assert torch.allclose(exact, torch.linalg.matrix_norm(x, 2) ** 2, rtol=1e-12)
-        squared = Q._squared_norm(x, by_squaring=True)
+        squared = Q._gram_top(Q._gram(x), by_squaring=True)
         assert (squared >= exact * (1 - 1e-13)).all() and torch.allclose(squared, exact, rtol=5e-7)
+
+
+@pytest.mark.parametrize("by_squaring", [False, True])
+def test_entropy_bounds_of_several_blocks_are_each_blocks_own(monkeypatch, by_squaring):
+    """All blocks' norms in one batched call per shape (heads, inputs, a q bias or none, causal
+    or not, another width) give what each block gives alone."""
+    g = torch.Generator().manual_seed(5)
+
+    def block(h, d_h, d, t, causal, bias):
+        w = [torch.randn(h, d_h, d, generator=g, dtype=torch.float64) / math.sqrt(d) for _ in range(2)]
+        bq = 0.3 * torch.randn(h, d_h, generator=g, dtype=torch.float64) if bias else None
+        return (*w, torch.randn(3, t, d, generator=g, dtype=torch.float64), causal, bq)
+
+    blocks = [block(4, 8, 32, 10, False, False), block(4, 8, 32, 10, True, True), block(4, 8, 32, 10, True, False),
+              block(2, 8, 16, 40, False, True)]
+    alone = [Q.entropy_lower_bounds([b], by_squaring)[0] for b in blocks]
+    calls = []
+    top = spectral.top_eigenvalue_upper
+    monkeypatch.setattr(spectral, "top_eigenvalue_upper", lambda c: calls.append(c.shape) or top(c))
+    together = Q.entropy_lower_bounds(blocks, by_squaring)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a, b, rtol=1e-12) and a.shape == (b.shape[0],)
+    # cores (4, 8, 8) x 3 and (2, 8, 8); input Grams (3, 10, 10) x 4, (3, 16, 16) and, with the bias, (3, 17, 17)
+    assert len(calls) == 2 + (3 if by_squaring else 0)
 
 
 def test_huge_weights_keep_their_spectral_norms():
