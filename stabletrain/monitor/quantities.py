@@ -75,15 +75,17 @@ def split_out_heads(wo: Tensor, num_heads: int) -> Tensor:
     return split_heads(wo.transpose(0, 1), num_heads)
 
 
-def _floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
-    """One device sync for a dict of scalar tensors."""
-    keys = list(values)
-    tensors = [v for v in values.values() if isinstance(v, Tensor)]
-    if not tensors:
-        return {k: float(v) for k, v in values.items()}
-    flat = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=tensors[0].device).reshape(())
-                        for v in values.values()]).tolist()
-    return dict(zip(keys, flat))
+def to_floats(values: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """A dict of scalar tensors (and floats) as floats, in its order: one device-to-host read per
+    device the tensors are on, not one per value."""
+    out = {k: float(v) for k, v in values.items() if not isinstance(v, Tensor)}
+    by_device: dict[torch.device, list[str]] = {}
+    for k, v in values.items():
+        if isinstance(v, Tensor):
+            by_device.setdefault(v.device, []).append(k)
+    for keys in by_device.values():
+        out.update(zip(keys, torch.stack([values[k].detach().reshape(()).double() for k in keys]).tolist()))
+    return {k: out[k] for k in values}
 
 
 def _sigma1_formed(products: Mapping[str, Tensor], exact_max_dim: int, iters: int,
@@ -130,7 +132,7 @@ def weight_sigma1(mats: Mapping[str, Tensor], iters: int = POWER_ITERS,
     sig, new = _batched_sigma1([spectral.as_matrix(m.detach()) for m in mats.values()], vecs, iters)
     if warm is not None:
         warm.update({k: v for k, v in zip(keys, new) if v is not None})
-    return _floats(dict(zip(keys, sig)))
+    return to_floats(dict(zip(keys, sig)))
 
 
 def sec_curve(svals: Tensor) -> dict[str, Tensor]:
@@ -157,7 +159,7 @@ def qk_spectrum_stats(wq: Tensor, wk: Tensor, num_heads: int) -> dict[str, float
     """
     stats = qk_eigen_stats(split_heads(wq.detach().double(), num_heads),
                            split_heads(wk.detach().double(), num_heads))
-    return _floats({f"{N.QK_SPECTRUM}/{k}": v.sum() for k, v in stats.items()})
+    return to_floats({f"{N.QK_SPECTRUM}/{k}": v.sum() for k, v in stats.items()})
 
 
 def qk_ov_stats(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, num_heads: int,
@@ -191,7 +193,7 @@ def qk_ov_stats(wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor, num_heads: int,
     }, exact_max_dim, iters, warm)
     out.update(full)
     out.update(sec_curve(qk))
-    res = _floats(out)
+    res = to_floats(out)
     res.update(qk_spectrum_stats(wq, wk, num_heads))
     return res
 
@@ -202,7 +204,7 @@ def mlp_stats(w1: Tensor, w2: Tensor, exact_max_dim: int = EXACT_MAX_DIM,
     out = weight_sigma1({N.W1: w1, N.W2: w2}, iters=iters, warm=warm)
     prod = _sigma1_formed({f"{N.SIGMA1}/{N.W2_W1}": w2.detach().float() @ w1.detach().float()},
                           exact_max_dim, iters, warm)
-    out.update(_floats(prod))
+    out.update(to_floats(prod))
     return out
 
 
@@ -217,7 +219,7 @@ def norm_stats(gamma: Tensor | None, beta: Tensor | None, which: str = "norm1") 
         out[f"{N.NORM}/{which}_gamma"] = gamma.detach().float().norm()
     if beta is not None:
         out[f"{N.NORM}/{which}_beta"] = beta.detach().float().norm()
-    return _floats(out)
+    return to_floats(out)
 
 
 # --- activation-side quantities (probe batch) ------------------------------------------
@@ -264,8 +266,13 @@ def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False
 def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causal: bool = False,
                       device=None) -> float:
     """Entropy of uniform attention over the allowed keys, mean over rows: ``log T`` when
-    unmasked, ``mean_i log(i + 1)`` for causal rows (0-indexed)."""
-    shape = torch.Size(probs_shape)
+    unmasked, ``mean_i log(i + 1)`` for causal rows (0-indexed); rows with no allowed key are
+    left out (0 when none has one)."""
+    return float(_reference_entropy(torch.Size(probs_shape), mask, causal, device))
+
+
+def _reference_entropy(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> Tensor | float:
+    """:func:`reference_entropy` left on the device (no read)."""
     keep = _key_mask(shape, mask, causal, device)
     if keep is None:
         return math.log(shape[-1])
@@ -273,13 +280,17 @@ def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causa
     # (a mask of one column stands for every key)
     n = keep.sum(-1, dtype=torch.float64) * (shape[-1] // keep.shape[-1])
     valid = n > 0
-    return float(torch.log(n[valid]).mean()) if bool(valid.any()) else 0.0
+    return torch.where(valid, n.clamp_min(1.0).log(), 0.0).sum() / valid.sum().clamp_min(1)
 
 
 def attention_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False,
                       per_head: bool = True) -> dict[str, float]:
     """``entropy/min``, ``entropy/mean`` (over heads), ``entropy/log_T`` (the uniform reference)
     and ``entropy/head{h}`` when ``per_head``; see :func:`head_entropy`."""
+    return to_floats(_entropy_values(probs, mask, causal, per_head))
+
+
+def _entropy_values(probs: Tensor, mask: Tensor | None, causal: bool, per_head: bool) -> dict[str, Tensor | float]:
     ent = head_entropy(probs, mask, causal)
     out: dict[str, Tensor | float] = {
         f"{N.ENTROPY}/{N.ENT_MIN}": ent.min(),
@@ -287,9 +298,8 @@ def attention_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = 
     }
     if per_head:
         out.update({f"{N.ENTROPY}/{N.head('head', h)}": e for h, e in enumerate(ent)})
-    res = _floats(out)
-    res[f"{N.ENTROPY}/{N.ENT_LOG_T}"] = reference_entropy(probs.shape, mask, causal, probs.device)
-    return res
+    out[f"{N.ENTROPY}/{N.ENT_LOG_T}"] = _reference_entropy(probs.shape, mask, causal, probs.device)
+    return out
 
 
 def theorem31_bound(s: Tensor, n_keys: Tensor) -> Tensor:
@@ -411,26 +421,38 @@ def _gram_top(gram: Tensor, by_squaring: bool | None = None) -> Tensor:
 def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
     """``entropy/bound_min`` (min over heads: a lower bound of ``entropy/min``) and, when
     ``per_head``, ``entropy/bound_head{h}``."""
+    return to_floats(_bound_values(bound, per_head))
+
+
+def _bound_values(bound: Tensor, per_head: bool) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {f"{N.ENTROPY}/{N.ENT_BOUND_MIN}": bound.min()}
     if per_head:
         out.update({f"{N.ENTROPY}/{N.head('bound_head', h)}": b for h, b in enumerate(bound)})
-    return _floats(out)
+    return out
 
 
 def token_similarity(x: Tensor) -> float:
     """Token similarity (docs/methods.md §3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences;
     the formula lives with de-escalation, :func:`stabletrain.layers.deescalate.token_similarity`."""
+    return float(_token_similarity(x))
+
+
+def _token_similarity(x: Tensor) -> Tensor:
     x = x.detach().double()
-    return float(deesc_similarity(x[None] if x.dim() == 2 else x).mean())
+    return deesc_similarity(x[None] if x.dim() == 2 else x).mean()
 
 
 def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, float]:
     """``norm/x`` and ``norm/grad_x``: Frobenius norm per sample (tokens x width), mean over
     the batch (docs/methods.md §7). ``x`` and ``grad`` are ``(B, ...)``."""
+    return to_floats(_norm_values(x, grad))
+
+
+def _norm_values(x: Tensor, grad: Tensor | None) -> dict[str, Tensor]:
     out = {f"{N.NORM}/{N.ACT_X}": x.detach().float().flatten(1).norm(dim=1).mean()}
     if grad is not None:
         out[f"{N.NORM}/{N.ACT_GRAD_X}"] = grad.detach().float().flatten(1).norm(dim=1).mean()
-    return _floats(out)
+    return out
 
 
 # --- one block at a time ---------------------------------------------------------------
@@ -456,14 +478,20 @@ def block_weight_metrics(block: str, *, wq: Tensor, wk: Tensor, wv: Tensor, wo: 
     return N.for_block(block, rel)
 
 
-def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: Tensor | None = None,
-                        wq: Tensor | None = None, wk: Tensor | None = None,
-                        bq: Tensor | None = None, num_heads: int = 1,
-                        block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
-                        mask: Tensor | None = None, causal: bool = False,
-                        per_head: bool = False, logit_max: Tensor | float | None = None,
-                        bound: Tensor | None = None) -> dict[str, float]:
-    """Activation-side metrics of one block on the probe batch, under full names.
+def block_probe_metrics(block: str, **inputs) -> dict[str, float]:
+    """:func:`block_probe_values` read as floats (one device-to-host read)."""
+    return to_floats(block_probe_values(block, **inputs))
+
+
+def block_probe_values(block: str, *, probs: Tensor | None = None, attn_input: Tensor | None = None,
+                       wq: Tensor | None = None, wk: Tensor | None = None,
+                       bq: Tensor | None = None, num_heads: int = 1,
+                       block_input: Tensor | None = None, block_input_grad: Tensor | None = None,
+                       mask: Tensor | None = None, causal: bool = False,
+                       per_head: bool = False, logit_max: Tensor | float | None = None,
+                       bound: Tensor | None = None) -> dict[str, Tensor | float]:
+    """Activation-side metrics of one block on the probe batch, under full names, as scalar
+    tensors left on the device (a model's blocks are read in one go: :func:`to_floats`).
 
     ``probs`` (B, H, T, S) gives the entropy; with ``attn_input`` (the attention's input
     after the pre-norm) and ``wq, wk`` (and the q bias ``bq``, if any) also the Theorem 3.1
@@ -473,19 +501,19 @@ def block_probe_metrics(block: str, *, probs: Tensor | None = None, attn_input: 
     ``logit_max`` (what ``attend()`` stores as ``probe["logit_max"]``, the largest scaled
     pre-bias attention logit) ``attn_logit_max/<block>``.
     """
-    rel: dict[str, float] = {}
+    rel: dict[str, Tensor | float] = {}
     if logit_max is not None:
-        rel[N.ATTN_LOGIT_MAX] = float(logit_max)
+        rel[N.ATTN_LOGIT_MAX] = logit_max
     if probs is not None:
-        rel.update(attention_entropy(probs, mask, causal, per_head))
+        rel.update(_entropy_values(probs, mask, causal, per_head))
         if bound is None and attn_input is not None and wq is not None and wk is not None:
             wq_h, wk_h, bq_h = bound_heads(wq, wk, bq, num_heads)
             bound = entropy_lower_bound(wq_h, wk_h, attn_input, causal, bq_h)
         if bound is not None:
-            rel.update(bound_stats(bound, per_head))
+            rel.update(_bound_values(bound, per_head))
     if block_input is not None:
-        rel[N.TOKEN_SIM] = token_similarity(block_input)
-        rel.update(activation_norms(block_input, block_input_grad))
+        rel[N.TOKEN_SIM] = _token_similarity(block_input)
+        rel.update(_norm_values(block_input, block_input_grad))
     return N.for_block(block, rel)
 
 

@@ -24,8 +24,8 @@ from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import (block_chunks, block_probe_metrics, bound_heads, entropy_lower_bounds,
-                                            model_weight_metrics, readable_block)
+from stabletrain.monitor.quantities import (block_chunks, block_probe_values, bound_heads, entropy_lower_bounds,
+                                            model_weight_metrics, readable_block, to_floats)
 
 HISTORY = 64  # weight snapshots kept for forensics
 REMEDIES = "a learning-rate warmup, optim=adamw2, reparam=sigma or attention=qknorm"
@@ -206,7 +206,7 @@ class MonitorRunner:
                 names = list(inputs)
                 grads = torch.autograd.grad(loss, [inputs[n] for n in names], allow_unused=True) if names else ()
             # logits/log_z: mean over positions (GPT tokens, images) of logsumexp of the output logits
-            out: dict[str, float] = {N.LOG_Z: float(log_z(logits.detach()).mean())}
+            out: dict[str, torch.Tensor | float] = {N.LOG_Z: log_z(logits.detach()).mean()}
             grad_of = dict(zip(names, grads))
             # Theorem 3.1's bound where it applies: W_q, W_k gathered on every rank alike, then every
             # block's norms in one batched call
@@ -221,11 +221,11 @@ class MonitorRunner:
             for name, blk in self.blocks:
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
-                out.update(block_probe_metrics(
+                out.update(block_probe_values(
                     name, probs=cap.get("probs"), bound=bounds.get(name), block_input=_tokens(xin),
                     block_input_grad=_tokens(g), mask=cap.get("key_mask"), causal=_is_causal(blk),
                     per_head=self.cfg.per_head, logit_max=cap.get("logit_max")))
-            return out
+            return to_floats(out)  # the pass's one read: the device runs while the host queues the blocks
         finally:
             for h in hooks:
                 h.remove()

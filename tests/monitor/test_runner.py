@@ -254,6 +254,40 @@ def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_inpu
     assert got["entropy/blocks.0/bound_min"] <= got["entropy/blocks.0/min"]
 
 
+@pytest.mark.parametrize("model", ["gpt_test", "vit_test"])
+def test_the_probe_pass_reads_the_device_twice(tmp_path, monkeypatch, model):
+    """Its finiteness check, then every block's values at once: on a GPU a read per value
+    (about six a block) made the device wait for the host between blocks. The values are those
+    each block's own read gives. (The GPU's path for the bound's input norms, which reads
+    nothing; the CPU's eigensolver path checks finiteness on the host.)"""
+    from torch.overrides import TorchFunctionMode
+
+    from stabletrain.build import build_trainer
+    from stabletrain.monitor import quantities as Q
+    from tests.engine.test_hot_path import SYNCS
+    from tests.helpers import QUIET
+
+    class Reads(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += func in SYNCS
+            return func(*args, **(kwargs or {}))
+
+    import stabletrain.monitor.runner as R
+
+    gram_top = Q._gram_top
+    monkeypatch.setattr(Q, "_gram_top", lambda g, by_squaring=None: gram_top(g, True))
+    runner = build_trainer(make_cfg(*QUIET, "monitor=standard", f"model={model}", "batch_size=8"), tmp_path).monitor
+    with Reads() as reads:
+        got = runner.probe_metrics()
+    assert reads.n == 2 and "entropy/blocks.0/bound_min" in got and "token_sim/blocks.1" in got
+    per_block = {}
+    monkeypatch.setattr(R, "block_probe_values", lambda *a, **k: per_block.update(Q.block_probe_metrics(*a, **k)) or {})
+    runner.probe_metrics()
+    assert per_block and all(got[k] == pytest.approx(v, rel=1e-12, nan_ok=True) for k, v in per_block.items())
+
+
 def test_a_resumed_run_logs_the_monitor_values_of_the_whole_run(tmp_path):
     """The weight pass warm-starts its power iterations from the last pass's vectors: those,
     the alert watch and the forensics history travel in the checkpoint."""
