@@ -337,7 +337,8 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     over rows is over the same rows as the measured entropy. Mean over the batch.
 
     ``wq_h, wk_h``: ``(H, d_h, d)`` stacked head slices (or one ``(d_h, d)`` head); ``x``:
-    ``(B, T, d)`` or ``(T, d)``. Each norm is exact or an upper bound of it (within 4e-7,
+    ``(B, T, d)`` or ``(T, d)``. Each norm is exact or an upper bound of it (4e-7 above at most for a
+    768-wide matrix,
     :func:`spectral.top_eigenvalue_upper`), never below it: an underestimate would overstate
     a lower bound.
 
@@ -389,6 +390,33 @@ def entropy_lower_bounds(blocks: Sequence[tuple[Tensor, Tensor, Tensor, bool, Te
     return out
 
 
+def bound_bytes(x_shape: Sequence[int] | None, qkv_shape: Sequence[int], biased: bool) -> int:
+    """Roughly the memory one block takes in :func:`entropy_lower_bounds`: its whole fused
+    ``W_qkv`` (gathered under FSDP) and its input Grams in float64, four times over (the stack and
+    the squarings' temporaries); ``x_shape`` is the attention input's ``(B, T, d)``."""
+    weights = 4 * int(qkv_shape[0]) * int(qkv_shape[1])
+    if x_shape is None:
+        return weights
+    b, t, d = (1, *x_shape) if len(x_shape) == 2 else x_shape
+    k = min(t, d + biased)
+    return weights + 4 * 8 * b * k * k * (2 if biased else 1)
+
+
+def runs_under(sizes: Sequence[int], budget: int | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` cut into consecutive runs whose sum stays under ``budget``
+    (``STACK_BUDGET_BYTES`` unset; a run holds one item at least)."""
+    budget = STACK_BUDGET_BYTES if budget is None else budget
+    runs: list[list[int]] = []
+    total = budget
+    for i, size in enumerate(sizes):
+        if total + size > budget:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += size
+    return runs
+
+
 def _by_shape(mats: Sequence[Tensor], fn) -> list[Tensor]:
     """``[fn(m) for m in mats]`` with one call of ``fn`` per group of equal shapes and devices
     (``fn`` maps ``(..., k, k)`` to ``(...)`` matrix by matrix)."""
@@ -410,9 +438,10 @@ def _gram(x: Tensor) -> Tensor:
 
 def _gram_top(gram: Tensor, by_squaring: bool | None = None) -> Tensor:
     """The largest eigenvalue of Grams ``(..., k, k)``. On a GPU (``by_squaring`` unset) an upper
-    bound within 4e-7 of it (:func:`spectral.top_eigenvalue_upper`): cuSOLVER's eigensolver
-    took 55 ms a block there for a GPT-2 S probe batch, two thirds of the probe pass; repeated
-    squaring is batched matmuls. On a CPU LAPACK's exact eigenvalues cost less than the squarings."""
+    bound, relatively at most ``k^(2^-24) - 1`` above it (4e-7 at ``k = 768``;
+    :func:`spectral.top_eigenvalue_upper`): cuSOLVER's eigensolver took 55 ms a block there for
+    a GPT-2 S probe batch, two thirds of the probe pass; repeated squaring is batched matmuls. On
+    a CPU LAPACK's exact eigenvalues cost less than the squarings."""
     if gram.is_cuda if by_squaring is None else by_squaring:
         return spectral.top_eigenvalue_upper(gram)
     return _top_eigenvalue(gram.flatten(0, -3)).clamp_min(0.0).view(gram.shape[:-2])
@@ -882,6 +911,10 @@ def _top_eigenvalue(gram: torch.Tensor) -> torch.Tensor:
     if ok.any():
         try:
             out[ok] = torch.linalg.eigvalsh(gram[ok])[:, -1]
-        except torch.linalg.LinAlgError:
-            pass
+        except torch.linalg.LinAlgError:  # one matrix at a time: only the one the solver gives up on is NaN
+            for i in ok.nonzero().flatten().tolist():
+                try:
+                    out[i] = torch.linalg.eigvalsh(gram[i])[-1]
+                except torch.linalg.LinAlgError:
+                    pass
     return out

@@ -20,12 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stabletrain.layers.reparam import raw_weight
 from stabletrain.losses.zloss import log_z
 from stabletrain.models.registry import transformer_blocks
 from stabletrain.monitor import names as N
 from stabletrain.monitor.alerts import HealthWatch, _BlockState, first_nonfinite, growth_summary
-from stabletrain.monitor.quantities import (block_chunks, block_probe_values, bound_heads, entropy_lower_bounds,
-                                            model_weight_metrics, readable_block, to_floats)
+from stabletrain.monitor.quantities import (block_chunks, block_probe_values, bound_bytes, bound_heads,
+                                            entropy_lower_bounds, model_weight_metrics, readable_block, runs_under,
+                                            to_floats)
 
 HISTORY = 64  # weight snapshots kept for forensics
 REMEDIES = "a learning-rate warmup, optim=adamw2, reparam=sigma or attention=qknorm"
@@ -208,16 +210,22 @@ class MonitorRunner:
             # logits/log_z: mean over positions (GPT tokens, images) of logsumexp of the output logits
             out: dict[str, torch.Tensor | float] = {N.LOG_Z: log_z(logits.detach()).mean()}
             grad_of = dict(zip(names, grads))
-            # Theorem 3.1's bound where it applies: W_q, W_k gathered on every rank alike, then every
-            # block's norms in one batched call
+            # Theorem 3.1's bound where it applies, the blocks' norms batched in runs under a memory
+            # budget (W_q, W_k gathered on every rank alike: the probe batch, so the runs, are the same)
             bounded = [(name, blk) for name, blk in self.blocks if self.with_bound and blk.attn.entropy_bound_applies]
-            heads = [bound_heads(*self._qk_weights(blk), blk.attn.num_heads) for _, blk in bounded]
+            sizes = [bound_bytes(_shape(blk.attn.probe.get("x")), raw_weight(blk.attn.qkv).shape,
+                                 blk.attn.qkv.bias is not None) for _, blk in bounded]
+            bounds: dict[str, torch.Tensor] = {}
+            for run in runs_under(sizes):
+                part = [bounded[i] for i in run]
+                heads = [bound_heads(*self._qk_weights(blk), blk.attn.num_heads) for _, blk in part]
+                if self.active:
+                    ready = [(name, blk, h) for (name, blk), h in zip(part, heads)
+                             if blk.attn.probe.get("probs") is not None and blk.attn.probe.get("x") is not None]
+                    bounds.update(zip([name for name, _, _ in ready], entropy_lower_bounds(
+                        [(wq, wk, blk.attn.probe["x"], _is_causal(blk), bq) for _, blk, (wq, wk, bq) in ready])))
             if not self.active:
                 return {}
-            bounded = [(name, blk, h) for (name, blk), h in zip(bounded, heads)
-                       if blk.attn.probe.get("probs") is not None and blk.attn.probe.get("x") is not None]
-            bounds = dict(zip([name for name, _, _ in bounded], entropy_lower_bounds(
-                [(wq, wk, blk.attn.probe["x"], _is_causal(blk), bq) for _, blk, (wq, wk, bq) in bounded])))
             for name, blk in self.blocks:
                 cap = blk.attn.probe or {}
                 xin, g = inputs.get(name), grad_of.get(name)
@@ -316,6 +324,10 @@ class MonitorRunner:
 def _tokens(v: torch.Tensor | None) -> torch.Tensor | None:
     """(B, T, d) from a block input; Swin's (B, H, W, C) maps become token lists."""
     return None if v is None else v.detach().float().reshape(v.shape[0], -1, v.shape[-1])
+
+
+def _shape(v: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if v is None else tuple(v.shape)
 
 
 def _is_causal(blk: nn.Module) -> bool:

@@ -301,6 +301,32 @@ def test_top_eigenvalue_upper_is_the_trace_root_of_the_power_and_never_below_the
     bad[1, 0, 0] = float("inf")
     out = spectral.top_eigenvalue_upper(torch.cat([bad, torch.zeros(1, 9, 9, dtype=c.dtype)]))
     assert torch.isnan(out[1]) and out[-1] == 0 and torch.equal(out[[0, 2, 3, 4, 5]], up[[0, 2, 3, 4, 5]])
+    low = spectral.top_eigenvalue(torch.cat([bad, torch.zeros(1, 9, 9, dtype=c.dtype)]))
+    assert torch.isnan(low[1]) and low[-1] == 0  # a non-finite matrix is not taken for a zero one
+
+
+def test_an_eigensolver_failure_blanks_only_its_own_matrix(monkeypatch):
+    """The CPU path solves every block's Grams in one call; where LAPACK gives up on one, the
+    others keep their values."""
+    solve = torch.linalg.eigvalsh
+
+    def flaky(m):
+        if m.dim() == 3 or m[0, 0] == 7:
+            raise torch.linalg.LinAlgError("did not converge")
+        return solve(m)
+
+    grams = torch.eye(3, dtype=torch.float64).repeat(4, 1, 1) * torch.tensor([1.0, 7.0, 2.0, 3.0])[:, None, None]
+    monkeypatch.setattr(torch.linalg, "eigvalsh", flaky)
+    top = Q._top_eigenvalue(grams)
+    assert torch.isnan(top[1]) and top[[0, 2, 3]].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_runs_under_a_budget_are_consecutive_and_never_empty():
+    assert Q.runs_under([3, 3, 3, 5, 1], 6) == [[0, 1], [2], [3, 4]]
+    assert Q.runs_under([10, 1], 6) == [[0], [1]] and Q.runs_under([], 6) == []
+    # one block's share: its fused W_qkv in fp32 and its input Grams in fp64, four times over
+    assert Q.bound_bytes((8, 1024, 768), (2304, 768), False) == 4 * 2304 * 768 + 4 * 8 * 8 * 768 * 768
+    assert Q.bound_bytes((2, 5, 768), (2304, 768), True) == 4 * 2304 * 768 + 4 * 8 * 2 * 5 * 5 * 2
 
 
 def test_repeated_squaring_dispatches_a_few_ops_a_squaring():

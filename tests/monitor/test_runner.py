@@ -282,6 +282,11 @@ def test_the_probe_pass_reads_the_device_twice(tmp_path, monkeypatch, model):
     with Reads() as reads:
         got = runner.probe_metrics()
     assert reads.n == 2 and "entropy/blocks.0/bound_min" in got and "token_sim/blocks.1" in got
+    monkeypatch.setattr(Q, "STACK_BUDGET_BYTES", 1)  # the bounds one block at a time: the same numbers
+    calls = []
+    bounds = Q.entropy_lower_bounds
+    monkeypatch.setattr(R, "entropy_lower_bounds", lambda blocks: calls.append(len(blocks)) or bounds(blocks))
+    assert runner.probe_metrics() == pytest.approx(got, rel=1e-12, nan_ok=True) and calls == [1] * len(runner.blocks)
     per_block = {}
     monkeypatch.setattr(R, "block_probe_values", lambda *a, **k: per_block.update(Q.block_probe_metrics(*a, **k)) or {})
     runner.probe_metrics()
