@@ -263,16 +263,11 @@ def head_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False
     return row_ent.sum((0, 2)) / valid.sum((0, 2)).clamp_min(1.0)
 
 
-def reference_entropy(probs_shape: torch.Size, mask: Tensor | None = None, causal: bool = False,
-                      device=None) -> float:
+def reference_entropy(shape: torch.Size, mask: Tensor | None = None, causal: bool = False,
+                      device=None) -> Tensor | float:
     """Entropy of uniform attention over the allowed keys, mean over rows: ``log T`` when
     unmasked, ``mean_i log(i + 1)`` for causal rows (0-indexed); rows with no allowed key are
-    left out (0 when none has one)."""
-    return float(_reference_entropy(torch.Size(probs_shape), mask, causal, device))
-
-
-def _reference_entropy(shape: torch.Size, mask: Tensor | None, causal: bool, device) -> Tensor | float:
-    """:func:`reference_entropy` left on the device (no read)."""
+    left out (0 when none has one). A tensor left on the device where a mask counts the keys."""
     keep = _key_mask(shape, mask, causal, device)
     if keep is None:
         return math.log(shape[-1])
@@ -284,13 +279,10 @@ def _reference_entropy(shape: torch.Size, mask: Tensor | None, causal: bool, dev
 
 
 def attention_entropy(probs: Tensor, mask: Tensor | None = None, causal: bool = False,
-                      per_head: bool = True) -> dict[str, float]:
+                      per_head: bool = True) -> dict[str, Tensor | float]:
     """``entropy/min``, ``entropy/mean`` (over heads), ``entropy/log_T`` (the uniform reference)
-    and ``entropy/head{h}`` when ``per_head``; see :func:`head_entropy`."""
-    return to_floats(_entropy_values(probs, mask, causal, per_head))
-
-
-def _entropy_values(probs: Tensor, mask: Tensor | None, causal: bool, per_head: bool) -> dict[str, Tensor | float]:
+    and ``entropy/head{h}`` when ``per_head``, left on the device (:func:`to_floats` reads them);
+    see :func:`head_entropy`."""
     ent = head_entropy(probs, mask, causal)
     out: dict[str, Tensor | float] = {
         f"{N.ENTROPY}/{N.ENT_MIN}": ent.min(),
@@ -298,7 +290,7 @@ def _entropy_values(probs: Tensor, mask: Tensor | None, causal: bool, per_head: 
     }
     if per_head:
         out.update({f"{N.ENTROPY}/{N.head('head', h)}": e for h, e in enumerate(ent)})
-    out[f"{N.ENTROPY}/{N.ENT_LOG_T}"] = _reference_entropy(probs.shape, mask, causal, probs.device)
+    out[f"{N.ENTROPY}/{N.ENT_LOG_T}"] = reference_entropy(probs.shape, mask, causal, probs.device)
     return out
 
 
@@ -447,37 +439,26 @@ def _gram_top(gram: Tensor, by_squaring: bool | None = None) -> Tensor:
     return _top_eigenvalue(gram.flatten(0, -3)).clamp_min(0.0).view(gram.shape[:-2])
 
 
-def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, float]:
+def bound_stats(bound: Tensor, per_head: bool = False) -> dict[str, Tensor]:
     """``entropy/bound_min`` (min over heads: a lower bound of ``entropy/min``) and, when
-    ``per_head``, ``entropy/bound_head{h}``."""
-    return to_floats(_bound_values(bound, per_head))
-
-
-def _bound_values(bound: Tensor, per_head: bool) -> dict[str, Tensor]:
+    ``per_head``, ``entropy/bound_head{h}``, left on the device."""
     out: dict[str, Tensor] = {f"{N.ENTROPY}/{N.ENT_BOUND_MIN}": bound.min()}
     if per_head:
         out.update({f"{N.ENTROPY}/{N.head('bound_head', h)}": b for h, b in enumerate(bound)})
     return out
 
 
-def token_similarity(x: Tensor) -> float:
-    """Token similarity (docs/methods.md §3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences;
-    the formula lives with de-escalation, :func:`stabletrain.layers.deescalate.token_similarity`."""
-    return float(_token_similarity(x))
-
-
-def _token_similarity(x: Tensor) -> Tensor:
+def token_similarity(x: Tensor) -> Tensor:
+    """Token similarity (docs/methods.md §3) of ``(B, T, d)`` or ``(T, d)``, mean over sequences,
+    a 0-dim float64 tensor; the formula lives with de-escalation,
+    :func:`stabletrain.layers.deescalate.token_similarity`."""
     x = x.detach().double()
     return deesc_similarity(x[None] if x.dim() == 2 else x).mean()
 
 
-def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, float]:
+def activation_norms(x: Tensor, grad: Tensor | None = None) -> dict[str, Tensor]:
     """``norm/x`` and ``norm/grad_x``: Frobenius norm per sample (tokens x width), mean over
-    the batch (docs/methods.md §7). ``x`` and ``grad`` are ``(B, ...)``."""
-    return to_floats(_norm_values(x, grad))
-
-
-def _norm_values(x: Tensor, grad: Tensor | None) -> dict[str, Tensor]:
+    the batch (docs/methods.md §7), left on the device. ``x`` and ``grad`` are ``(B, ...)``."""
     out = {f"{N.NORM}/{N.ACT_X}": x.detach().float().flatten(1).norm(dim=1).mean()}
     if grad is not None:
         out[f"{N.NORM}/{N.ACT_GRAD_X}"] = grad.detach().float().flatten(1).norm(dim=1).mean()
@@ -507,11 +488,6 @@ def block_weight_metrics(block: str, *, wq: Tensor, wk: Tensor, wv: Tensor, wo: 
     return N.for_block(block, rel)
 
 
-def block_probe_metrics(block: str, **inputs) -> dict[str, float]:
-    """:func:`block_probe_values` read as floats (one device-to-host read)."""
-    return to_floats(block_probe_values(block, **inputs))
-
-
 def block_probe_values(block: str, *, probs: Tensor | None = None, attn_input: Tensor | None = None,
                        wq: Tensor | None = None, wk: Tensor | None = None,
                        bq: Tensor | None = None, num_heads: int = 1,
@@ -534,15 +510,15 @@ def block_probe_values(block: str, *, probs: Tensor | None = None, attn_input: T
     if logit_max is not None:
         rel[N.ATTN_LOGIT_MAX] = logit_max
     if probs is not None:
-        rel.update(_entropy_values(probs, mask, causal, per_head))
+        rel.update(attention_entropy(probs, mask, causal, per_head))
         if bound is None and attn_input is not None and wq is not None and wk is not None:
             wq_h, wk_h, bq_h = bound_heads(wq, wk, bq, num_heads)
             bound = entropy_lower_bound(wq_h, wk_h, attn_input, causal, bq_h)
         if bound is not None:
-            rel.update(_bound_values(bound, per_head))
+            rel.update(bound_stats(bound, per_head))
     if block_input is not None:
-        rel[N.TOKEN_SIM] = _token_similarity(block_input)
-        rel.update(_norm_values(block_input, block_input_grad))
+        rel[N.TOKEN_SIM] = token_similarity(block_input)
+        rel.update(activation_norms(block_input, block_input_grad))
     return N.for_block(block, rel)
 
 

@@ -134,7 +134,7 @@ def test_norm_stats_and_activation_norms():
     assert Q.norm_stats(gamma, None, "norm1") == {"norm/norm1_gamma": pytest.approx(2 * math.sqrt(D))}
     x = torch.randn(3, 5, D)
     grad = torch.randn(3, 5, D)
-    got = Q.activation_norms(x, grad)
+    got = Q.to_floats(Q.activation_norms(x, grad))
     assert got["norm/x"] == pytest.approx(torch.stack([x[i].norm() for i in range(3)]).mean().item(), rel=1e-6)
     assert got["norm/grad_x"] == pytest.approx(torch.stack([grad[i].norm() for i in range(3)]).mean().item(), rel=1e-6)
 
@@ -143,7 +143,7 @@ def test_entropy_uniform_one_hot_and_mixed_heads():
     b, t = 2, 7
     uniform = torch.full((b, 1, t, t), 1.0 / t)
     one_hot = torch.eye(t).expand(b, 1, t, t)
-    got = Q.attention_entropy(torch.cat([uniform, one_hot], 1))
+    got = Q.to_floats(Q.attention_entropy(torch.cat([uniform, one_hot], 1)))
     assert got["entropy/head0"] == pytest.approx(math.log(t))
     assert got["entropy/head1"] == pytest.approx(0.0, abs=1e-12)
     assert got["entropy/min"] == pytest.approx(0.0, abs=1e-12)
@@ -156,14 +156,14 @@ def test_entropy_causal_rows_and_masked_entries():
     causal = torch.ones(t, t).tril()
     probs = (causal / causal.sum(-1, keepdim=True))[None, None].repeat(2, 2, 1, 1)
     per_row = [math.log(i + 1) for i in range(t)]
-    got = Q.attention_entropy(probs, causal=True)
+    got = Q.to_floats(Q.attention_entropy(probs, causal=True))
     assert got["entropy/mean"] == pytest.approx(sum(per_row) / t)
     assert got["entropy/log_T"] == pytest.approx(sum(per_row) / t)
     # masked entries contribute 0 even if the tensor holds junk there
     junk = probs + torch.triu(torch.full((t, t), 0.3), 1)
-    assert Q.attention_entropy(junk, causal=True)["entropy/mean"] == pytest.approx(sum(per_row) / t)
+    assert Q.to_floats(Q.attention_entropy(junk, causal=True))["entropy/mean"] == pytest.approx(sum(per_row) / t)
     mask = causal.bool()
-    assert Q.attention_entropy(junk, mask=mask)["entropy/mean"] == pytest.approx(sum(per_row) / t)
+    assert Q.to_floats(Q.attention_entropy(junk, mask=mask))["entropy/mean"] == pytest.approx(sum(per_row) / t)
 
 
 @pytest.mark.parametrize("shape", [(7, 7), (3, 7, 7), (1, 2, 3, 7, 7)])
@@ -181,9 +181,9 @@ def test_uniform_reference_with_a_mask_per_sample_is_the_mean_over_every_row():
     keep = mask & torch.ones(t, t, dtype=torch.bool).tril()
     counts = [int(keep[i, 0, r].sum()) for i in range(b) for _ in range(h) for r in range(t)]
     want = sum(math.log(n) for n in counts if n) / sum(1 for n in counts if n)
-    assert Q.reference_entropy(torch.Size((b, h, t, t)), mask, causal=True) == pytest.approx(want, rel=1e-12)
+    assert float(Q.reference_entropy(torch.Size((b, h, t, t)), mask, causal=True)) == pytest.approx(want, rel=1e-12)
     every_key = torch.ones(b, 1, t, 1, dtype=torch.bool)  # a mask of one column: all keys allowed
-    assert Q.reference_entropy(torch.Size((b, h, t, t)), every_key) == pytest.approx(math.log(t), rel=1e-12)
+    assert float(Q.reference_entropy(torch.Size((b, h, t, t)), every_key)) == pytest.approx(math.log(t), rel=1e-12)
 
 
 def test_entropy_random_probs_against_formula():
@@ -195,13 +195,13 @@ def test_entropy_random_probs_against_formula():
 
 def test_token_similarity_identical_centred_zero_and_formula():
     row = torch.randn(1, 1, D)
-    assert Q.token_similarity(row.expand(2, 9, D)) == pytest.approx(1.0)
+    assert float(Q.token_similarity(row.expand(2, 9, D))) == pytest.approx(1.0)
     x = torch.randn(2, 9, D, dtype=torch.float64)
-    assert Q.token_similarity(x - x.mean(1, keepdim=True)) == pytest.approx(0.0, abs=1e-12)
-    assert Q.token_similarity(torch.zeros(2, 9, D)) == 1.0
+    assert float(Q.token_similarity(x - x.mean(1, keepdim=True))) == pytest.approx(0.0, abs=1e-12)
+    assert float(Q.token_similarity(torch.zeros(2, 9, D))) == 1.0
     p = torch.full((9, 9), 1 / 9, dtype=torch.float64)
     expect = sum(((p @ x[i]).norm() ** 2 / x[i].norm() ** 2).item() for i in range(2)) / 2
-    assert Q.token_similarity(x) == pytest.approx(expect, rel=1e-12)
+    assert float(Q.token_similarity(x)) == pytest.approx(expect, rel=1e-12)
 
 
 def _bound_direct(s, t):
@@ -318,8 +318,8 @@ def test_block_metric_names_follow_the_contract():
     assert all(isinstance(v, float) for v in got.values())
     probs = torch.softmax(torch.randn(2, H, 5, 5), -1)
     x = torch.randn(2, 5, D)
-    probe = Q.block_probe_metrics("blocks.3", probs=probs, attn_input=x, wq=wq, wk=wk, num_heads=H,
-                                  block_input=x, block_input_grad=x, per_head=True)
+    probe = Q.to_floats(Q.block_probe_values("blocks.3", probs=probs, attn_input=x, wq=wq, wk=wk, num_heads=H,
+                                                   block_input=x, block_input_grad=x, per_head=True))
     assert set(probe) == ({"entropy/blocks.3/min", "entropy/blocks.3/mean", "entropy/blocks.3/log_T",
                            "entropy/blocks.3/bound_min", "token_sim/blocks.3", "norm/blocks.3/x",
                            "norm/blocks.3/grad_x"}
