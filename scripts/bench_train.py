@@ -3,6 +3,7 @@
     python scripts/bench_train.py                       # GPT-2 S 16 x 1024 and ViT-B/16 batch 256, compiled, bf16
     python scripts/bench_train.py --eager               # the same without torch.compile
     python scripts/bench_train.py --profile trainer     # + a torch profiler trace of one variant's steps
+    python scripts/bench_train.py --models gpt2_s --batch 64 --extra micro_batch_size=16   # 4 micro-batches a step
     python scripts/bench_train.py --models vit_test,gpt_test --device cpu --steps 2 --warmup 1   # smoke run
 
 Every row times full training steps (forward, loss, backward, optimizer) on a batch resident on
@@ -78,8 +79,10 @@ def overrides(model: str, args) -> list[str]:
     over = [f"model={model}", "optim=adamw", "logger=none", f"device={args.device}", f"batch_size={batch}",
             f"compile={str(not args.eager).lower()}", "eval_every=1000000", "ckpt_every=1000000"]
     if gpt:
-        return over + [f"model.block_size={args.seq}"]
-    return over + (["data=digits", "data.img_size=224"] if "test" not in model else [])
+        over += [f"model.block_size={args.seq}"]
+    elif "test" not in model:
+        over += ["data=digits", "data.img_size=224"]
+    return over + args.extra
 
 
 def free() -> None:
@@ -194,7 +197,7 @@ def bench(model: str, args) -> tuple[dict, dict]:
         t = build_trainer(cfg, Path(args.out) / model / name.replace(" ", "_").replace(",", ""))
         sync = torch.cuda.synchronize if t.device.type == "cuda" else (lambda: None)
         batch = [t._to_device(x, y) for x, y in next(t.data.train_iter(0, t.shard))]
-        meta.update(batch=cfg.batch_size, unit=t.data.seq_len or 1, kind=t.data.kind,
+        meta.update(batch=cfg.batch_size, micro=len(batch), unit=t.data.seq_len or 1, kind=t.data.kind,
                     flops=t.settings.flops_per_sample, device=t.device)
         timed = {name: trainer_step(t, batch)}
         if first:
@@ -224,8 +227,9 @@ def report(model: str, rows: dict, meta: dict, args) -> None:
     dev = meta["device"]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     peak = peak_flops(name) if dev.type == "cuda" else None
-    print(f"\n{model}: {name}, batch {meta['batch']}, {'eager' if args.eager else 'torch.compile'}"
-          f"{', bf16' if dev.type == 'cuda' else ''}\n")
+    micro = f" in {meta['micro']} micro-batches" if meta["micro"] > 1 else ""
+    print(f"\n{model}: {name}, batch {meta['batch']}{micro}, {'eager' if args.eager else 'torch.compile'}"
+          f"{', bf16' if dev.type == 'cuda' else ''}{''.join(f', {o}' for o in args.extra)}\n")
     unit = "tokens/s" if meta["kind"] == "text" else "images/s"
     print(f"| variant | ms/step | against | ratio | goal | {unit} | MFU | peak GiB |")
     print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: |")
@@ -260,6 +264,8 @@ def main() -> None:
     ap.add_argument("--variants", default="", help=f"comma list of {', '.join(VARIANTS)} (default all)")
     ap.add_argument("--profile", default=None, help="profile 5 steps of one variant (or bare)")
     ap.add_argument("--out", default="/tmp/bench_train", help="run directories and the profiler's trace.json")
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every row (a variant's own win), "
+                    "e.g. micro_batch_size=16 to time gradient accumulation")
     args = ap.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("error: bench_train.py times training on a GPU and no CUDA GPU is visible here; "

@@ -59,6 +59,14 @@ def test_bench_train(tmp_path):
     assert (tmp_path / "gpt_test" / "trace.json").is_file()
 
 
+def test_bench_train_times_gradient_accumulation(tmp_path):
+    out = script("bench_train.py", "--models", "gpt_test", "--device", "cpu", "--batch", "4", "--seq", "32",
+                 "--steps", "1", "--warmup", "0", "--eager", "--variants", "trainer", "--out", str(tmp_path),
+                 "--extra", "micro_batch_size=2")
+    assert "gpt_test: CPU, batch 4 in 2 micro-batches, eager, micro_batch_size=2" in out
+    assert positive(rows(out, "trainer |")[0][1]) and positive(rows(out, "bare |")[0][1])
+
+
 def bench_train_module():
     spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
     module = importlib.util.module_from_spec(spec)
