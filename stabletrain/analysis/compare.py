@@ -196,7 +196,8 @@ def compare_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
                 missing_in[i].append(short[k])
         else:
             _empty(ax, "not logged by any run")
-        ax.set_title(panel)
+        # the alert triangles sit on the top edge: the title a little higher, clear of them
+        ax.set_title(panel, pad=12 if get is ent and any(r.alerts for r in runs) else 6)
         ax.set_xlabel("step")
     if drawn == 0:
         plt.close(fig)
