@@ -186,6 +186,28 @@ def test_uniform_reference_with_a_mask_per_sample_is_the_mean_over_every_row():
     assert float(Q.reference_entropy(torch.Size((b, h, t, t)), every_key)) == pytest.approx(math.log(t), rel=1e-12)
 
 
+def test_to_floats_keeps_order_and_values_across_dtypes():
+    x = torch.tensor(0.1, dtype=torch.float32)
+    values = {"a": x, "b": 2.5, "c": torch.tensor(1 / 3, dtype=torch.float64),
+              "d": torch.tensor([7], dtype=torch.int64), "e": torch.tensor(0.375, dtype=torch.bfloat16),
+              "f": torch.tensor(3.0, requires_grad=True) * 2}
+    got = Q.to_floats(values)
+    assert list(got) == list(values)
+    assert got == {"a": float(x), "b": 2.5, "c": 1 / 3, "d": 7.0, "e": 0.375, "f": 6.0}
+    assert all(type(v) is float for v in got.values())
+
+
+@pytest.mark.parametrize("t, s", [(7, 7), (3, 7), (7, 3), (1, 1)])
+def test_uniform_reference_of_causal_rows_counts_each_rows_keys(t, s):
+    """Causal without a mask (computed on the host): row i sees min(i + 1, S) keys, as the
+    masked path counts them."""
+    want = sum(math.log(min(i + 1, s)) for i in range(t)) / t
+    shape = torch.Size((2, 3, t, s))
+    assert Q.reference_entropy(shape, causal=True) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    every_key = torch.ones(1, 1, 1, s, dtype=torch.bool)
+    assert float(Q.reference_entropy(shape, every_key, causal=True)) == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
 def test_entropy_random_probs_against_formula():
     probs = torch.softmax(torch.randn(3, 4, 5, 5, generator=torch.Generator().manual_seed(7)), -1).double()
     expect = (-(probs * probs.log()).sum(-1)).mean((0, 2))
