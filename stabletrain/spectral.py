@@ -262,16 +262,19 @@ def _normalised_power(c: Tensor, squarings: int) -> tuple[Tensor, Tensor]:
     shape, k = c.shape[:-2], c.shape[-1]
     p = c.reshape(-1, k, k)
     t = _trace(p).clamp_min(torch.finfo(p.dtype).tiny)
-    traces, steps = [t], [0]
+    traces = [t]
     p = p / t.view(-1, 1, 1)
     for i in range(1, squarings + 1):
         p = torch.bmm(p, p)
         if i % _RENORM_EVERY == 0 or i == squarings:
             t = _trace(p)
             traces.append(t)
-            steps.append(i)
             p = p / t.view(-1, 1, 1)
-    weights = torch.exp2(-torch.tensor(steps, dtype=p.dtype, device=p.device))
+    # the steps divided at, made on the device (a list sent there would wait for its queue)
+    steps = torch.arange(0, squarings + 1, _RENORM_EVERY, dtype=p.dtype, device=p.device)
+    if squarings % _RENORM_EVERY:
+        steps = torch.cat([steps, torch.full((1,), float(squarings), dtype=p.dtype, device=p.device)])
+    weights = torch.exp2(-steps)
     log_root = (torch.stack(traces, -1).log() * weights).sum(-1)
     return p.view(*shape, k, k), log_root.view(shape)
 

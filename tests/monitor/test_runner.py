@@ -257,9 +257,10 @@ def test_theorem31_bound_is_logged_for_softmax_attention_from_the_post_norm_inpu
 @pytest.mark.parametrize("model", ["gpt_test", "vit_test"])
 def test_the_probe_pass_reads_the_device_twice(tmp_path, monkeypatch, model):
     """Its finiteness check, then every block's values at once: on a GPU a read per value
-    (about six a block) made the device wait for the host between blocks. The values are those
-    each block's own read gives. (The GPU's path for the bound's input norms, which reads
-    nothing; the CPU's eigensolver path checks finiteness on the host.)"""
+    (about six a block) made the device wait for the host between blocks, and so would a
+    tensor built on the host and sent to the device. The values are those each block's own
+    read gives. (The GPU's path for the bound's input norms, which reads nothing; the CPU's
+    eigensolver path checks finiteness on the host.)"""
     from torch.overrides import TorchFunctionMode
 
     from stabletrain.build import build_trainer
@@ -272,8 +273,10 @@ def test_the_probe_pass_reads_the_device_twice(tmp_path, monkeypatch, model):
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             self.n += func in SYNCS
+            self.sent += func in (torch.tensor, torch.as_tensor) and (kwargs or {}).get("device") is not None
             return func(*args, **(kwargs or {}))
 
+    Reads.sent = 0
     import stabletrain.monitor.runner as R
 
     gram_top = Q._gram_top
@@ -281,7 +284,7 @@ def test_the_probe_pass_reads_the_device_twice(tmp_path, monkeypatch, model):
     runner = build_trainer(make_cfg(*QUIET, "monitor=standard", f"model={model}", "batch_size=8"), tmp_path).monitor
     with Reads() as reads:
         got = runner.probe_metrics()
-    assert reads.n == 2 and "entropy/blocks.0/bound_min" in got and "token_sim/blocks.1" in got
+    assert reads.n == 2 and reads.sent == 0 and "entropy/blocks.0/bound_min" in got and "token_sim/blocks.1" in got
     monkeypatch.setattr(Q, "STACK_BUDGET_BYTES", 1)  # the bounds one block at a time: the same numbers
     calls = []
     bounds = Q.entropy_lower_bounds
