@@ -13,8 +13,10 @@ them run through ``F.scaled_dot_product_attention`` and its fused kernels:
 
 A monitor can set ``module.probe = {}`` on any attention here; the next forward then also
 stores the explicit attention probabilities (``probs``, B x H x T x T), the attention
-input (``x``) and the largest attention logit (``logit_max``, a 0-dim fp32 tensor; see
-:func:`logit_max`) in it. The returned output always comes from SDPA, so probing changes
+input (``x``), the largest attention logit (``logit_max``, a 0-dim fp32 tensor; see
+:func:`logit_max`), whether the call was causal (``causal``) and, for a call given a mask, the
+keys it allows (``key_mask``, bool) and whether the mask was a float one added to the logits
+(``logit_bias``) in it. The returned output always comes from SDPA, so probing changes
 nothing, and a forward that is not probed does no extra work.
 """
 
@@ -142,6 +144,11 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
             mod.probe["logit_max"] = logits.amax()
             mod.probe["probs"] = explicit_probs(q, k, mod.scale, attn_mask, False, logits)  # causal applied
         mod.probe["x"] = x.detach()
+        mod.probe["causal"] = causal  # a block may ask for causal attention per call (is_causal)
+        if attn_mask is not None and "key_mask" not in mod.probe:  # Swin records its own
+            floating = attn_mask.dtype != torch.bool
+            mod.probe["key_mask"] = attn_mask > float("-inf") if floating else attn_mask
+            mod.probe["logit_bias"] = floating  # values other than -inf would move the logits
     # a boolean mask goes to SDPA as it is (True: attend); cast to a float, it would be added to the logits
     additive = attn_mask is not None and attn_mask.dtype != torch.bool
     if mod.attn_fp32:
@@ -213,6 +220,8 @@ class SwinAttention(WindowAttention):
         b, n, c = x.shape
         q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         bias = self._get_rel_pos_bias()
+        if self.probe is not None:  # attend() is given the position bias, which masks no key
+            self.probe["key_mask"] = None
         if mask is not None:
             nw = mask.shape[0]
             if self.probe is not None:  # the keys of the query's own region (timm masks the rest with -100)

@@ -329,7 +329,7 @@ def bound_heads(wq: Tensor, wk: Tensor, bq: Tensor | None, num_heads: int) -> tu
 
 
 def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = False,
-                        bq_h: Tensor | None = None) -> Tensor:
+                        bq_h: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
     """Theorem 3.1 (001) beside the measured entropy, per head ``(H,)`` float64.
 
     docs/methods.md §7 mapping: ``sigma = ||W_q^h^T W_k^h||_2 / sqrt(d_h)`` (the softmax scale
@@ -340,6 +340,10 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     (``||X_{1:i}||_2 <= ||X||_2`` and the bound falls with ``s``, so it stays a valid bound)
     and the first row, whose entropy is exactly 0, counts with bound 0, so that the mean
     over rows is over the same rows as the measured entropy. Mean over the batch.
+    ``mask`` (bool, ``True`` = key allowed, broadcastable to ``(B, H, T, S)``, as
+    :func:`head_entropy` takes it): row ``i`` uses its allowed keys' count (with the causal
+    limit, if any) and rows with none are left out of the mean, as they are of the entropy's;
+    a row's logits over fewer keys are a part of the same row, whose norm is still at most ``s``.
 
     ``wq_h, wk_h``: ``(H, d_h, d)`` stacked head slices (or one ``(d_h, d)`` head); ``x``:
     ``(B, T, d)`` or ``(T, d)``. Each norm is exact or an upper bound of it (4e-7 above at most for a
@@ -354,12 +358,12 @@ def entropy_lower_bound(wq_h: Tensor, wk_h: Tensor, x: Tensor, causal: bool = Fa
     and ``s = ||[W_q | b_q]^T W_k||_2 / sqrt(d_h) * ||X||_2 * ||[X | 1]||_2`` bounds it.
     Without it, a q bias can lower the entropy below the bias-free "bound".
     """
-    return entropy_lower_bounds([(wq_h, wk_h, x, causal, bq_h)])[0]
+    return entropy_lower_bounds([(wq_h, wk_h, x, causal, bq_h, mask)])[0]
 
 
-def entropy_lower_bounds(blocks: Sequence[tuple[Tensor, Tensor, Tensor, bool, Tensor | None]],
-                         by_squaring: bool | None = None) -> list[Tensor]:
-    """:func:`entropy_lower_bound` of several blocks, ``(wq_h, wk_h, x, causal, bq_h)`` each.
+def entropy_lower_bounds(blocks: Sequence[tuple], by_squaring: bool | None = None) -> list[Tensor]:
+    """:func:`entropy_lower_bound` of several blocks, ``(wq_h, wk_h, x, causal, bq_h)`` or
+    ``(wq_h, wk_h, x, causal, bq_h, mask)`` each.
     Blocks of one layout (shapes, dtypes, devices, causal, a q bias or none: every block of a
     ViT or GPT, a Swin stage's) are stacked and go through each step together, so that the
     ops dispatched do not grow with their number (on a GPU each op is a launch, a host cost:
@@ -367,16 +371,20 @@ def entropy_lower_bounds(blocks: Sequence[tuple[Tensor, Tensor, Tensor, bool, Te
     block by block and take 774 stacked)."""
     layouts: dict[tuple, list[int]] = {}
     parts = []
-    for i, (wq_h, wk_h, x, causal, bq_h) in enumerate(blocks):
+    for i, (wq_h, wk_h, x, causal, bq_h, *rest) in enumerate(blocks):
         if wq_h.dim() == 2:
             wq_h, wk_h = wq_h[None], wk_h[None]
             bq_h = None if bq_h is None else bq_h[None]
         x = x[None] if x.dim() == 2 else x
-        parts.append((wq_h.detach(), wk_h.detach(), x.detach(), None if bq_h is None else bq_h.detach()))
+        keep = None
+        if rest and rest[0] is not None:  # (B | 1, H | 1, T, S | 1), the causal limit in it
+            keep = _key_mask((x.shape[-2],) * 2, rest[0], bool(causal), x.device)
+            keep = keep.reshape((1,) * (4 - keep.dim()) + tuple(keep.shape))
+        parts.append((wq_h.detach(), wk_h.detach(), x.detach(), None if bq_h is None else bq_h.detach(), keep))
         key = [(tuple(t.shape), t.dtype, t.device) for t in parts[-1] if t is not None]
-        layouts.setdefault((*key, bq_h is not None, bool(causal)), []).append(i)
+        layouts.setdefault((*key, bq_h is not None, keep is not None, bool(causal)), []).append(i)
     out: list[Tensor] = [torch.empty(0)] * len(parts)
-    for (*_, biased, causal), idx in layouts.items():
+    for (*_, biased, masked, causal), idx in layouts.items():
         wq_h, wk_h, x = (torch.stack([parts[i][j] for i in idx]) for j in range(3))  # (n, H, d_h, d), (n, B, T, d)
         if biased:
             bq_h = torch.stack([parts[i][3] for i in idx])
@@ -395,11 +403,18 @@ def entropy_lower_bounds(blocks: Sequence[tuple[Tensor, Tensor, Tensor, bool, Te
         del xd
         s = sigma.to(sigma_x.device)[:, None, :, None] * sigma_x[:, :, None, None]  # (n, B, H, 1)
         t = x.shape[-2]
-        if causal:
-            n_keys = torch.arange(1, t + 1, dtype=torch.float64, device=s.device)
+        if masked:  # each row's allowed keys; rows with none left out, as head_entropy leaves them
+            keep = torch.stack([parts[i][4] for i in idx])  # (n, B | 1, H | 1, T, S | 1)
+            n_keys = keep.sum(-1, dtype=torch.float64) * (t // keep.shape[-1])
+            valid = (n_keys > 0).double().expand(s.shape[:3] + n_keys.shape[-1:])
+            rows = (theorem31_bound(s, n_keys) * valid).sum((1, 3)) / valid.sum((1, 3)).clamp_min(1.0)
         else:
-            n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
-        for i, bound in zip(idx, theorem31_bound(s, n_keys).mean(-1).mean(1).unbind(0)):  # (H,) each
+            if causal:
+                n_keys = torch.arange(1, t + 1, dtype=torch.float64, device=s.device)
+            else:
+                n_keys = torch.full((1,), float(t), dtype=torch.float64, device=s.device)
+            rows = theorem31_bound(s, n_keys).mean(-1).mean(1)
+        for i, bound in zip(idx, rows.unbind(0)):  # (H,) each
             out[i] = bound
     return out
 
@@ -422,9 +437,9 @@ def runs_under(sizes: Sequence[int], budget: int | None = None) -> list[list[int
     (``STACK_BUDGET_BYTES`` unset; a run holds one item at least)."""
     budget = STACK_BUDGET_BYTES if budget is None else budget
     runs: list[list[int]] = []
-    total = budget
+    total = 0
     for i, size in enumerate(sizes):
-        if total + size > budget:
+        if not runs or total + size > budget:
             runs.append([])
             total = 0
         runs[-1].append(i)
@@ -523,7 +538,7 @@ def block_probe_values(block: str, *, probs: Tensor | None = None, attn_input: T
         rel.update(attention_entropy(probs, mask, causal, per_head))
         if bound is None and attn_input is not None and wq is not None and wk is not None:
             wq_h, wk_h, bq_h = bound_heads(wq, wk, bq, num_heads)
-            bound = entropy_lower_bound(wq_h, wk_h, attn_input, causal, bq_h)
+            bound = entropy_lower_bound(wq_h, wk_h, attn_input, causal, bq_h, mask)
         if bound is not None:
             rel.update(bound_stats(bound, per_head))
     if block_input is not None:

@@ -212,7 +212,8 @@ class MonitorRunner:
             grad_of = dict(zip(names, grads))
             # Theorem 3.1's bound where it applies, the blocks' norms batched in runs under a memory
             # budget (W_q, W_k gathered on every rank alike: the probe batch, so the runs, are the same)
-            bounded = [(name, blk) for name, blk in self.blocks if self.with_bound and blk.attn.entropy_bound_applies]
+            bounded = [(name, blk) for name, blk in self.blocks if self.with_bound and blk.attn.entropy_bound_applies
+                       and not (blk.attn.probe or {}).get("logit_bias")]  # a float mask's values move the logits
             sizes = [bound_bytes(_shape(blk.attn.probe.get("x")), raw_weight(blk.attn.qkv).shape,
                                  blk.attn.qkv.bias is not None) for _, blk in bounded]
             bounds: dict[str, torch.Tensor] = {}
@@ -223,7 +224,8 @@ class MonitorRunner:
                     ready = [(name, blk, h) for (name, blk), h in zip(part, heads)
                              if blk.attn.probe.get("probs") is not None and blk.attn.probe.get("x") is not None]
                     bounds.update(zip([name for name, _, _ in ready], entropy_lower_bounds(
-                        [(wq, wk, blk.attn.probe["x"], _is_causal(blk), bq) for _, blk, (wq, wk, bq) in ready])))
+                        [(wq, wk, blk.attn.probe["x"], _is_causal(blk), bq, blk.attn.probe.get("key_mask"))
+                         for _, blk, (wq, wk, bq) in ready])))
             if not self.active:
                 return {}
             for name, blk in self.blocks:
@@ -331,4 +333,5 @@ def _shape(v: torch.Tensor | None) -> tuple[int, ...] | None:
 
 
 def _is_causal(blk: nn.Module) -> bool:
-    return bool(getattr(blk.attn, "causal", False))
+    """Whether the probe's forward attended causally (the call's ``is_causal`` or the layer's own)."""
+    return bool((blk.attn.probe or {}).get("causal", getattr(blk.attn, "causal", False)))

@@ -324,6 +324,7 @@ def test_an_eigensolver_failure_blanks_only_its_own_matrix(monkeypatch):
 def test_runs_under_a_budget_are_consecutive_and_never_empty():
     assert Q.runs_under([3, 3, 3, 5, 1], 6) == [[0, 1], [2], [3, 4]]
     assert Q.runs_under([10, 1], 6) == [[0], [1]] and Q.runs_under([], 6) == []
+    assert Q.runs_under([0, 5, 2], 6) == [[0, 1], [2]]  # a first item of no size opens a run too
     # one block's share: its fused W_qkv in fp32, its input stacked and in fp64, and its input
     # Grams in fp64, four times over
     assert Q.bound_bytes((8, 1024, 768), (2304, 768), False) == (4 * 2304 * 768 + 12 * 8 * 1024 * 768

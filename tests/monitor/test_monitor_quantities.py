@@ -280,6 +280,42 @@ def test_measured_entropy_respects_theorem31(seed, causal):
         assert bool((row_ent >= Q.theorem31_bound(s, n) - 1e-12).all())
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_entropy_bound_under_a_key_mask_counts_each_rows_allowed_keys(causal):
+    """A padding mask (sequence 0 sees its first 5 keys, sequence 1 all 12; a query-shaped
+    mask for good measure): each row's bound is Theorem 3.1's for its allowed keys, averaged
+    over the rows the measured entropy averages over, and stays below it (with every key's
+    count, the first sequence's bound was above its entropy)."""
+    wq, wk, x = _single_head(4, x_scale=0.05)  # small logits: entropies near log(keys)
+    t = x.shape[1]
+    lengths = torch.tensor([5, t])
+    mask = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    sigma = torch.linalg.matrix_norm(wq.T @ wk, 2) / math.sqrt(wq.shape[0])
+    rows = []
+    for b in range(2):
+        s = (sigma * torch.linalg.matrix_norm(x[b], 2) ** 2).item()
+        for i in range(t):
+            n = min(i + 1, lengths[b].item()) if causal else lengths[b].item()
+            rows.append(_bound_direct(s, n) if n > 1 else 0.0)
+    got = Q.entropy_lower_bound(wq, wk, x, causal=causal, mask=mask)
+    assert got.shape == (1,) and got.item() == pytest.approx(sum(rows) / len(rows), rel=1e-9)
+    logits = (x @ wq.T) @ (x @ wk.T).transpose(-1, -2) / math.sqrt(wq.shape[0])
+    keep = mask[:, 0] & (torch.ones(t, t, dtype=torch.bool).tril() if causal else True)
+    probs = logits.masked_fill(~keep, float("-inf")).softmax(-1)[:, None]
+    measured = Q.head_entropy(probs, mask, causal)[0].item()
+    assert got.item() <= measured
+    if not causal:
+        assert Q.entropy_lower_bound(wq, wk, x[:1])[0].item() > Q.head_entropy(probs[:1], mask[:1])[0].item()
+    # a mask that allows every key changes nothing; one that leaves a row no key drops the row
+    assert torch.allclose(Q.entropy_lower_bound(wq, wk, x, causal, mask=torch.ones(t, t, dtype=torch.bool)),
+                          Q.entropy_lower_bound(wq, wk, x, causal), rtol=1e-12)
+    none_for_last = torch.ones(t, t, dtype=torch.bool)
+    none_for_last[-1] = False
+    kept = Q.entropy_lower_bound(wq, wk, x, False, mask=none_for_last)
+    per_b = [(sigma * torch.linalg.matrix_norm(x[b], 2) ** 2).item() for b in range(2)]
+    assert kept.item() == pytest.approx(sum(_bound_direct(s, t) for s in per_b) / 2, rel=1e-9)
+
+
 def _biased_logits(wq, wk, x, bq, bk, causal):
     t = x.shape[1]
     logits = (x @ wq.T + bq) @ (x @ wk.T + bk).transpose(-1, -2) / math.sqrt(wq.shape[0])

@@ -223,6 +223,48 @@ def test_vit_bound_uses_the_q_bias_of_the_fused_projection():
         assert got[N.metric(N.ENTROPY, name, N.ENT_BOUND_MIN)] <= got[N.metric(N.ENTROPY, name, N.ENT_MIN)]
 
 
+def _attention_called_with(model, attn_mask=None, is_causal=False):
+    """Each block's attention called with this mask and causal flag, whatever the block passes."""
+    for _, blk in transformer_blocks(model):
+        blk.attn.forward = lambda x, _m=None, _c=False, f=blk.attn.forward: f(x, attn_mask, is_causal)
+
+
+@pytest.mark.parametrize("how", ["padding", "float", "causal"])
+def test_probe_reads_the_mask_and_causal_flag_the_attention_was_called_with(how):
+    """A block that passes its attention a padding mask, a float mask or ``is_causal``: the
+    entropy's reference and the Theorem 3.1 bound count each row's allowed keys (they counted
+    every key, a bound above the measured entropy); a float mask's values move the logits, so
+    no bound is logged for it."""
+    runner, model, (x, _) = _runner("vit_test", "model.qkv_bias=false")
+    inputs, _ = _block_inputs(model, x)
+    t = next(iter(inputs.values())).shape[1]
+    lengths = torch.tensor([3, t, t - 2])
+    pad = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
+    mask = {"padding": pad, "float": torch.zeros(pad.shape).masked_fill(~pad, float("-inf")), "causal": None}[how]
+    _attention_called_with(model, mask, how == "causal")
+    got = runner.probe_metrics()
+    inputs, _ = _block_inputs(model, x)
+    for name, blk in transformer_blocks(model):
+        if how == "causal":
+            assert got[N.metric(N.ENTROPY, name, N.ENT_LOG_T)] == pytest.approx(
+                sum(math.log(i + 1) for i in range(t)) / t, rel=1e-12)
+        else:
+            assert got[N.metric(N.ENTROPY, name, N.ENT_LOG_T)] == pytest.approx(
+                sum(math.log(n) for n in lengths.tolist()) / 3, rel=1e-12)
+        key = N.metric(N.ENTROPY, name, N.ENT_BOUND_MIN)
+        if how == "float":
+            assert key not in got
+            continue
+        h = blk.attn.num_heads
+        wq, wk, _ = blk.attn.qkv.weight.detach().chunk(3, 0)
+        with torch.no_grad():
+            attn_in = blk.norm1(inputs[name])
+        bound = Q.entropy_lower_bound(Q.split_heads(wq, h), Q.split_heads(wk, h), attn_in, how == "causal",
+                                      mask=None if how == "causal" else pad)
+        assert got[key] == pytest.approx(float(bound.min()), rel=1e-6)
+        assert got[key] <= got[N.metric(N.ENTROPY, name, N.ENT_MIN)]
+
+
 def test_swin_block_input_maps_are_one_token_list_per_image():
     """A Swin block's input is a (B, H, W, C) map: ``norm/<block>/x`` is each image's Frobenius
     norm and ``token_sim/<block>`` each image's similarity over its H W tokens, means over the batch."""
