@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{group}] all {len(lrs)} learning rates done, skipped", file=sys.stderr)
                 continue
             cmd = sweep_command(group_dir, overrides, todo, a.launcher)
-            print(f"[{group}] {len(todo)} of {len(lrs)} learning rates: {shlex.join(cmd[1:])}", file=sys.stderr)
+            print(f"[{group}] {len(todo)} of {len(lrs)} learning rates: {shlex.join(cmd)}", file=sys.stderr)
             if a.dry_run:
                 continue
             group_dir.mkdir(parents=True, exist_ok=True)

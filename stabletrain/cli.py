@@ -148,8 +148,12 @@ def explain(err: Exception, overrides: list[str]) -> str:
                         f" (an option of your own: DIR/{key}/{val}.yaml and hydra.searchpath=[file://DIR])" if own
                         else "")
                 options = group_options(key, overrides)
-                near = difflib.get_close_matches(val, options, n=1, cutoff=0.7)
-                return (f"{key}={val} is not an option of '{key}'; choose one of: {', '.join(options)}"
+                items = [v.strip() for v in val[1:-1].split(",")] if val.startswith("[") and val.endswith("]") else []
+                bad = next((v for v in items if v not in options), None)
+                near = difflib.get_close_matches(bad or val, options, n=1, cutoff=0.7)
+                said = (f"{key}={val}: {bad} is not an option of '{key}'" if bad is not None
+                        else f"{key}={val} is not an option of '{key}'")  # a list names the one that is not
+                return (f"{said}; choose {'from' if bad is not None else 'one of'}: {', '.join(options)}"
                         + (f" (did you mean {near[0]}?)" if near else "") + hint)
     from stabletrain.errors import ConfigError
 
@@ -289,6 +293,10 @@ def _wrong_type(key: str, first: str) -> str | None:
                                 ("valid bool", "true or false")) if t in first), None)
     if kind is None:
         return None
+    whole = _whole_number(given) if kind == "an integer" else None
+    if whole is not None:  # steps=1e3: the grammar reads a float
+        return (f"{key}={given} must be an integer, written without an exponent or a decimal point: "
+                f"{key}={whole}")
     from stabletrain.config import schema_default
 
     try:
@@ -306,6 +314,15 @@ def _wrong_type(key: str, first: str) -> str | None:
         elsewhere = "".join(f"; under model.family={fam} its counterpart is model.{own}"
                             for fam, own in counterparts(key[len("model."):]))
     return f"{key}={given} must be {kind}" + (f", e.g. {key}={example}" if example is not None else "") + elsewhere
+
+
+def _whole_number(text: str) -> int | None:
+    """``1000`` for ``1000.0`` (what ``1e3`` becomes), None for anything else."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return int(value) if value.is_integer() else None
 
 
 def schema_keys(node=None, prefix: str = "") -> list[str]:
@@ -772,6 +789,22 @@ def _check_overrides(argv: list[str], multirun: bool, printing: bool) -> None:
         check_sweep_resume(points, swept, configs, overrides)
     if multirun and not all(str(c.resume) == "auto" for c in configs):
         check_sweep_leftovers(grid, overrides)
+    if not printing:
+        check_output_dir_kind(overrides, multirun)
+
+
+def check_output_dir_kind(overrides: list[str], multirun: bool) -> None:
+    """A single run reads ``hydra.run.dir`` only and a sweep ``hydra.sweep.dir`` only: the other
+    one, given alone, was dropped without a word and the run went to ``outputs/`` or
+    ``multirun/`` under the current folder."""
+    given = {ov.lstrip("+").split("=", 1)[0] for ov in overrides}
+    mine, other = ("hydra.sweep.dir", "hydra.run.dir") if multirun else ("hydra.run.dir", "hydra.sweep.dir")
+    if other in given and mine not in given:
+        value = next(ov.split("=", 1)[1] for ov in overrides if ov.lstrip("+").startswith(other + "="))
+        _fail(f"{other} is the folder of a {'single run' if multirun else 'sweep (-m)'}, which this "
+              f"{'sweep' if multirun else 'single run'} does not read: give {mine}={value}"
+              + (f" (its points go to {value.rstrip('/')}/0, /1, ...)" if multirun
+                 else ", or add -m to launch a sweep"))
 
 
 def check_swept_keys_read(points: list[list[str]], swept: list[int], configs: list) -> None:

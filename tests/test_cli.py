@@ -43,6 +43,12 @@ from tests.helpers import cli, make_cfg, model_of
     # printing the config checks it first
     (["--cfg", "job", "optim.lrr=0.1"], "unknown key 'optim.lrr': did you mean optim.lr?"),
     (["--cfg=job", "norm.alpha=2"], "norm.alpha=2.0 must be in [0, 0.5]"),
+    # a list of loss terms names the one that is none (it read as if the list were the mistake)
+    (["regularizer=[locater,zlos]"], "error: regularizer=[locater,zlos]: zlos is not an option of 'regularizer'; "
+                                     "choose from: locater, none, zloss (did you mean zloss?)"),
+    # 1e3 is a float to the override grammar: the line quoted 1000.0 and said no more
+    (["steps=1e3"], "error: steps=1000.0 must be an integer, written without an exponent or a decimal point: "
+                    "steps=1000"),
 ])
 def test_silent_overrides_and_tracebacks_are_one_line(tmp_path, args, needle):
     r = cli(*args, f"hydra.run.dir={tmp_path}", env={"PATH": "/usr/bin:/bin"})

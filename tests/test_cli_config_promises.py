@@ -156,6 +156,25 @@ def test_a_slurm_sweep_without_srun_is_one_line(monkeypatch, capsys):
         "cluster's login node, or drop it to sweep locally")
 
 
+@pytest.mark.parametrize("flags,given,said", [
+    (["-m", "optim.lr=1,2"], "hydra.run.dir=/tmp/x/", "error: hydra.run.dir is the folder of a single run, which this "
+     "sweep does not read: give hydra.sweep.dir=/tmp/x/ (its points go to /tmp/x/0, /1, ...)"),
+    ([], "hydra.sweep.dir=/tmp/x", "error: hydra.sweep.dir is the folder of a sweep (-m), which this single run "
+     "does not read: give hydra.run.dir=/tmp/x, or add -m to launch a sweep"),
+])
+def test_the_other_kinds_output_folder_alone_is_refused(capsys, tmp_path, flags, given, said):
+    """Hydra dropped it without a word: the runs went to multirun/ or outputs/ under the current folder."""
+    from stabletrain.cli import check_overrides
+
+    with pytest.raises(SystemExit):
+        check_overrides([*flags, "model=gpt_test", given])
+    assert capsys.readouterr().err.strip() == said
+    other = f"hydra.{'sweep' if 'run.dir' in given else 'run'}.dir={tmp_path}"
+    check_overrides([*flags, "model=gpt_test", given, other])  # both given: each kind reads its own
+    if not flags:
+        check_overrides(["--cfg", "job", "model=gpt_test", given])  # printing a config runs nothing
+
+
 def test_c_job_is_the_short_cfg_flag_and_still_checks(capsys):
     """``-c job`` prints one run's config as ``--cfg job`` does: the overrides are checked as such."""
     assert _error_line(capsys, ["-c", "job", "optim.lr=1,2"]) == (

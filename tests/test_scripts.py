@@ -145,6 +145,20 @@ def test_stability_bench(tmp_path):
     assert sorted(pt.lr for pt in collect(tmp_path)["adamw"]) == [1e-3, 1e-1]  # the old runs are no points
 
 
+def test_a_stability_bench_dry_run_prints_commands_that_run_as_printed(tmp_path):
+    """--dry-run prints each sweep's command; it left out the interpreter (train.py is no executable)."""
+    import shlex
+
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "stability_bench.py"), "--out", str(tmp_path),
+                        "--preset", "tiny", "--lrs", "1e-3,1e-1", "--fixes", "adamw", "--dry-run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stderr.splitlines() if ln.startswith("[adamw] 2 of 2 learning rates: "))
+    cmd = shlex.split(line.split(": ", 1)[1])
+    assert cmd[:3] == [sys.executable, str(ROOT / "train.py"), "-m"] and f"hydra.sweep.dir={tmp_path}/adamw" in cmd
+    assert not (tmp_path / "adamw").exists()
+
+
 def test_a_stability_bench_sweep_that_never_started_says_why(tmp_path):
     """Without SLURM, --launcher slurm failed every sweep with "see launch.log": the reason, one
     line in that log, is now on the bench's own output. A PATH without sbatch or srun stands for a
