@@ -22,7 +22,9 @@ How a step is laid out (all on the device, no host sync):
   iteration then gives all ``sigma1(W)`` and ``sigma1(U)`` of that shape at once.
 - The direction comes from torch's fused Adam kernel run on the zeroed half of that buffer
   with ``lr = 1 / wd`` (one pass over g, m, v instead of eight elementwise ops);
-  ``eps_inside_sqrt`` and non-fp32 parameters take an equivalent ``torch._foreach`` path.
+  ``eps_inside_sqrt``, non-fp32 parameters and tensors laid out otherwise than contiguously
+  (a transposed or channels_last weight: the kernel walks flat memory, the buffer is
+  contiguous) take an equivalent ``torch._foreach`` path.
 - The update ``W - lr_eff * U - lr_eff * wd * W`` is ``lerp(W, -U / wd, lr_eff * wd)``: one
   read-modify-write of each weight, with ``lr_eff`` a device tensor.
 - Power iteration is ``spectral.power_iteration`` (the code ``spectral.batched_sigma1`` runs)
@@ -316,7 +318,19 @@ class AdamW2(Optimizer):
                              "optimizer (torch.optim.AdamW?) saved it; load it into that optimizer, or start "
                              "AdamW2 from fresh state")
         self._ahead = {}  # iterated from vectors the loaded state replaces
+        # torch casts every loaded state tensor to its parameter's dtype: the warm-start vectors
+        # are kept in the compute dtype (fp32 for bf16 weights), and a bf16 copy of one changed
+        # the resumed run's sigma1 and so its steps
+        saved = [i for g in groups for i in g.get("params", [])]
+        current = [p for g in self.param_groups for p in g["params"]]
+        vectors = {current[j]: {k: v for k, v in state_dict.get("state", {}).get(i, {}).items()
+                                if k in W_KEYS + U_KEYS and isinstance(v, Tensor)}
+                   for j, i in enumerate(saved) if j < len(current)}
         super().load_state_dict(state_dict)
+        for p, kept in vectors.items():
+            for k, v in kept.items():
+                if self.state[p][k].dtype != v.dtype:
+                    self.state[p][k] = v.to(device=self.state[p][k].device)
         for state in self.state.values():
             # a zero warm-start vector (saved before normalize_or kept them unit) would give
             # sigma1 = 0 for good: drawn afresh instead. v is the same on every rank: all agree.
@@ -363,7 +377,9 @@ class AdamW2(Optimizer):
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states]
         steps = steps_state = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
-        if self._use_fused(group, params):
+        # the fused kernel walks flat memory: ``out`` is contiguous, so the others must be too (a
+        # transposed or channels_last weight's moments and gradient are not)
+        if self._use_fused(group, params) and all(t.is_contiguous() for t in (*grads, *exp_avgs, *exp_avg_sqs)):
             # Adam's update "out -= lr * m_hat / (sqrt(v_hat) + eps)" with lr = -scale and out = 0
             # leaves scale * U in out, in the same single pass that updates m and v.
             torch._fused_adam_(
@@ -670,7 +686,7 @@ def _check_hyperparameters(group: dict, where: str) -> None:
             raise ValueError(f"AdamW2: {where}{key}={value!r} must be {need}{hint}")
 
     number("lr", lambda x: x >= 0, "a finite number >= 0")
-    number("eps", lambda x: x >= 0, "a finite number >= 0")
+    number("eps", lambda x: x > 0, "a finite number > 0 (at 0, an entry whose gradients were all 0 divides 0 by 0)")
     number("weight_decay", lambda x: x >= 0, "a finite number >= 0")
     number("tau", lambda x: x > 0, "a finite number > 0")
     betas = group["betas"]

@@ -323,6 +323,7 @@ def test_the_rate_ratio_is_one_at_lr_zero():
     ("lr", -0.1, "lr=-0.1 must be a finite number >= 0"),
     ("lr", "1e-3", "lr='1e-3' must be a finite number >= 0 (a YAML 1e-3 is a string: write 1.0e-3)"),
     ("lr", math.inf, "lr=inf must be"),
+    ("eps", 0.0, "eps=0.0 must be a finite number > 0 (at 0, an entry whose gradients were all 0 divides 0 by 0)"),
     ("weight_decay", -1, "weight_decay=-1 must be"),
     ("betas", (1.0, 0.999), "betas=(1.0, 0.999) must be two numbers in [0, 1)"),
     ("betas", 0.9, "betas=0.9 must be two numbers"),
@@ -475,6 +476,58 @@ def test_state_dict_round_trip_continues_identically(overlap):
     train_steps(model, opt, data[5:])
     train_steps(resumed, opt2, data[5:])
     assert_same_run(resumed, opt2, model, opt)
+
+
+def test_a_resume_keeps_the_warm_start_vectors_of_low_precision_weights_in_float32(dtype=torch.bfloat16):
+    """torch's load_state_dict casts state to the parameter's dtype: the fp32 vectors came back
+    in bf16, and the resumed run's sigma1, rates and weights drifted from the uninterrupted one."""
+    g = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(6, 10, generator=g) / 3).to(dtype)
+    grads = [torch.randn(6, 10, generator=g).to(dtype) for _ in range(10)]
+
+    def run(w, opt, gs):
+        for grad in gs:
+            w.grad = grad.clone()
+            opt.step()
+
+    w = nn.Parameter(w0.clone())
+    opt = AdamW2([w], lr=0.05, tau=0.01, weight_decay=0.1)
+    run(w, opt, grads[:4])
+    saved = io.BytesIO()
+    torch.save({"w": w.detach().clone(), "optim": opt.state_dict()}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    assert ckpt["optim"]["state"][0]["w_u"].dtype == torch.float32
+    w2 = nn.Parameter(ckpt["w"])
+    opt2 = AdamW2([w2], lr=0.05, tau=0.01, weight_decay=0.1)
+    opt2.load_state_dict(ckpt["optim"])
+    for key in ("w_u", "w_v", "upd_u", "upd_v"):
+        assert opt2.state[w2][key].dtype == torch.float32 and torch.equal(opt2.state[w2][key], opt.state[w][key])
+    assert opt2.state[w2]["exp_avg"].dtype == dtype
+    run(w, opt, grads[4:])
+    run(w2, opt2, grads[4:])
+    assert opt.bound_stats()["bound_fraction"] == 1.0  # the vectors decide the steps
+    assert torch.equal(w, w2)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_a_weight_not_laid_out_contiguously_gets_adams_step(layout):
+    """The fused kernel walks flat memory and the direction buffer is contiguous: a transposed
+    or channels_last weight's moments and gradient are not, and its update landed on the wrong
+    entries (twice the step's size off). Step 1, bound inactive: W - lr g / (|g| + eps) - lr wd W."""
+    g = torch.Generator().manual_seed(1)
+    if layout == "transposed":
+        w0, grad = (torch.randn(7, 12, generator=g) / 4).t(), torch.randn(7, 12, generator=g).t()
+    else:
+        w0 = torch.randn(8, 3, 4, 4, generator=g).to(memory_format=torch.channels_last) / 4
+        grad = torch.randn(8, 3, 4, 4, generator=g).to(memory_format=torch.channels_last)
+    assert not w0.is_contiguous()
+    for fused in (None, False):
+        w = nn.Parameter(w0.clone())
+        w.grad = grad.clone()
+        AdamW2([w], lr=1e-2, tau=1e9, weight_decay=0.1, fused=fused).step()
+        want = w0 - 1e-2 * grad / (grad.abs() + 1e-8) - 1e-3 * w0
+        assert torch.allclose(w, want, atol=1e-6), (fused, (w - want).abs().max())
 
 
 def test_telemetry_fraction_and_ratio():
