@@ -120,11 +120,15 @@ def logit_max(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tens
     return mask_logits_(logits.clone(), attn_mask, causal).amax()
 
 
+def allowed_keys(attn_mask: Tensor) -> Tensor:
+    """The keys an SDPA mask lets a query attend to: a boolean mask's True entries, a float mask's
+    entries above ``-inf``."""
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+
+
 def mask_logits_(logits: Tensor, attn_mask: Optional[Tensor], causal: bool) -> Tensor:
     """``logits`` with the pairs :func:`logit_max` excludes set to ``-inf``, in place."""
-    keep = None
-    if attn_mask is not None:
-        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    keep = None if attn_mask is None else allowed_keys(attn_mask)
     if causal:
         t, s = logits.shape[-2:]
         tri = torch.ones(t, s, dtype=torch.bool, device=logits.device).tril()
@@ -146,9 +150,8 @@ def attend(mod: nn.Module, x: Tensor, q: Tensor, k: Tensor, v: Tensor,
         mod.probe["x"] = x.detach()
         mod.probe["causal"] = causal  # a block may ask for causal attention per call (is_causal)
         if attn_mask is not None and "key_mask" not in mod.probe:  # Swin records its own
-            floating = attn_mask.dtype != torch.bool
-            mod.probe["key_mask"] = attn_mask > float("-inf") if floating else attn_mask
-            mod.probe["logit_bias"] = floating  # values other than -inf would move the logits
+            mod.probe["key_mask"] = allowed_keys(attn_mask)
+            mod.probe["logit_bias"] = attn_mask.dtype != torch.bool  # its values move the logits
     # a boolean mask goes to SDPA as it is (True: attend); cast to a float, it would be added to the logits
     additive = attn_mask is not None and attn_mask.dtype != torch.bool
     if mod.attn_fp32:
